@@ -1,0 +1,26 @@
+# `make demo` and `make test` create the virtual environment when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch 2.13.0 is what tests run against; override for CUDA machines.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test env clean
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.6"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+demo: env
+	$(PY) -m megatrain.demo
+
+test: env
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) demo_out

@@ -1,0 +1,1 @@
+"""Conversion between megatrain checkpoints and other formats (Hugging Face)."""

@@ -1,0 +1,1 @@
+"""Data side: tokenizers, preprocessing, Megatron indexed datasets, GPT sample order and loaders."""

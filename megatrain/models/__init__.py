@@ -1,0 +1,1 @@
+"""Plain single-device PyTorch model definitions (no process groups in here)."""

@@ -1,0 +1,69 @@
+"""Typed configuration of the GPT model family (GPT-2 style by default, LLaMA style by flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GPTConfig:
+    """Shape and style of a decoder-only transformer.
+
+    Field names follow Megatron-LM's flags (``--num-layers`` -> ``num_layers``).
+    ``vocab_size`` is the *padded* vocabulary size the embedding is built with.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 256
+    max_position_embeddings: int = 1024
+    ffn_hidden_size: int | None = None  # default 4*h (GELU) or Megatron's SwiGLU default
+    kv_channels: int | None = None  # head dim; default h // n
+    num_query_groups: int | None = None  # None means n (no grouped-query attention)
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"--hidden-size ({self.hidden_size}) must be divisible by "
+                    f"--num-attention-heads ({self.num_attention_heads}) unless --kv-channels is given"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--num-query-groups ({self.num_query_groups})"
+            )
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                # Megatron: int((4h * 2/3) / 64) * 64
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(
+                f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        assert self.kv_channels is not None
+        return self.kv_channels

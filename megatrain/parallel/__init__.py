@@ -1,0 +1,1 @@
+"""Parallelism applied from outside to the unchanged models: device mesh, TP/SP, DP/FSDP, PP."""

@@ -1,0 +1,1 @@
+"""The training loop and what it owns: arguments, optimizer, LR schedule, loss scaling, logging."""
