@@ -40,8 +40,12 @@ class GPTConfig:
                     f"--num-attention-heads ({self.num_attention_heads}) unless --kv-channels is given"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.kv_channels <= 0:
+            raise ValueError(f"--kv-channels must be positive, got {self.kv_channels}")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups <= 0:
+            raise ValueError(f"--num-query-groups must be positive, got {self.num_query_groups}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
@@ -62,8 +66,26 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.ffn_hidden_size <= 0:
+            raise ValueError(
+                f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}"
+                + (" (the SwiGLU default needs --hidden-size >= 24)" if self.swiglu else "")
+            )
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ValueError(f"rotary embeddings need an even head dim (--kv-channels), got {self.kv_channels}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.init_method_std <= 0:
+            raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
 
     @property
     def head_dim(self) -> int:
         assert self.kv_channels is not None
         return self.kv_channels
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads sharing one key/value head (n / g); the same on every tensor-parallel rank."""
+        assert self.num_query_groups is not None
+        return self.num_attention_heads // self.num_query_groups

@@ -1,0 +1,145 @@
+"""Causal self-attention with grouped query heads, rotary positions and an optional KV cache.
+
+Weight layout (Megatron's grouped QKV): ``linear_qkv.weight`` has ``(n + 2g) * d`` rows that,
+viewed as ``[g, n/g + 2, d, h]``, hold for each query group its n/g query heads, then its key
+head, then its value head. Splitting the rows evenly across tensor-parallel ranks therefore
+gives each rank whole groups, so the forward code below only ever uses the rank-invariant sizes
+``n/g`` (heads per group) and ``d`` (head dim) and reads the number of groups from the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.rope import RotaryEmbedding, apply_rotary
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for incremental decoding.
+
+    Storage is allocated lazily on a layer's first update as ``[b, groups, max_length, d]``, with
+    the batch size, number of key/value heads, dtype and device of the keys it receives.
+    """
+
+    def __init__(self, max_length: int) -> None:
+        if max_length <= 0:
+            raise ValueError(f"KV cache max_length must be positive, got {max_length}")
+        self.max_length = max_length
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+        self._lengths: dict[int, int] = {}
+
+    @property
+    def length(self) -> int:
+        """Tokens already stored (read it before a forward: layers advance one by one during it)."""
+        return max(self._lengths.values(), default=0)
+
+    def layer_length(self, layer_number: int) -> int:
+        return self._lengths.get(layer_number, 0)
+
+    def update(
+        self, layer_number: int, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one layer's new keys/values [b, g, s, d]; return all of them so far."""
+        start = self.layer_length(layer_number)
+        end = start + k_bgsd.shape[2]
+        if end > self.max_length:
+            raise ValueError(f"KV cache is full: {end} tokens do not fit in max_length={self.max_length}")
+        if layer_number not in self._keys:
+            b, g, _, d = k_bgsd.shape
+            shape = (b, g, self.max_length, d)
+            self._keys[layer_number] = k_bgsd.new_empty(shape)
+            self._values[layer_number] = v_bgsd.new_empty(shape)
+        keys, values = self._keys[layer_number], self._values[layer_number]
+        assert keys.shape[0] == k_bgsd.shape[0], "batch size changed while using one KV cache"
+        keys[:, :, start:end] = k_bgsd
+        values[:, :, start:end] = v_bgsd
+        self._lengths[layer_number] = end
+        return keys[:, :, :end], values[:, :, :end]
+
+
+class SelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention through torch's SDPA."""
+
+    def __init__(self, config: GPTConfig, layer_number: int) -> None:
+        super().__init__()
+        assert config.kv_channels is not None and config.num_query_groups is not None
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.heads_per_group = config.heads_per_group
+        self.attention_dropout = config.attention_dropout
+        n, g, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
+        self.linear_qkv = nn.Linear(h, (n + 2 * g) * d, bias=config.add_bias_linear)
+        self.linear_proj = nn.Linear(n * d, h, bias=config.add_bias_linear)
+        self.rotary = (
+            RotaryEmbedding(d, config.rotary_base) if config.position_embedding_type == "rope" else None
+        )
+
+    def forward(
+        self,
+        x_bsh: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h].
+
+        attention_mask: None for plain causal attention, else bool [b or 1, 1, s, past + s] with
+        True where a query may attend to a key. position_ids [b or 1, s] drive the rotary angles.
+        """
+        b, s, _ = x_bsh.shape
+        hpg, d = self.heads_per_group, self.head_dim
+        past = kv_cache.layer_length(self.layer_number) if kv_cache is not None else 0
+
+        # [b, s, groups, hpg + 2, d]: per group, hpg query heads then one key and one value head.
+        qkv = self.linear_qkv(x_bsh).view(b, s, -1, hpg + 2, d)
+        q = qkv[:, :, :, :hpg].reshape(b, s, -1, d).transpose(1, 2)  # [b, heads, s, d]
+        k = qkv[:, :, :, hpg].transpose(1, 2)  # [b, groups, s, d]
+        v = qkv[:, :, :, hpg + 1].transpose(1, 2)  # [b, groups, s, d]
+
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = torch.arange(past, past + s, device=x_bsh.device).unsqueeze(0)
+            cos, sin = self.rotary(position_ids)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)  # now [b, groups, past + s, d]
+
+        out = self._attend(q, k, v, attention_mask, past)  # [b, heads, s, d]
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past: int,
+    ) -> torch.Tensor:
+        s = q.shape[2]
+        if attention_mask is not None:
+            assert attention_mask.dtype == torch.bool, "attention_mask must be bool (True = may attend)"
+        elif past > 0 and s > 1:
+            # Several new queries after cached keys: causal, aligned to the last key.
+            attention_mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        is_causal = attention_mask is None and past == 0
+        dropout_p = self.attention_dropout if self.training else 0.0
+
+        if self.heads_per_group == 1:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
+            )
+        if attention_mask is None:
+            # Fused kernels read the shared key/value heads directly.
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
+            )
+        # With an explicit mask, not every torch >= 2.6 kernel takes enable_gqa: expand instead.
+        # Query head j belongs to group j // (n/g), hence repeat_interleave.
+        k = k.repeat_interleave(self.heads_per_group, dim=1)
+        v = v.repeat_interleave(self.heads_per_group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p)

@@ -1,0 +1,239 @@
+"""GPTModel: the decoder-only transformer family (GPT-2 style and LLaMA style) as plain PyTorch.
+
+Module paths are a contract shared with the parallelism, checkpoint and conversion code:
+
+    embedding.word_embeddings, embedding.position_embeddings (learned_absolute only)
+    layers["0"...]: input_layernorm, self_attention.{linear_qkv, linear_proj},
+                    pre_mlp_layernorm, mlp.{linear_fc1, linear_fc2}
+    final_layernorm, output_layer (only with untie_embeddings_and_output_weights)
+
+Activations are batch-first: hidden states are [b, s, h].
+
+Initialisation is a pure function of (seed, parameter name, shape): ``initial_value`` gives the
+same full tensor whatever the device or parallel layout, so a model built on the meta device and
+sharded afterwards starts from exactly the same weights as one built whole on one device.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatrain.models.attention import KVCache, SelfAttention
+from megatrain.models.config import GPTConfig
+from megatrain.models.mlp import MLP
+from megatrain.models.norms import build_norm
+
+__all__ = ["GPTModel", "TransformerLayer", "Embedding", "KVCache", "initial_value"]
+
+
+class Embedding(nn.Module):
+    """Token embeddings, plus learned absolute position embeddings for GPT-2 style models."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute"
+            else None
+        )
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings(position_ids)
+        return self.dropout(hidden)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: GPTConfig, layer_number: int) -> None:
+        super().__init__()
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        attn_out = self.self_attention(self.input_layernorm(hidden), position_ids, attention_mask, kv_cache)
+        hidden = hidden + self.dropout(attn_out)
+        mlp_out = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + self.dropout(mlp_out)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only transformer language model.
+
+    A model built on a real device is initialised with ``init_weights(seed=0)``; training code
+    calls ``init_weights(args.seed)`` itself (and must, after building on the meta device).
+
+    For pipeline stages, ``embedding`` may be set to None (the stage then takes hidden states
+    [b, s, h] as ``input_ids``) and ``final_layernorm`` to None (the stage returns hidden states).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding: Embedding | None = Embedding(config)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, layer_number=i) for i in range(config.num_layers)}
+        )
+        self.final_layernorm: nn.Module | None = build_norm(config)
+        self.output_layer = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.untie_embeddings_and_output_weights
+            else None
+        )
+        if not next(self.parameters()).is_meta:
+            self.init_weights(seed=0)
+
+    # ---- the pieces parallel code wraps -------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] -> hidden states [b, s, h] (with embedding dropout)."""
+        assert self.embedding is not None
+        return self.embedding(input_ids, position_ids)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last layer's hidden states [b, s, h] -> final norm -> logits [b, s, V]."""
+        assert self.final_layernorm is not None
+        hidden = self.final_layernorm(hidden)
+        if self.output_layer is not None:
+            return self.output_layer(hidden)
+        assert self.embedding is not None, "tied output weights need the word embeddings"
+        return F.linear(hidden, self.embedding.word_embeddings.weight)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy [b, s] in float32 (labels of -100 give 0)."""
+        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+        return per_token.view(labels.shape)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits [b, s, V], or with ``labels`` the per-token loss [b, s] in float32.
+
+        position_ids default to 0..s-1, shifted by the tokens already in ``kv_cache``.
+        attention_mask: None means causal; else bool [b, 1, s, past + s], True = may attend.
+        """
+        seq_length = input_ids.shape[1]
+        past = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None:
+            if (
+                self.config.position_embedding_type == "learned_absolute"
+                and past + seq_length > self.config.max_position_embeddings
+            ):
+                raise ValueError(
+                    f"sequence of {past + seq_length} tokens is longer than "
+                    f"--max-position-embeddings ({self.config.max_position_embeddings})"
+                )
+            position_ids = torch.arange(past, past + seq_length, device=input_ids.device).unsqueeze(0)
+
+        hidden = self.embed(input_ids, position_ids) if self.embedding is not None else input_ids
+        for layer in self.layers.values():
+            hidden = layer(hidden, position_ids, attention_mask, kv_cache)
+        if self.final_layernorm is None:
+            return hidden
+        logits = self.output_logits(hidden)
+        return logits if labels is None else self.loss(logits, labels)
+
+    # ---- parameters -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter with ``initial_value`` (also right after meta -> ``to_empty``)."""
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(name, param.shape, self.config, seed))
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (a tied output weight counts once).
+
+        exclude_embeddings leaves out word and position embeddings and an untied output layer.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            embedding_params = [
+                m.weight
+                for m in (
+                    self.embedding.word_embeddings if self.embedding is not None else None,
+                    self.embedding.position_embeddings if self.embedding is not None else None,
+                    self.output_layer,
+                )
+                if m is not None
+            ]
+            total -= sum(p.numel() for p in embedding_params)
+        return total
+
+
+# ---- deterministic initialisation ---------------------------------------------------------------
+
+# Path parts that wrappers insert (torch.compile, activation checkpointing, DDP/FSDP1); dropping
+# them gives every parameter the same canonical name whatever wraps it.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"})
+
+_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer"})
+_SCALED_WEIGHTS = frozenset({"linear_proj", "linear_fc2"})  # write into the residual stream
+
+
+def canonical_parameter_name(name: str) -> str:
+    """``name`` without the path parts that wrappers add."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int) -> torch.Tensor:
+    """The initial value of the parameter ``name`` as a float32 CPU tensor of ``shape``.
+
+    Megatron's scheme: weights of linear layers and embeddings ~ N(0, std); the two projections
+    that add into the residual stream (linear_proj, linear_fc2) ~ N(0, std / sqrt(2 L)); biases 0;
+    norm weights 1 and LayerNorm biases 0. Random values come from a generator seeded by
+    (seed, crc32 of the canonical name), so they do not depend on the device, the parallel
+    layout or the order parameters are visited in.
+    """
+    canonical = canonical_parameter_name(name)
+    parts = canonical.split(".")
+    if len(parts) < 2:
+        raise ValueError(f"no initialisation rule for parameter {name!r}")
+    module, leaf = parts[-2], parts[-1]
+    shape = tuple(shape)
+
+    if module.endswith("layernorm"):
+        if leaf == "weight":
+            return torch.ones(shape)
+        return torch.zeros(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if leaf != "weight":
+        raise ValueError(f"no initialisation rule for parameter {name!r}")
+    if module in _STD_WEIGHTS:
+        std = config.init_method_std
+    elif module in _SCALED_WEIGHTS:
+        std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    else:
+        raise ValueError(f"no initialisation rule for parameter {name!r}")
+
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(canonical.encode("utf-8")))
+    return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)

@@ -1,0 +1,50 @@
+"""Rotary position embeddings (RoPE), computed on the fly from position ids.
+
+Convention: the non-interleaved ("rotate half") form used by Hugging Face LLaMA and Megatron's
+default. Dimension i of the first half of a head pairs with dimension i + d/2, and the pair is
+rotated by the angle ``position * base ** (-2i / d)``. Nothing is stored in the module (no buffers),
+so models build on the meta device and checkpoints hold parameters only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each [*position_ids.shape, head_dim], in float32."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponent)  # [d/2]
+    angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., d/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [..., d]: both halves of a pair share an angle
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim, split into its first and second half."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_bnsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys [b, heads, s, d] by cos/sin [b or 1, s, d] (broadcast over heads)."""
+    cos = cos_bsd.unsqueeze(1).to(x_bnsd.dtype)
+    sin = sin_bsd.unsqueeze(1).to(x_bnsd.dtype)
+    return x_bnsd * cos + rotate_half(x_bnsd) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Parameter-free module that turns position ids into (cos, sin) for one head dim."""
+
+    def __init__(self, head_dim: int, base: float) -> None:
+        super().__init__()
+        assert head_dim % 2 == 0, "rotary embeddings need an even head dim"
+        self.head_dim = head_dim
+        self.base = base
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cos_sin(position_ids, self.head_dim, self.base)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
