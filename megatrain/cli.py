@@ -1,0 +1,46 @@
+"""The `megatrain` command: one entry point for every workflow step.
+
+    megatrain pretrain ...          same flags as pretrain_gpt.py
+    megatrain preprocess ...        same flags as tools/preprocess_data.py
+    megatrain train-tokenizer ...   train a byte-level BPE (GPT-2 format vocab.json + merges.txt)
+    megatrain merge-datasets ...    join several .bin/.idx prefixes
+    megatrain dataset-info ...      sizes, splits, and the first training samples
+    megatrain generate ...          text generation from a checkpoint
+    megatrain demo                  the built-in end-to-end demo
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv)
+COMMANDS = {
+    "pretrain": ("megatrain.training.main", "main"),
+    "preprocess": ("megatrain.data.preprocess", "main"),
+    "train-tokenizer": ("megatrain.data.train_tokenizer", "main"),
+    "merge-datasets": ("megatrain.data.merge_datasets", "main"),
+    "dataset-info": ("megatrain.data.dataset_info", "main"),
+    "generate": ("megatrain.inference.text_generation", "main"),
+    "demo": ("megatrain.demo", "main"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        sys.exit(f"megatrain: unknown command {name!r}{hint}; commands: {', '.join(COMMANDS)}")
+    module, func = COMMANDS[name]
+    getattr(importlib.import_module(module), func)(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Loading a trained model (and its tokenizer settings) from a checkpoint for inference."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel
+from megatrain.training import checkpointing
+
+
+def load_model(load: str, device: torch.device, step: int | None = None) -> tuple[GPTModel, dict[str, Any]]:
+    """Build the model a checkpoint describes and load its weights; returns (model in eval mode, meta)."""
+    ckpt = checkpointing.find_checkpoint(load, step)
+    if ckpt is None:
+        raise SystemExit(f"error: --load {load}: no checkpoint found")
+    meta = checkpointing.read_meta(ckpt)
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig(**meta["model_config"]))
+    model.to_empty(device=device)
+    checkpointing.load_checkpoint(ckpt, model, None, load_optim=False, load_rng=False)
+    model.eval()
+    return model, meta
+
+
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+
+
+def fill_tokenizer_args(args: argparse.Namespace, meta: dict[str, Any]) -> argparse.Namespace:
+    """Tokenizer flags not given on the command line are taken from the checkpoint's run arguments."""
+    saved = meta.get("args", {})
+    for name in TOKENIZER_FIELDS:
+        if getattr(args, name, None) is None and saved.get(name) is not None:
+            setattr(args, name, saved[name])
+    return args

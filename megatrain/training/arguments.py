@@ -1,0 +1,431 @@
+"""Megatron-LM compatible command line for pre-training, and its validation.
+
+`build_parser()` holds every flag ``pretrain_gpt.py`` accepts, with Megatron's names,
+defaults and attribute names; `parse_args()` parses a command line (plus an optional
+``--config run.yaml`` supplying the same fields), rejects unknown flags with a suggestion,
+notes legacy flags, and validates the combination before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from typing import Any, Sequence
+
+from megatrain.data.config import add_data_args
+from megatrain.data.tokenizers import add_tokenizer_args
+
+# Flags older scripts and guides pass that mean nothing (or something simpler) here.
+# flag -> one-line note printed when it is used.
+LEGACY_FLAG_NOTES: dict[str, str] = {
+    "--checkpoint-activations": "means --recompute-granularity full --recompute-method uniform here",
+    "--distributed-backend": "nccl on CUDA and gloo on CPU are chosen automatically",
+    "--num-gpus-per-node": "informational; the launcher (torchrun/SLURM) sets the processes per node",
+    "--world-size": "informational; the world size comes from the launcher",
+    "--use-flash-attn": "attention always uses PyTorch SDPA, which picks flash attention where it can",
+    "--use-mcore-models": "megatrain has one model implementation; the flag changes nothing",
+    "--no-masked-softmax-fusion": "attention uses SDPA; softmax fusion is not a separate switch",
+    "--no-bias-gelu-fusion": "fusion is left to torch.compile",
+    "--no-bias-dropout-fusion": "fusion is left to torch.compile",
+    "--no-gradient-accumulation-fusion": "gradient accumulation is handled by PyTorch autograd",
+    "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
+    "--local_rank": "taken from the LOCAL_RANK environment variable",
+    "--local-rank": "taken from the LOCAL_RANK environment variable",
+    "--no-async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
+    "--async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
+    "--transformer-impl": "megatrain has one transformer implementation (PyTorch)",
+    "--use-legacy-models": "megatrain has one model implementation",
+    "--apply-query-key-layer-scaling": "softmax is computed in fp32 by SDPA; no extra scaling is needed",
+    "--attention-softmax-in-fp32": "softmax is computed in fp32 by SDPA",
+    "--no-load-optim-legacy": "ignored",
+}
+
+# Megatron flags that megatrain knows but does not implement; they are refused with this reason.
+UNSUPPORTED_FLAGS: dict[str, str] = {
+    "--num-experts": "mixture-of-experts models are not supported yet",
+    "--moe-router-topk": "mixture-of-experts models are not supported yet",
+    "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
+    "--fp8-format": "fp8 training is not supported yet",
+    "--context-parallel-size": None,  # accepted (reserved, must be 1) — handled in validation
+    "--encoder-num-layers": "encoder-decoder models are not supported",
+    "--decoder-num-layers": "use --num-layers",
+    "--use-cpu-initialization": None,
+    "--spec": "custom layer specs are not supported; the model shape is given by flags",
+    "--yaml-cfg": "use --config run.yaml",
+    "--retro-project-dir": "RETRO is not supported",
+    "--vision-backbone-type": "vision models are not supported",
+    "--mtp-num-layers": "multi-token prediction is not supported yet",
+    "--multi-latent-attention": "multi-latent attention is not supported yet",
+    "--qk-layernorm": "qk-layernorm is not supported yet",
+    "--rotary-interleaved": "interleaved rotary embeddings are not supported yet",
+    "--use-rotary-position-embeddings": None,
+    "--squared-relu": "squared-ReLU activation is not supported yet",
+    "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
+    "--fp32-residual-connection": "fp32 residual connections are not supported",
+    "--num-layers-per-virtual-pipeline-stage": "pipeline parallelism is not supported yet",
+    "--decoder-first-pipeline-num-layers": "pipeline parallelism is not supported yet",
+    "--decoder-last-pipeline-num-layers": "pipeline parallelism is not supported yet",
+}
+UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser that refuses unknown flags with a close-match suggestion."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            bad = [tok for tok in message.split(":", 1)[1].split() if tok.startswith("--")]
+            known = [opt for act in self._actions for opt in act.option_strings]
+            lines = []
+            for flag in bad or message.split(":", 1)[1].split():
+                name = flag.split("=", 1)[0]
+                if name in UNSUPPORTED_FLAGS:
+                    lines.append(f"{name}: {UNSUPPORTED_FLAGS[name]}")
+                    continue
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                lines.append(f"unknown flag {name}{hint}")
+            self.exit(2, f"{self.prog}: error: " + "; ".join(lines) + "\n")
+        super().error(message)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None, help="number of transformer layers")
+    g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size (default 4*hidden, or Megatron's SwiGLU default)")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default hidden/heads)")
+    g.add_argument("--group-query-attention", action="store_true", help="use grouped-query attention")
+    g.add_argument("--num-query-groups", type=int, default=1, help="query groups with --group-query-attention")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="maximum sequence length for learned positions (default --seq-length)")
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this (times TP)")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--layernorm-epsilon", type=float, default=None, help="old name of --norm-epsilon")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA style)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no biases in linear layers")
+    g.add_argument("--seq-length", type=int, default=None, help="sequence length")
+
+
+def _add_regularization_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping on the global L2 norm (0: off)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="batch size per GPU per forward pass")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default micro-batch * data-parallel size)")
+    g.add_argument("--batch-size", type=int, default=None, help="old name of --micro-batch-size")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--exit-interval", type=int, default=None, help="exit when iteration %% N == 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM save and exit cleanly")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--max-nan-iterations", type=int, default=10,
+                   help="stop the run after this many iterations with a NaN/inf loss or gradient")
+    g.add_argument("--use-torch-compile", action="store_true", help="compile each transformer layer")
+    g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def _add_init_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--data-parallel-random-init", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_lr_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--override-opt-param-scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None, help="directory to load a checkpoint from")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+
+
+def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="gradients are always accumulated in fp32 here")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1, help="reserved; must be 1")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--log-throughput", action="store_true", help="always on here")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+
+
+def _add_validation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--skip-train", action="store_true")
+
+
+def _add_legacy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("accepted for compatibility (see the notes printed at start)")
+    g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    g.add_argument("--num-gpus-per-node", type=int, default=None)
+    g.add_argument("--world-size", type=int, default=None)
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--use-mcore-models", action="store_true")
+    g.add_argument("--use-legacy-models", action="store_true")
+    g.add_argument("--no-masked-softmax-fusion", action="store_true")
+    g.add_argument("--no-bias-gelu-fusion", action="store_true")
+    g.add_argument("--no-bias-dropout-fusion", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"])
+    g.add_argument("--DDP-impl", default=None, choices=["local", "torch"])
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank")
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> MegatronArgumentParser:
+    """The full pre-training parser (also used by tools that must share its defaults)."""
+    p = MegatronArgumentParser(prog=prog, allow_abbrev=False,
+                               description="Pre-train a GPT model with Megatron-LM compatible flags.")
+    p.add_argument("--config", default=None, help="YAML file whose keys supply the same fields as the flags")
+    _add_model_args(p)
+    _add_regularization_args(p)
+    _add_training_args(p)
+    _add_init_args(p)
+    _add_lr_args(p)
+    _add_checkpoint_args(p)
+    _add_mixed_precision_args(p)
+    _add_distributed_args(p)
+    _add_logging_args(p)
+    _add_validation_args(p)
+    add_data_args(p)
+    add_tokenizer_args(p)
+    _add_legacy_args(p)
+    return p
+
+
+def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """Read ``--config`` YAML; keys are flag names with or without dashes (``num-layers`` or ``num_layers``)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise SystemExit(f"--config: file not found: {path}")
+    except yaml.YAMLError as e:
+        raise SystemExit(f"--config: {path} is not valid YAML: {e}")
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config: {path} must hold a mapping of flag names to values")
+    dests = {a.dest: a for a in parser._actions}
+    by_flag = {opt.lstrip("-"): a for a in parser._actions for opt in a.option_strings}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        k = str(key).lstrip("-")
+        action = by_flag.get(k) or by_flag.get(k.replace("_", "-")) or dests.get(k.replace("-", "_"))
+        if action is None or action.dest == "config":
+            known = list(by_flag)
+            close = difflib.get_close_matches(k.replace("_", "-"), known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SystemExit(f"--config: {path}: unknown key {key!r}{hint}")
+        if isinstance(action, argparse._StoreFalseAction) and isinstance(value, bool):
+            value = not value if k.replace("_", "-") in [o.lstrip("-") for o in action.option_strings] else value
+        out[action.dest] = value
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``), apply ``--config``, note legacy flags, validate."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = parser or build_parser()
+    if "--config" in argv or any(a.startswith("--config=") for a in argv):
+        first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        first.add_argument("--config")
+        known, _ = first.parse_known_args(argv)
+        if known.config:
+            parser.set_defaults(**_config_defaults(parser, known.config))
+    args = parser.parse_args(argv)
+    args.legacy_notes = [f"note: {flag} {note}" for flag, note in LEGACY_FLAG_NOTES.items()
+                         if any(a == flag or a.startswith(flag + "=") for a in argv)]
+    if validate:
+        validate_args(args)
+    return args
+
+
+def _fail(message: str) -> None:
+    raise SystemExit(f"error: {message}")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Check flag combinations (clear messages naming the flags) and fill derived values."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    # Old spellings.
+    if args.layernorm_epsilon is not None:
+        args.norm_epsilon = args.layernorm_epsilon
+    if args.batch_size is not None:
+        if args.micro_batch_size is not None and args.micro_batch_size != args.batch_size:
+            _fail("--batch-size is the old name of --micro-batch-size; give only one of them")
+        args.micro_batch_size = args.batch_size
+    if args.checkpoint_activations:
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        args.recompute_method = "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+        if getattr(args, flag) is None:
+            _fail(f"--{flag.replace('_', '-')} is required")
+        if getattr(args, flag) <= 0:
+            _fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by "
+              f"--num-attention-heads ({args.num_attention_heads})")
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_attention_heads % args.num_query_groups:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--num-query-groups ({args.num_query_groups})")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        _fail(f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
+              f"({args.max_position_embeddings})")
+
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 cannot be used together")
+    if (args.train_iters is None) == (args.train_samples is None):
+        _fail("give exactly one of --train-iters and --train-samples")
+    if args.lr is None:
+        _fail("--lr is required")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters")
+
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if cp != 1:
+        _fail("--context-parallel-size is reserved and must be 1")
+    for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        if size < 1:
+            _fail(f"{name} must be at least 1, got {size}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        _fail(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+              f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    args.world_size_actual = world_size
+    args.data_parallel_size = world_size // model_parallel
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
+              f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if args.train_samples is not None:
+        args.train_iters_derived = args.train_samples // args.global_batch_size
+    else:
+        args.train_iters_derived = args.train_iters
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        args.zero_stage = 1
+    if args.eval_interval is not None and args.eval_interval <= 0:
+        _fail(f"--eval-interval must be positive, got {args.eval_interval}")
+    if args.log_interval <= 0:
+        _fail(f"--log-interval must be positive, got {args.log_interval}")
+    if args.save_interval is not None and args.save_interval <= 0:
+        _fail(f"--save-interval must be positive, got {args.save_interval}")
+
+    has_data = bool(args.data_path) or bool(args.train_data_path)
+    if not has_data and not args.mock_data:
+        _fail("no training data: give --data-path (or --train-data-path), or --mock-data for synthetic tokens")
+    if args.data_path and args.train_data_path:
+        _fail("give either --data-path or --train-data-path/--valid-data-path/--test-data-path, not both")
+    return args

@@ -1,0 +1,10 @@
+"""`megatrain pretrain`: parse Megatron-style flags and run pre-training."""
+
+from __future__ import annotations
+
+from megatrain.training.arguments import parse_args
+from megatrain.training.trainer import pretrain
+
+
+def main(argv: list[str] | None = None) -> None:
+    pretrain(parse_args(argv))

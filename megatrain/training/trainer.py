@@ -1,0 +1,372 @@
+"""The pre-training loop: micro-batches, optimizer steps, evaluation, logging, exits and checkpoints.
+
+`pretrain(args)` is what ``pretrain_gpt.py`` calls. The loop follows Megatron-LM: each
+iteration consumes one global batch split into micro-batches (gradient accumulation), the
+loss of a micro-batch is the mean over its unmasked tokens and the iteration's loss the mean
+over micro-batches; the learning-rate schedule advances by the global batch size in samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from megatrain.data.batch import make_batch
+from megatrain.data.config import DataConfig
+from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
+from megatrain.data.loader import build_pretraining_data_loader
+from megatrain.data.tokenizers import build_tokenizer
+from megatrain.models.gpt import GPTModel
+from megatrain.training import checkpointing
+from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
+from megatrain.training.checkpointing import TrainState
+from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
+from megatrain.training.logging import MetricsWriter, format_train_log_line, format_validation_line
+from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler, found_inf_in_grads, unscale_grads_
+from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
+from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
+
+
+def print_rank0(*a: Any, **kw: Any) -> None:
+    print(*a, **kw, flush=True)
+
+
+class ExitRequest:
+    """Collects the reasons to stop early: SIGTERM (with --exit-signal-handler), duration, interval."""
+
+    def __init__(self, args: argparse.Namespace, start_time: float):
+        self.args = args
+        self.start_time = start_time
+        self.signal_received = False
+        if args.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signal_received = True
+
+    def reason(self, iteration: int) -> str | None:
+        if self.signal_received:
+            return "received SIGTERM"
+        if self.args.exit_duration_in_mins is not None:
+            minutes = (time.time() - self.start_time) / 60.0
+            if minutes > self.args.exit_duration_in_mins:
+                return f"exiting after {minutes:.2f} minutes (--exit-duration-in-mins)"
+        if self.args.exit_interval and iteration % self.args.exit_interval == 0:
+            return f"exiting at iteration {iteration} (--exit-interval)"
+        return None
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss of the global batch (0-dim, on device)
+    grad_norm: float | None
+    skipped: bool
+    nan: bool
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule, scaler, data iterators and counters of one run."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.start_time = time.time()
+        self.device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.precision = Precision.from_args(args)
+        self.world_size = 1
+        self.dp_rank, self.dp_size = 0, 1
+        torch.manual_seed(args.seed)
+
+        self.tokenizer = build_tokenizer(args)
+        self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size)
+        self.model_config = model_config_from_args(args, self.vocab_size)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, OptimizerConfig(
+            optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum))
+        self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(args))
+        if args.fp16:
+            self.scaler: Any = (ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
+                initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+                growth_interval=args.loss_scale_window, hysteresis=args.hysteresis))
+        else:
+            self.scaler = None
+        self.state = TrainState()
+        self.flops_per_iteration = num_floating_point_operations(
+            self.model_config, args.global_batch_size, args.seq_length)
+        self.peak_tflops = device_peak_tflops(self.device, self.precision.dtype)
+        self.writer = MetricsWriter(args.tensorboard_dir, wandb_project=args.wandb_project,
+                                    wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
+                                    config=vars(args)) if self._is_logging_rank() else None
+        if args.load:
+            self._load(args.load)
+        self._build_data()
+
+    # ------------------------------------------------------------------ set-up
+    def _is_logging_rank(self) -> bool:
+        return True
+
+    def _build_model(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = GPTModel(self.model_config)
+        model.to_empty(device=self.device)
+        model.init_weights(self.args.seed)
+        return model
+
+    def _build_data(self) -> None:
+        a = self.args
+        num_samples = num_samples_for_splits(a.train_iters, a.train_samples, a.global_batch_size,
+                                             a.eval_interval, a.eval_iters)
+        self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
+            DataConfig.from_args(a), a.seq_length, a.seed, num_samples, self.tokenizer.vocab_size,
+            self.tokenizer.eod)
+        pin = self.device.type == "cuda"
+
+        def loader(ds: Any, consumed: int) -> Iterator[torch.Tensor] | None:
+            if ds is None:
+                return None
+            return iter(build_pretraining_data_loader(ds, consumed, a.micro_batch_size, self.dp_rank, self.dp_size,
+                                                      a.num_workers, pin_memory=pin))
+
+        self.train_iter = loader(self.train_ds, self.state.consumed_train_samples)
+        self.valid_iter = loader(self.valid_ds, self.state.consumed_valid_samples)
+
+    def _load(self, load: str) -> None:
+        a = self.args
+        ckpt = checkpointing.find_checkpoint(load, a.ckpt_step)
+        if ckpt is None:
+            print_rank0(f"WARNING: no checkpoint found in --load {load}; starting from scratch")
+            return
+        meta = checkpointing.load_checkpoint(ckpt, self.model, self.optimizer,
+                                             load_optim=not (a.finetune or a.no_load_optim),
+                                             load_rng=not (a.finetune or a.no_load_rng))
+        if not a.finetune:
+            ts = meta["train_state"]
+            self.state = TrainState(**ts)
+            if "scheduler" in meta and not a.override_opt_param_scheduler and not a.no_load_optim:
+                self.scheduler.load_state_dict(meta["scheduler"])
+            if self.scaler is not None and meta.get("loss_scaler") and not a.no_load_optim:
+                self.scaler.load_state_dict(meta["loss_scaler"])
+        print_rank0(f" loaded checkpoint from {ckpt} at iteration {meta['train_state']['iteration']}"
+                    + (" (finetune: iteration and optimizer reset)" if a.finetune else ""))
+
+    def save(self) -> None:
+        a = self.args
+        if not a.save:
+            return
+        t0 = time.time()
+        extra = {"scheduler": self.scheduler.state_dict(),
+                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        path = checkpointing.save_checkpoint(a.save, self.state, self.model, self.optimizer, extra, a,
+                                             self.model_config, save_optim=not a.no_save_optim,
+                                             save_rng=not a.no_save_rng)
+        print_rank0(f" saved checkpoint at iteration {self.state.iteration:7d} to {path} "
+                    f"({(time.time() - t0) * 1000:.1f} ms)")
+
+    # ------------------------------------------------------------------ one step
+    def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        b = make_batch(samples.to(self.device, non_blocking=True), self.tokenizer.eod, a.reset_position_ids,
+                       a.reset_attention_mask, a.eod_mask_loss)
+        with self.precision.autocast(self.device):
+            per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
+                                   labels=b["labels"])
+        mask = b["loss_mask"].to(per_token.dtype)
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def train_step(self) -> StepResult:
+        a = self.args
+        assert self.train_iter is not None
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        total = torch.zeros((), device=self.device)
+        for _ in range(a.num_micro_batches):
+            loss = self._forward_loss(next(self.train_iter))
+            total += loss.detach()
+            (loss * (scale / a.num_micro_batches)).backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            found_inf = unscale_grads_(params, 1.0 / scale)
+        else:
+            found_inf = found_inf_in_grads(params)
+        grad_norm_t = clip_grad_norm_(params, a.clip_grad) if a.clip_grad > 0 else None
+        mean_loss = total / a.num_micro_batches
+        # One host synchronisation per iteration: decide whether to step.
+        bad = bool(found_inf.item() > 0)
+        loss_nan = not bool(torch.isfinite(mean_loss).item())
+        if self.scaler is not None:
+            self.scaler.update(bad)
+        skipped = bad
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step(a.global_batch_size)
+        grad_norm = float(grad_norm_t) if grad_norm_t is not None and not skipped else None
+        return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, data_iter: Iterator[torch.Tensor] | None, eval_iters: int) -> float | None:
+        if data_iter is None or eval_iters <= 0:
+            return None
+        a = self.args
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for _ in range(eval_iters):
+            for _ in range(a.num_micro_batches):
+                total += self._forward_loss(next(data_iter))
+            self.state.consumed_valid_samples += a.global_batch_size
+        self.model.train()
+        return float(total / (eval_iters * a.num_micro_batches))
+
+    def evaluate_and_print(self, prefix: str, data_iter: Any, iteration: int) -> float | None:
+        loss = self.evaluate(data_iter, self.args.eval_iters)
+        if loss is None:
+            return None
+        line = format_validation_line(prefix, loss)
+        print_rank0("-" * (len(line) + 1))
+        print_rank0(line)
+        print_rank0("-" * (len(line) + 1))
+        if self.writer is not None:
+            self.writer.add_validation(loss, iteration, consumed_samples=self.state.consumed_train_samples)
+        return loss
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainState:
+        a = self.args
+        train_iters = a.train_iters_derived
+        exits = ExitRequest(a, self.start_time)
+        print_rank0(f" training: {self.model.num_parameters():,} parameters, {train_iters} iterations, "
+                    f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
+                    f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
+                    f"on {self.device}")
+        interval = _IntervalStats()
+        t_last = time.time()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        while self.state.iteration < train_iters:
+            result = self.train_step()
+            self.state.iteration += 1
+            self.state.consumed_train_samples += a.global_batch_size
+            interval.add(result)
+            if result.skipped and self.scaler is not None:
+                self.state.skipped_iterations += 1
+            if result.nan:
+                self.state.nan_iterations += 1
+            it = self.state.iteration
+            if self.writer is not None and it % a.tensorboard_log_interval == 0:
+                self.writer.add_train(it, self._scalars(result))
+            if it % a.log_interval == 0:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                now = time.time()
+                self._log(interval, (now - t_last) / interval.iterations, train_iters)
+                interval = _IntervalStats()
+                t_last = time.time()
+            if self.state.nan_iterations >= a.max_nan_iterations:
+                raise SystemExit(f"error: stopping: {self.state.nan_iterations} iterations had a NaN/inf loss or "
+                                 f"gradient (--max-nan-iterations {a.max_nan_iterations}); lower --lr, use "
+                                 f"--bf16 or check the data")
+            if a.eval_interval and it % a.eval_interval == 0 and self.valid_iter is not None:
+                self.evaluate_and_print(f"iteration {it}", self.valid_iter, it)
+                t_last = time.time()
+            if a.save and a.save_interval and it % a.save_interval == 0:
+                self.save()
+                t_last = time.time()
+            reason = exits.reason(it)
+            if reason:
+                print_rank0(f" {reason}")
+                if a.save and not (a.save_interval and it % a.save_interval == 0):
+                    self.save()
+                self.close()
+                sys.exit(0)
+        return self.state
+
+    def _scalars(self, r: StepResult) -> dict[str, float]:
+        out = {"learning-rate": self.optimizer.param_groups[0]["lr"], "lm loss": float(r.loss)}
+        if r.grad_norm is not None:
+            out["grad-norm"] = r.grad_norm
+        if self.scaler is not None:
+            out["loss-scale"] = float(self.scaler.scale)
+        return out
+
+    def _log(self, stats: "_IntervalStats", seconds_per_iter: float, train_iters: int) -> None:
+        a = self.args
+        tflops = self.flops_per_iteration / (seconds_per_iter * 1e12 * self.world_size)
+        tokens_per_gpu = a.global_batch_size * a.seq_length / seconds_per_iter / self.world_size
+        mem_gib = (torch.cuda.max_memory_allocated(self.device) / 2**30) if self.device.type == "cuda" else None
+        line = format_train_log_line(
+            iteration=self.state.iteration, train_iters=train_iters,
+            consumed_samples=self.state.consumed_train_samples, elapsed_ms=seconds_per_iter * 1000.0,
+            tflops=tflops, learning_rate=self.optimizer.param_groups[0]["lr"],
+            global_batch_size=a.global_batch_size, lm_loss=stats.mean_loss(),
+            loss_scale=float(self.scaler.scale) if self.scaler is not None else 1.0,
+            grad_norm=stats.last_grad_norm, skipped=stats.skipped, nan=stats.nan,
+            tokens_per_sec_per_gpu=tokens_per_gpu,
+            mfu=(tflops / self.peak_tflops) if self.peak_tflops else None, peak_mem_gib=mem_gib)
+        print_rank0(line)
+        if self.writer is not None:
+            self.writer.add_train(self.state.iteration, {"throughput": tflops, "tokens-per-sec-per-gpu": tokens_per_gpu,
+                                                         **({"mem-max-allocated-bytes": mem_gib * 2**30}
+                                                            if mem_gib is not None else {})})
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class _IntervalStats:
+    """Sums over the iterations between two log lines (losses stay on device until logged)."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.counted = 0
+        self.skipped = 0
+        self.nan = 0
+        self.last_grad_norm: float | None = None
+
+    def add(self, r: StepResult) -> None:
+        self.iterations += 1
+        if r.skipped:
+            self.skipped += int(not r.nan)
+        if r.nan:
+            self.nan += 1
+        if not r.skipped and not r.nan:
+            self.loss_sum = self.loss_sum + r.loss
+            self.counted += 1
+        if r.grad_norm is not None:
+            self.last_grad_norm = r.grad_norm
+
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) / self.counted if self.counted else float("nan")
+
+
+def pretrain(args: argparse.Namespace) -> TrainState:
+    """Build everything from parsed arguments, train, evaluate at the end, save."""
+    for note in getattr(args, "legacy_notes", []):
+        print_rank0(note)
+    trainer = Trainer(args)
+    try:
+        if not args.skip_train:
+            trainer.train()
+        it = trainer.state.iteration
+        if args.save and (not args.save_interval or it % args.save_interval != 0) and not args.skip_train:
+            trainer.save()
+        if trainer.valid_ds is not None and args.eval_iters > 0:
+            trainer.evaluate_and_print(f"iteration {it} on validation set", trainer.valid_iter, it)
+        if trainer.test_ds is not None and args.eval_iters > 0:
+            test_iter = iter(build_pretraining_data_loader(trainer.test_ds, 0, args.micro_batch_size,
+                                                           trainer.dp_rank, trainer.dp_size, 0))
+            trainer.evaluate_and_print(f"iteration {it} on test set", test_iter, it)
+    finally:
+        trainer.close()
+    return trainer.state
