@@ -234,6 +234,7 @@ def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int)
     else:
         raise ValueError(f"no initialisation rule for parameter {name!r}")
 
+    # The CPU generator (mt19937) keeps only 32 bits of its seed, so hash seed and name together.
     generator = torch.Generator(device="cpu")
-    generator.manual_seed(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(canonical.encode("utf-8")))
+    generator.manual_seed(zlib.crc32(f"{seed}:{canonical}".encode("utf-8")))
     return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)

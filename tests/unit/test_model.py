@@ -1,0 +1,326 @@
+"""GPTModel: shapes, parameter counts, weight layouts, initialisation, masks, RoPE, config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatrain.models.attention import SelfAttention
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel, initial_value
+from megatrain.models.mlp import MLP
+from megatrain.models.rope import apply_rotary, rotary_cos_sin
+
+
+def gpt2_config(**overrides) -> GPTConfig:
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, max_position_embeddings=64,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def llama_config(**overrides) -> GPTConfig:
+    fields = dict(num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2, vocab_size=96,
+                  max_position_embeddings=64, position_embedding_type="rope", normalization="RMSNorm",
+                  swiglu=True, ffn_hidden_size=80, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+STYLES = {"gpt2": gpt2_config, "llama": llama_config}
+
+
+def count_parameters_formula(config: GPTConfig) -> int:
+    """Parameter count written out from the architecture, independent of the model code."""
+    h, L, V, F_ = config.hidden_size, config.num_layers, config.vocab_size, config.ffn_hidden_size
+    n, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    bias = config.add_bias_linear
+    norm = 2 * h if config.normalization == "LayerNorm" else h
+    qkv = h * (n + 2 * g) * d + (bias and (n + 2 * g) * d)
+    proj = n * d * h + (bias and h)
+    fc1_out = 2 * F_ if config.swiglu else F_
+    fc1 = h * fc1_out + (bias and fc1_out)
+    fc2 = F_ * h + (bias and h)
+    layer = 2 * norm + qkv + proj + fc1 + fc2
+    embeddings = V * h + (config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0)
+    output = V * h if config.untie_embeddings_and_output_weights else 0
+    return embeddings + L * layer + norm + output
+
+
+# ---- shapes and counts --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("style", STYLES)
+def test_logits_and_loss_shapes(style):
+    config = STYLES[style]()
+    model = GPTModel(config)
+    tokens = torch.randint(0, config.vocab_size, (3, 11))
+    logits = model(tokens)
+    assert logits.shape == (3, 11, config.vocab_size)
+    loss = model(tokens, labels=tokens)
+    assert loss.shape == (3, 11) and loss.dtype == torch.float32
+    expected = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(3, 11)
+    torch.testing.assert_close(loss, expected)
+
+
+def test_loss_is_float32_for_bf16_model():
+    model = GPTModel(gpt2_config()).to(torch.bfloat16)
+    tokens = torch.randint(0, 96, (2, 5))
+    assert model(tokens, labels=tokens).dtype == torch.float32
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("untie", [False, True])
+def test_parameter_count_matches_formula(style, untie):
+    config = STYLES[style](untie_embeddings_and_output_weights=untie)
+    model = GPTModel(config)
+    assert model.num_parameters() == count_parameters_formula(config)
+    embeddings = config.vocab_size * config.hidden_size * (2 if untie else 1)
+    if config.position_embedding_type == "learned_absolute":
+        embeddings += config.max_position_embeddings * config.hidden_size
+    assert model.num_parameters(exclude_embeddings=True) == count_parameters_formula(config) - embeddings
+
+
+def test_tied_output_uses_word_embeddings():
+    model = GPTModel(gpt2_config())
+    assert model.output_layer is None
+    assert not any(k.startswith("output_layer") for k in model.state_dict())
+    tokens = torch.randint(0, 96, (2, 7))
+    hidden = model.embed(tokens, torch.arange(7)[None])
+    for layer in model.layers.values():
+        hidden = layer(hidden)
+    expected = model.final_layernorm(hidden) @ model.embedding.word_embeddings.weight.T
+    torch.testing.assert_close(model(tokens), expected)
+
+
+def test_untied_output_layer_is_separate():
+    model = GPTModel(gpt2_config(untie_embeddings_and_output_weights=True))
+    assert model.output_layer is not None and model.output_layer.bias is None
+    assert model.output_layer.weight.data_ptr() != model.embedding.word_embeddings.weight.data_ptr()
+    tokens = torch.randint(0, 96, (2, 7))
+    before = model(tokens)
+    with torch.no_grad():
+        model.output_layer.weight.mul_(2.0)
+    torch.testing.assert_close(model(tokens), 2 * before)
+
+
+def test_layers_are_keyed_by_number_and_no_buffers():
+    model = GPTModel(llama_config(num_layers=3))
+    assert list(model.layers.keys()) == ["0", "1", "2"]
+    assert list(model.buffers()) == []
+    assert set(model.state_dict()) == {name for name, _ in model.named_parameters()}
+    assert "layers.2.self_attention.linear_qkv.weight" in model.state_dict()
+    assert "embedding.position_embeddings.weight" not in model.state_dict()
+    assert "embedding.position_embeddings.weight" in GPTModel(gpt2_config()).state_dict()
+
+
+# ---- initialisation -----------------------------------------------------------------------------
+
+def test_init_statistics():
+    config = gpt2_config(num_layers=8, hidden_size=128, num_attention_heads=4, init_method_std=0.02)
+    model = GPTModel(config)
+    layer = model.layers["3"]
+    qkv_std = layer.self_attention.linear_qkv.weight.std().item()
+    proj_std = layer.self_attention.linear_proj.weight.std().item()
+    fc2_std = layer.mlp.linear_fc2.weight.std().item()
+    assert qkv_std == pytest.approx(0.02, rel=0.05)
+    assert proj_std == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
+    assert fc2_std == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
+    assert model.embedding.word_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.all(layer.self_attention.linear_qkv.bias == 0)
+    assert torch.all(layer.input_layernorm.weight == 1) and torch.all(layer.input_layernorm.bias == 0)
+
+
+def test_init_is_deterministic_and_layout_independent():
+    config = llama_config()
+    a, b = GPTModel(config), GPTModel(config)
+    torch.manual_seed(123)  # the global RNG must not matter
+    a.init_weights(seed=7)
+    b.init_weights(seed=7)
+    with torch.device("meta"):
+        c = GPTModel(config)
+    assert c.embedding.word_embeddings.weight.is_meta
+    c.to_empty(device="cpu")
+    c.init_weights(seed=7)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb) and torch.equal(pa, pc), name
+    # A different seed changes every random tensor; different parameters differ from each other.
+    a.init_weights(seed=8)
+    assert not torch.equal(a.layers["0"].mlp.linear_fc1.weight, b.layers["0"].mlp.linear_fc1.weight)
+    assert not torch.equal(b.layers["0"].mlp.linear_fc1.weight, b.layers["1"].mlp.linear_fc1.weight)
+
+
+def test_initial_value_ignores_wrapper_names():
+    config = gpt2_config()
+    name = "layers.1.self_attention.linear_proj.weight"
+    plain = initial_value(name, (32, 32), config, seed=3)
+    for wrapped in ("module.layers.1.self_attention.linear_proj.weight",
+                    "_orig_mod.layers.1._checkpoint_wrapped_module.self_attention.linear_proj.weight"):
+        assert torch.equal(initial_value(wrapped, (32, 32), config, seed=3), plain)
+    assert plain.dtype == torch.float32 and plain.device.type == "cpu"
+    with pytest.raises(ValueError, match="no initialisation rule"):
+        initial_value("layers.0.mystery.weight", (2, 2), config, seed=3)
+
+
+# ---- weight layouts -----------------------------------------------------------------------------
+
+def reference_attention(attention: SelfAttention, x: torch.Tensor, n: int, g: int, d: int) -> torch.Tensor:
+    """Causal attention with a separate q/k/v projection per head, sliced from Megatron's layout."""
+    hpg = n // g
+    w = attention.linear_qkv.weight.view(g, hpg + 2, d, -1)
+    b = attention.linear_qkv.bias.view(g, hpg + 2, d)
+    s = x.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    heads = []
+    for group in range(g):
+        k = x @ w[group, hpg].T + b[group, hpg]
+        v = x @ w[group, hpg + 1].T + b[group, hpg + 1]
+        for i in range(hpg):
+            q = x @ w[group, i].T + b[group, i]
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+            scores = scores.masked_fill(~causal, float("-inf"))
+            heads.append(scores.softmax(-1) @ v)
+    return attention.linear_proj(torch.cat(heads, dim=-1))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_grouped_qkv_layout_matches_per_head_reference(groups):
+    config = gpt2_config(hidden_size=48, num_attention_heads=6, num_query_groups=groups, kv_channels=5)
+    attention = SelfAttention(config, layer_number=0)
+    with torch.no_grad():
+        attention.linear_qkv.bias.normal_()
+    x = torch.randn(2, 9, 48)
+    torch.testing.assert_close(attention(x), reference_attention(attention, x, 6, groups, 5))
+
+
+def test_swiglu_fc1_rows_interleave_gate_and_up():
+    mlp = MLP(llama_config())
+    x = torch.randn(3, 4, 48)
+    w1 = mlp.linear_fc1.weight
+    gate, up = x @ w1[0::2].T, x @ w1[1::2].T
+    torch.testing.assert_close(mlp(x), (F.silu(gate) * up) @ mlp.linear_fc2.weight.T)
+
+
+def test_gelu_mlp_is_exact_gelu():
+    config = gpt2_config()
+    mlp = MLP(config)
+    x = torch.randn(3, 4, 32)
+    hidden = x @ mlp.linear_fc1.weight.T + mlp.linear_fc1.bias
+    expected = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
+    torch.testing.assert_close(mlp(x), expected @ mlp.linear_fc2.weight.T + mlp.linear_fc2.bias)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_row_split_weights_work_as_tensor_parallel_shards(style):
+    """Rows of linear_qkv / linear_fc1 split in two halves (columns of linear_proj / linear_fc2
+    likewise) are whole heads and channels: the sum of the two partial outputs is the full one."""
+    config = STYLES[style](add_bias_linear=False)
+    layer = GPTModel(config).layers["0"]
+    x = torch.randn(2, 6, config.hidden_size)
+    position_ids = torch.arange(6)[None]
+    full_attention = layer.self_attention(x, position_ids)
+    full_mlp = layer.mlp(x)
+
+    def shard(linear, dim, rank):
+        part = torch.nn.Linear(1, 1, bias=False)
+        part.weight = torch.nn.Parameter(linear.weight.chunk(2, dim=dim)[rank].clone())
+        return part
+
+    partial_attention, partial_mlp = 0, 0
+    for rank in range(2):
+        attention = SelfAttention(config, layer_number=0)
+        attention.linear_qkv = shard(layer.self_attention.linear_qkv, 0, rank)
+        attention.linear_proj = shard(layer.self_attention.linear_proj, 1, rank)
+        partial_attention = partial_attention + attention(x, position_ids)
+        mlp = MLP(config)
+        mlp.linear_fc1 = shard(layer.mlp.linear_fc1, 0, rank)
+        mlp.linear_fc2 = shard(layer.mlp.linear_fc2, 1, rank)
+        partial_mlp = partial_mlp + mlp(x)
+    torch.testing.assert_close(partial_attention, full_attention)
+    torch.testing.assert_close(partial_mlp, full_mlp)
+
+
+# ---- masks and positions ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("style", STYLES)
+def test_explicit_causal_mask_equals_is_causal(style):
+    config = STYLES[style]()
+    model = GPTModel(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 10))
+    mask = torch.ones(10, 10, dtype=torch.bool).tril().expand(2, 1, 10, 10)
+    torch.testing.assert_close(model(tokens, attention_mask=mask), model(tokens))
+
+
+def test_mask_hides_keys():
+    """Changing a token a query may not see leaves that query's output unchanged."""
+    model = GPTModel(llama_config())
+    tokens = torch.randint(0, 96, (1, 8))
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    mask[:, 2] = False
+    mask[2, 2] = True  # row 2 must keep at least one key
+    mask = mask.expand(1, 1, 8, 8)
+    changed = tokens.clone()
+    changed[0, 2] = (tokens[0, 2] + 1) % 96
+    out_a, out_b = model(tokens, attention_mask=mask), model(changed, attention_mask=mask)
+    torch.testing.assert_close(out_a[:, 3:], out_b[:, 3:])
+    assert not torch.allclose(out_a[:, 2], out_b[:, 2])
+
+
+def test_rope_matches_direct_formula():
+    d, base = 8, 10000.0
+    x = torch.randn(1, 3, 5, d)  # [b, heads, s, d]
+    positions = torch.tensor([[0, 1, 4, 9, 30]])
+    cos, sin = rotary_cos_sin(positions, d, base)
+    rotated = apply_rotary(x, cos, sin)
+    expected = torch.empty_like(x)
+    for t, p in enumerate(positions[0].tolist()):
+        for i in range(d // 2):
+            theta = p * base ** (-2 * i / d)
+            a, b = x[..., t, i], x[..., t, i + d // 2]
+            expected[..., t, i] = a * math.cos(theta) - b * math.sin(theta)
+            expected[..., t, i + d // 2] = a * math.sin(theta) + b * math.cos(theta)
+    torch.testing.assert_close(rotated, expected)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    d = 16
+    q, k = torch.randn(1, 1, 1, d), torch.randn(1, 1, 1, d)
+
+    def score(pq, pk):
+        cq, sq = rotary_cos_sin(torch.tensor([[pq]]), d, 10000.0)
+        ck, sk = rotary_cos_sin(torch.tensor([[pk]]), d, 10000.0)
+        return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum()
+
+    torch.testing.assert_close(score(7, 3), score(24, 20))
+    assert not torch.allclose(score(7, 3), score(7, 4))
+
+
+def test_learned_positions_limit():
+    model = GPTModel(gpt2_config(max_position_embeddings=8))
+    with pytest.raises(ValueError, match="--max-position-embeddings"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+# ---- config errors ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "fields, flags",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), ["--hidden-size", "--num-attention-heads"]),
+        (dict(num_attention_heads=6, num_query_groups=4, hidden_size=48), ["--num-attention-heads", "--num-query-groups"]),
+        (dict(num_query_groups=0), ["--num-query-groups"]),
+        (dict(position_embedding_type="alibi"), ["--position-embedding-type"]),
+        (dict(normalization="BatchNorm"), ["--normalization"]),
+        (dict(position_embedding_type="rope", kv_channels=7), ["--kv-channels"]),
+        (dict(hidden_dropout=1.5), ["--hidden-dropout"]),
+        (dict(num_layers=0), ["--num-layers"]),
+    ],
+)
+def test_bad_configs_name_the_flags(fields, flags):
+    with pytest.raises(ValueError) as error:
+        GPTConfig(**fields)
+    for flag in flags:
+        assert flag in str(error.value)
