@@ -324,3 +324,23 @@ def test_bad_configs_name_the_flags(fields, flags):
         GPTConfig(**fields)
     for flag in flags:
         assert flag in str(error.value)
+
+
+def test_split_into_pipeline_stages():
+    """With embedding / final_layernorm set to None, two stages chain to the full model's logits."""
+    import copy
+
+    config = llama_config(num_layers=4)
+    model = GPTModel(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 9))
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    for name in ("2", "3"):
+        del first.layers[name]
+    for name in ("0", "1"):
+        del last.layers[name]
+    first.final_layernorm, first.output_layer = None, None
+    last.embedding = None
+    hidden = first(tokens)
+    assert hidden.shape == (2, 9, config.hidden_size)
+    torch.testing.assert_close(last(hidden), model(tokens))
+    assert {k.split(".")[1] for k in last.state_dict() if k.startswith("layers.")} == {"2", "3"}
