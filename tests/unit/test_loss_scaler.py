@@ -169,3 +169,26 @@ def test_found_inf_in_grads_leaves_grads_alone():
 def test_reduce_found_inf_without_distributed_is_identity():
     t = torch.tensor(1.0)
     assert reduce_found_inf(t) is t and t.item() == 1.0
+
+
+def test_dtensor_grads_are_checked_and_unscaled_on_local_shards(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+        w.grad = distribute_tensor(torch.full((4, 2), 8.0), mesh, [Shard(0)])
+        assert found_inf_in_grads([w]).item() == 0.0
+        found = reduce_found_inf(unscale_grads_([w], 0.25))
+        assert found.item() == 0.0
+        assert torch.equal(w.grad.full_tensor(), torch.full((4, 2), 2.0))
+        w.grad = distribute_tensor(torch.tensor([[1.0, math.nan]] * 4), mesh, [Shard(0)])
+        assert found_inf_in_grads([w]).item() == 1.0
+        assert reduce_found_inf(unscale_grads_([w], 0.5)).item() == 1.0
+    finally:
+        dist.destroy_process_group()
