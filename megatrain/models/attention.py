@@ -74,6 +74,9 @@ class SelfAttention(nn.Module):
         n, g, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
         self.linear_qkv = nn.Linear(h, (n + 2 * g) * d, bias=config.add_bias_linear)
         self.linear_proj = nn.Linear(n * d, h, bias=config.add_bias_linear)
+        # A parameter-free submodule so that parallel code can address the dropout region (its RNG)
+        # and recompute it (selective activation recomputation) by module path.
+        self.core_attention = CoreAttention(config)
         self.rotary = (
             RotaryEmbedding(d, config.rotary_base) if config.position_embedding_type == "rope" else None
         )
@@ -109,10 +112,22 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)  # now [b, groups, past + s, d]
 
-        out = self._attend(q, k, v, attention_mask, past)  # [b, heads, s, d]
+        out = self.core_attention(q, k, v, attention_mask, past)  # [b, heads, s, d]
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
 
-    def _attend(
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + mask) v with attention dropout, through SDPA (no parameters).
+
+    q [b, heads, s, d], k and v [b, groups, past + s, d] -> [b, heads, s, d].
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.heads_per_group = config.heads_per_group
+        self.attention_dropout = config.attention_dropout
+
+    def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
