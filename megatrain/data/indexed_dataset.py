@@ -333,6 +333,32 @@ class IndexedDatasetWriter:
         self._n_sequences += len(lengths)
         self._documents.append(self._n_sequences)
 
+    def add_documents(self, ids, sequence_lengths, sequences_per_document) -> None:
+        """Append many documents at once (the bulk form used by preprocessing).
+
+        ``ids`` are all tokens concatenated, ``sequence_lengths`` the length of every
+        sequence, ``sequences_per_document`` how many sequences each document has (0 for an
+        empty document).
+        """
+        arr = self._as_array(ids)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)
+        per_doc = np.asarray(sequences_per_document, dtype=np.int64).reshape(-1)
+        if (
+            int(lengths.sum()) != arr.size
+            or int(per_doc.sum()) != lengths.size
+            or (lengths.size and int(lengths.min()) < 0)
+            or (per_doc.size and int(per_doc.min()) < 0)
+        ):
+            raise ValueError(
+                f"inconsistent bulk add: {arr.size} ids, {lengths.size} sequences summing to "
+                f"{int(lengths.sum())}, documents covering {int(per_doc.sum())} sequences"
+            )
+        self._write(arr)
+        self._flush_lengths()
+        self._length_arrays.append(lengths.astype(np.int32))
+        self._documents.extend((self._n_sequences + np.cumsum(per_doc)).tolist())
+        self._n_sequences += int(lengths.size)
+
     def add_sequences_as_document(self, sequences: Iterable) -> None:
         """Append several sequences (e.g. sentences) forming one document."""
         arrays = [self._as_array(s) for s in sequences]
