@@ -8,7 +8,7 @@ cache; then one token per step is fed back in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -63,15 +63,22 @@ def generate(
     model.eval()
     try:
         with torch.inference_mode():
-            return _generate(
-                model, prompt_ids, max_new_tokens, device, stop_sequences,
-                lambda logits: sample_next_tokens(logits, greedy, temperature, top_k, top_p, generator),
-            )  # fmt: skip
+            def choose(logits: torch.Tensor) -> torch.Tensor:
+                return sample_next_tokens(logits, greedy, temperature, top_k, top_p, generator)
+
+            return _generate(model, prompt_ids, max_new_tokens, device, stop_sequences, choose)
     finally:
         model.train(was_training)
 
 
-def _generate(model, prompt_ids, max_new_tokens, device, stop_sequences, choose) -> list[list[int]]:
+def _generate(
+    model: nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    device: torch.device,
+    stop_sequences: list[list[int]],
+    choose: Callable[[torch.Tensor], torch.Tensor],
+) -> list[list[int]]:
     batch, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
 
     # Left-pad: real tokens are right-aligned so every sequence's next token goes in the same column.

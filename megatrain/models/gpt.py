@@ -174,18 +174,12 @@ class GPTModel(nn.Module):
         exclude_embeddings leaves out word and position embeddings and an untied output layer.
         """
         total = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            embedding_params = [
-                m.weight
-                for m in (
-                    self.embedding.word_embeddings if self.embedding is not None else None,
-                    self.embedding.position_embeddings if self.embedding is not None else None,
-                    self.output_layer,
-                )
-                if m is not None
-            ]
-            total -= sum(p.numel() for p in embedding_params)
-        return total
+        if not exclude_embeddings:
+            return total
+        embedding_layers = [self.output_layer]
+        if self.embedding is not None:
+            embedding_layers += [self.embedding.word_embeddings, self.embedding.position_embeddings]
+        return total - sum(layer.weight.numel() for layer in embedding_layers if layer is not None)
 
 
 # ---- deterministic initialisation ---------------------------------------------------------------
