@@ -1,0 +1,560 @@
+"""GPT pre-training samples in Megatron-LM's exact order: split, epochs, indices, caching.
+
+For a dataset prefix, a split and a number of samples, three index arrays decide which tokens
+form sample ``i`` (the same arrays Megatron-LM builds, bit for bit):
+
+* ``document_index`` (int32): the split's document ids repeated once per epoch, shuffled with
+  ``numpy.random.RandomState(seed)``; when the last epoch contributes fewer than 80% of an
+  epoch's samples it is shuffled on its own after the others ("separate final epoch").
+* ``sample_index`` ([N+1, 2]): for every sample start, the position in ``document_index`` and
+  the token offset in that document. Sample ``i`` covers the ``seq_length + 1`` tokens starting
+  at global token ``i * seq_length`` of the concatenated documents (consecutive samples share one
+  token). Built here in closed form: cumulative lengths + ``searchsorted``, which gives the
+  same (position, offset) pairs as Megatron's sequential ``build_sample_idx``, including
+  zero-length documents (never chosen as a start) and samples ending exactly at a document end
+  (the next sample starts at that document's last token).
+* ``shuffle_index``: a permutation of the samples from the same random state (the final epoch's
+  samples permuted separately when it is separate).
+
+Indices are cached as ``{md5}-GPTDataset-{split}-{document,sample,shuffle}_index.npy`` (plus a
+``description.txt``) under ``--data-cache-path``, default ``PREFIX/cache/GPTDataset_indices``
+as in Megatron. Files are written atomically; in a torch.distributed job rank 0 builds while
+the other ranks wait at a barrier and then memory-map the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from megatrain.data.config import DataConfig
+
+__all__ = [
+    "SPLIT_NAMES",
+    "GPTDataset",
+    "MockGPTDataset",
+    "MockLowLevelDataset",
+    "build_document_index",
+    "build_indices",
+    "build_sample_index",
+    "build_shuffle_index",
+    "build_train_valid_test_datasets",
+    "load_or_build_cached",
+    "num_epochs_for",
+    "num_samples_for_splits",
+    "parse_blend",
+    "parse_split",
+    "split_matrix_from_vector",
+    "split_ranges",
+]
+
+logger = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+# ----------------------------------------------------------------------------- flags -> numbers
+
+def parse_split(split: str, flag: str = "--split") -> list[float]:
+    """``"969,30,1"`` -> normalised weights ``[0.969, 0.03, 0.001]`` (missing entries are 0)."""
+    text = str(split)
+    numbers = re.findall(r"[.0-9]+", text)
+    leftover = re.sub(r"[.0-9]+", "", text)
+    if not numbers or leftover.strip(" ,/:") != "" or len(numbers) > 3:
+        raise ValueError(f"{flag} {split!r}: expected up to three non-negative numbers such as '969,30,1'")
+    try:
+        values = [float(n) for n in numbers]
+    except ValueError:
+        raise ValueError(f"{flag} {split!r}: {numbers} are not all numbers") from None
+    values += [0.0] * (3 - len(values))
+    if sum(values) <= 0:
+        raise ValueError(f"{flag} {split!r}: the proportions must not all be zero")
+    w = np.asarray(values, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def split_matrix_from_vector(vector: Sequence[float]) -> list[Optional[tuple[float, float]]]:
+    """Normalised split weights -> cumulative bookends per split (``None`` for an empty split)."""
+    ends = [0.0]
+    for v in vector:
+        ends.append(ends[-1] + v)
+    return [None if hi <= lo else (lo, hi) for lo, hi in zip(ends[:-1], ends[1:])]
+
+
+def split_ranges(num_sequences: int, matrix: Sequence[Optional[tuple[float, float]]]):
+    """``[beg, end)`` sequence ranges per split (``None`` where the split is empty)."""
+    out = []
+    for bookend in matrix:
+        if bookend is None:
+            out.append(None)
+        else:
+            out.append((int(round(bookend[0] * float(num_sequences))),
+                        int(round(bookend[1] * float(num_sequences)))))
+    return out
+
+
+def parse_blend(values: Optional[Sequence[str]], flag: str = "--data-path"):
+    """``[W1, P1, W2, P2, ...]`` or ``[P1, P2, ...]`` -> ``(prefixes, weights or None)``.
+
+    As in Megatron: an odd count means prefixes only; an even count is read as weight/prefix
+    pairs when every weight parses as a number, and as prefixes only when none does.
+    """
+    if not values:
+        return None
+    values = [str(v) for v in values]
+    if len(values) % 2 == 1:
+        return [v.strip() for v in values], None
+    raw_weights, raw_prefixes = values[0::2], values[1::2]
+    weights = []
+    for w in raw_weights:
+        try:
+            weights.append(float(w))
+        except ValueError:
+            weights.append(None)
+    if all(w is None for w in weights):
+        return [v.strip() for v in values], None
+    if any(w is None for w in weights):
+        bad = [raw for raw, w in zip(raw_weights, weights) if w is None]
+        raise ValueError(f"{flag}: in a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' every weight must "
+                         f"be a number; {', '.join(map(repr, bad))} is not")
+    for raw, w in zip(raw_weights, weights):
+        if not math.isfinite(w) or w <= 0:
+            raise ValueError(f"{flag}: blend weight {raw!r} must be a positive number")
+    return [p.strip() for p in raw_prefixes], weights
+
+
+def num_samples_for_splits(train_iters: Optional[int], train_samples: Optional[int],
+                           global_batch_size: int, eval_interval: Optional[int],
+                           eval_iters: int) -> tuple[int, int, int]:
+    """Samples each split must provide (Megatron's ``get_train_valid_test_num_samples``).
+
+    train = train_samples or train_iters*B; valid = (train_iters//eval_interval + 1) *
+    eval_iters * B, where with ``--train-samples`` train_iters = train_samples // B;
+    test = eval_iters * B.
+    """
+    if train_samples:
+        train = int(train_samples)
+        train_iters = train // global_batch_size
+    elif train_iters is not None:
+        train = int(train_iters) * global_batch_size
+    else:
+        raise ValueError("give --train-iters or --train-samples")
+    eval_interval = eval_interval or 1000
+    valid = (int(train_iters) // eval_interval + 1) * eval_iters * global_batch_size
+    test = eval_iters * global_batch_size
+    return train, valid, test
+
+
+# ----------------------------------------------------------------------------- index building
+
+def num_epochs_for(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int) -> int:
+    """Smallest e >= 1 with e * tokens_per_epoch >= num_samples * seq_length + 1."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + 1
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """Documents tiled ``num_epochs`` times (int32), shuffled (last epoch alone if separate)."""
+    if not separate_final_epoch or num_epochs == 1:
+        index = np.tile(np.asarray(documents, dtype=np.int64), num_epochs).astype(np.int32)
+        rng.shuffle(index)
+        return index
+    first = build_document_index(documents, num_epochs - 1, rng, False)
+    last = build_document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
+    """[N+1, 2] (position in document_index, token offset) of every sample start, N = (T-1)//seq_length.
+
+    Closed form of Megatron's ``build_sample_idx`` (drop-last, one extra token per sample):
+    sample i > 0 starts at global token ``i*seq_length``, in the one document whose token
+    range contains it (never a zero-length one); sample 0 starts at (0, 0).
+    """
+    if seq_length <= 1:
+        raise ValueError(f"--seq-length must be greater than 1, got {seq_length}")
+    lengths = np.asarray(sizes)[document_index].astype(np.int64)
+    starts = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    total = int(starts[-1])
+    num_samples = (total - 1) // seq_length
+    big = max(document_index.shape[0], int(np.max(sizes)) if len(sizes) else 0)
+    dtype = np.int32 if big <= np.iinfo(np.int32).max else np.int64
+    sample_index = np.zeros((num_samples + 1, 2), dtype=dtype)
+    if num_samples:
+        positions = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
+        doc = np.searchsorted(starts, positions, side="right") - 1
+        sample_index[1:, 0] = doc
+        sample_index[1:, 1] = positions - starts[doc]
+    return sample_index
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """Permutation of [0, num_samples) then (separately) of [num_samples, total_size)."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: Optional[int],
+                  seq_length: int, seed: int) -> dict:
+    """All three indices for the documents ``documents`` of a dataset with lengths ``sizes``."""
+    sizes = np.asarray(sizes)
+    tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
+    if tokens_per_epoch <= 1:
+        raise ValueError(f"the split has {len(documents)} documents with {tokens_per_epoch} tokens; "
+                         "at least 2 tokens are needed to form a sample")
+    num_epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length)
+    separate_final_epoch = False
+    if num_epochs > 1:
+        samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        samples_from_final = num_samples - samples_sans_final
+        samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+        assert 0 <= samples_from_final <= samples_per_epoch + 1
+        separate_final_epoch = samples_from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+    sample_index = build_sample_index(sizes, document_index, seq_length)
+    total = sample_index.shape[0] - 1
+    if separate_final_epoch:
+        shuffle_index = build_shuffle_index(samples_sans_final, total, rng)
+    else:
+        shuffle_index = build_shuffle_index(total, total, rng)
+    return {"document_index": document_index, "sample_index": sample_index,
+            "shuffle_index": shuffle_index, "num_epochs": num_epochs,
+            "separate_final_epoch": separate_final_epoch, "tokens_per_epoch": tokens_per_epoch}
+
+
+# ----------------------------------------------------------------------------- caching
+
+def _dist_rank() -> tuple[bool, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return False, 0
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank()
+    return False, 0
+
+
+def _atomic_write(path: str, write: Callable) -> None:
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_or_build_cached(cache_dir: Optional[str], base: str, names: Sequence[str],
+                         description: str, build: Callable[[], dict]) -> dict:
+    """Arrays ``names`` from ``{cache_dir}/{base}-{name}.npy``, building and saving them on a miss.
+
+    Under torch.distributed rank 0 builds first; every rank passes one barrier; the others then
+    memory-map the files (or build for themselves if the files are not visible to them).
+    """
+    if cache_dir is None:
+        return build()
+    paths = {n: os.path.join(cache_dir, f"{base}-{n}.npy") for n in names}
+    desc_path = os.path.join(cache_dir, f"{base}-description.txt")
+    hit = lambda: all(os.path.isfile(p) for p in [desc_path, *paths.values()])  # noqa: E731
+    distributed, rank = _dist_rank()
+    built = None
+    if rank == 0 and not hit():
+        t0 = time.time()
+        built = build()
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for n, p in paths.items():
+                _atomic_write(p, lambda f, a=built[n]: np.save(f, a, allow_pickle=False))
+            _atomic_write(desc_path, lambda f: f.write(description.encode("utf-8")))
+        except OSError as e:
+            raise ValueError(f"cannot write the dataset index cache in {cache_dir} ({e.strerror}); "
+                             "give a writable directory with --data-cache-path") from None
+        logger.info("built and cached %s in %.3f s", base, time.time() - t0)
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+    if built is not None:
+        return built
+    if not hit():
+        return build()
+    return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}
+
+
+# ----------------------------------------------------------------------------- datasets
+
+class GPTDataset:
+    """Fixed-length samples of ``seq_length + 1`` token ids from one indexed dataset.
+
+    ``documents`` are the sequence ids this split may use; ``num_samples`` how many samples
+    it must provide (``None``: one epoch). ``dataset[i]`` is an int64 numpy array.
+    """
+
+    def __init__(self, indexed_dataset, dataset_path: Optional[str], documents: np.ndarray,
+                 num_samples: Optional[int], split_name: str, seq_length: int, seed: int,
+                 cache_dir: Optional[str], split: Optional[str] = None,
+                 split_matrix=None):
+        self.dataset = indexed_dataset
+        self.dataset_path = dataset_path
+        self.documents = np.asarray(documents, dtype=np.int32)
+        self.num_samples = num_samples
+        self.split_name = split_name
+        self.seq_length = int(seq_length)
+        self.seed = int(seed)
+        sizes = indexed_dataset.sequence_lengths
+        ids = OrderedDict()
+        ids["class"] = type(self).__name__
+        ids["dataset_path"] = dataset_path
+        ids["num_samples"] = num_samples
+        ids["index_split"] = split_name
+        ids["random_seed"] = self.seed
+        ids["sequence_length"] = self.seq_length
+        ids["split"] = split
+        ids["split_matrix"] = split_matrix
+        ids["add_extra_token_to_sequence"] = True
+        ids["documents"] = [int(self.documents[0]), int(self.documents[-1]) + 1] if len(self.documents) else [0, 0]
+        ids["dataset_sequences"] = int(len(sizes))
+        ids["dataset_tokens"] = int(np.sum(sizes, dtype=np.int64))
+        self.unique_identifiers = ids
+        self.unique_description = json.dumps(ids, indent=4)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        if len(self.documents) == 0:
+            raise ValueError(f"{dataset_path}: the {split_name} split has no documents; "
+                             "adjust --split or add data")
+
+        def build():
+            try:
+                arrays = build_indices(sizes, self.documents, num_samples, self.seq_length, self.seed)
+            except ValueError as e:
+                raise ValueError(f"{dataset_path} ({split_name} split): {e}") from None
+            logger.info("%s %s: %d samples, %d epochs", dataset_path, split_name,
+                        arrays["sample_index"].shape[0] - 1, arrays["num_epochs"])
+            return arrays
+
+        arrays = load_or_build_cached(
+            cache_dir, f"{self.unique_description_hash}-{type(self).__name__}-{split_name}",
+            ("document_index", "sample_index", "shuffle_index"), self.unique_description, build)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        if num_samples is not None and len(self) < num_samples:  # pragma: no cover - invariant
+            raise RuntimeError(f"{dataset_path}: built {len(self)} samples, {num_samples} needed")
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        n = len(self)
+        if not 0 <= idx < n:
+            if -n <= idx < 0:
+                idx += n
+            else:
+                raise IndexError(f"sample {idx} out of range for {n} samples")
+        i = int(self.shuffle_index[idx])
+        beg, beg_off = (int(x) for x in self.sample_index[i])
+        end, end_off = (int(x) for x in self.sample_index[i + 1])
+        get = self.dataset.get
+        docs = self.document_index
+        if beg == end:
+            tokens = np.asarray(get(int(docs[beg]), beg_off, end_off - beg_off + 1), dtype=np.int64)
+        else:
+            parts = [get(int(docs[beg]), beg_off)]
+            parts += [get(int(docs[j])) for j in range(beg + 1, end)]
+            parts.append(get(int(docs[end]), 0, end_off + 1))
+            tokens = np.concatenate(parts).astype(np.int64, copy=False)
+        assert tokens.shape[0] == self.seq_length + 1, (tokens.shape, idx)
+        return tokens
+
+
+class MockLowLevelDataset:
+    """Megatron's synthetic dataset: 100000 sequences with lengths from ``default_rng(0)``.
+
+    Sequence ``k`` is ``1, 2, ..., L-1, eod``; ids are wrapped into ``[1, vocab_size)`` when the
+    vocabulary is smaller than the longest sequence (Megatron does not wrap).
+    """
+
+    seed = 0
+    size = 100000
+    max_sequence_length = 4096
+
+    def __init__(self, eod: int, vocab_size: Optional[int] = None):
+        self.eod = int(eod)
+        self.vocab_size = vocab_size
+        rng = np.random.default_rng(seed=self.seed)
+        self.sequence_lengths = rng.integers(low=1, high=self.max_sequence_length, size=self.size,
+                                             dtype=np.int32)
+        self.prefix = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        n = int(self.sequence_lengths[idx])
+        if length is None:
+            length = n - offset
+        ids = np.arange(1, n, dtype=np.int64)
+        if self.vocab_size is not None and self.vocab_size > 2 and n > self.vocab_size:
+            ids = (ids - 1) % (self.vocab_size - 1) + 1
+        seq = np.concatenate([ids, [self.eod]])
+        return seq[offset:offset + length]
+
+
+class MockGPTDataset(GPTDataset):
+    """`GPTDataset` over `MockLowLevelDataset` (``--mock-data``); never cached."""
+
+
+# ----------------------------------------------------------------------------- building splits
+
+def _default_cache_dir(cfg: DataConfig, prefix: str) -> str:
+    if cfg.data_cache_path:
+        return cfg.data_cache_path
+    return os.path.join(prefix, "cache", "GPTDataset_indices")
+
+
+def _open_indexed(prefix: str, flag: str):
+    from megatrain.data.indexed_dataset import IndexedDataset
+
+    if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+        hint = ""
+        if prefix.endswith((".bin", ".idx")):
+            hint = f" (give the prefix without the extension: {prefix[:-4]})"
+        raise ValueError(f"{flag}: dataset {prefix!r} not found: expected {prefix}.bin and "
+                         f"{prefix}.idx{hint}")
+    try:
+        return IndexedDataset(prefix)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def _per_dataset_sizes(weights: Sequence[float], sizes: Sequence[Optional[int]], surplus: float):
+    return [[int(math.ceil(math.ceil(n * w) * (1 + surplus))) if n is not None else None for n in sizes]
+            for w in weights]
+
+
+def _splits_of_prefix(cfg: DataConfig, prefix: str, flag: str, matrix, sizes, seq_length, seed,
+                      split_str):
+    """GPTDataset per split (or None) for one prefix."""
+    indexed = _open_indexed(prefix, flag)
+    ranges = split_ranges(len(indexed), matrix)
+    cache_dir = _default_cache_dir(cfg, prefix)
+    out = []
+    for i, r in enumerate(ranges):
+        if r is None:
+            out.append(None)
+            continue
+        docs = np.arange(r[0], r[1], dtype=np.int32)
+        out.append(GPTDataset(indexed, prefix, docs, sizes[i], SPLIT_NAMES[i], seq_length, seed,
+                              cache_dir, split_str, matrix))
+    return out
+
+
+def _build_blend(cfg: DataConfig, prefixes, weights, flag, matrix, sizes, seq_length, seed, split_str):
+    """Blended dataset per split for several prefixes (Megatron's builder rules)."""
+    from megatrain.data.blended_dataset import BlendedDataset, normalize_weights
+
+    if weights is not None:
+        weights = normalize_weights(weights)
+        targets = _per_dataset_sizes(weights, sizes, 0.0)
+        buffers = _per_dataset_sizes(weights, sizes, cfg.mid_level_dataset_surplus)
+    else:
+        buffers = [[None] * 3 for _ in prefixes]
+    per_prefix = [_splits_of_prefix(cfg, p, flag, matrix, buffers[k], seq_length, seed, split_str)
+                  for k, p in enumerate(prefixes)]
+    out = []
+    for i in range(3):
+        if matrix[i] is None:
+            out.append(None)
+            continue
+        datasets = [per_prefix[k][i] for k in range(len(prefixes))]
+        if weights is not None:
+            w_i = weights
+            size_i = sum(targets[k][i] for k in range(len(prefixes)))
+        else:
+            w_i = [len(d) for d in datasets]
+            size_i = min(sizes[i], sum(w_i)) if sizes[i] is not None else sum(w_i)
+        out.append(BlendedDataset(datasets, w_i, size_i, cfg.data_cache_path, SPLIT_NAMES[i]))
+    return out
+
+
+def build_train_valid_test_datasets(cfg: DataConfig, seq_length: int, seed: int,
+                                    num_samples: Sequence[Optional[int]],
+                                    tokenizer_vocab_size: Optional[int] = None,
+                                    eod: Optional[int] = None):
+    """``(train, valid, test)`` datasets (each may be None) for the data flags in ``cfg``.
+
+    ``num_samples`` is the samples each split must provide (`num_samples_for_splits`).
+    Sources: ``--mock-data``; ``--data-path`` (one prefix, ``W1 P1 W2 P2 ...``, or several
+    prefixes weighted by their sizes) split by ``--split``; or ``--train/valid/test-data-path``.
+    """
+    sizes = list(num_samples)
+    if cfg.mock_data:
+        if eod is None:
+            raise ValueError("--mock-data needs the tokenizer's end-of-document id")
+        low = MockLowLevelDataset(eod, tokenizer_vocab_size)
+        matrix = split_matrix_from_vector(parse_split("1,1,1"))
+        out = []
+        for i, r in enumerate(split_ranges(len(low), matrix)):
+            docs = np.arange(r[0], r[1], dtype=np.int32)
+            out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], seq_length, seed,
+                                      None, "1,1,1", matrix))
+        return tuple(out)
+    if cfg.data_path:
+        if cfg.has_per_split_paths:
+            raise ValueError("give either --data-path or --train/valid/test-data-path, not both")
+        prefixes, weights = parse_blend(cfg.data_path, "--data-path")
+        matrix = split_matrix_from_vector(parse_split(cfg.split))
+        if len(prefixes) == 1 and weights is None:
+            return tuple(_splits_of_prefix(cfg, prefixes[0], "--data-path", matrix, sizes,
+                                           seq_length, seed, cfg.split))
+        return tuple(_build_blend(cfg, prefixes, weights, "--data-path", matrix, sizes,
+                                  seq_length, seed, cfg.split))
+    if cfg.has_per_split_paths:
+        out = []
+        for i, (flag, values) in enumerate((("--train-data-path", cfg.train_data_path),
+                                            ("--valid-data-path", cfg.valid_data_path),
+                                            ("--test-data-path", cfg.test_data_path))):
+            blend = parse_blend(values, flag)
+            if blend is None:
+                out.append(None)
+                continue
+            prefixes, weights = blend
+            matrix = [None, None, None]
+            matrix[i] = (0.0, 1.0)
+            spoof = [0, 0, 0]
+            spoof[i] = sizes[i]
+            if len(prefixes) == 1:
+                out.append(_splits_of_prefix(cfg, prefixes[0], flag, matrix, spoof, seq_length,
+                                             seed, None)[i])
+            else:
+                out.append(_build_blend(cfg, prefixes, weights, flag, matrix, spoof, seq_length,
+                                        seed, None)[i])
+        return tuple(out)
+    raise ValueError("no data: give --data-path, --train-data-path/--valid-data-path/--test-data-path "
+                     "or --mock-data")
