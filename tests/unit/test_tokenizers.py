@@ -285,3 +285,25 @@ def test_bert_wordpiece(tmp_path):
     bad.write_text("a\nb\n")
     with pytest.raises(ValueError, match=r"--vocab-file .*bad.txt.*\[UNK\]"):
         build_tokenizer(TokenizerConfig(tokenizer_type="BertWordPieceCase", vocab_file=str(bad)))
+
+
+def test_train_tokenizer_files_load_and_round_trip(tmp_path):
+    from megatrain.data.train_tokenizer import main as train_main
+
+    texts = stdlib_text(120_000)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    vocab_path, merges_path = train_main(
+        ["--input", str(corpus), "--vocab-size", "600", "--output-dir", str(tmp_path / "tok")])
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_path,
+                                          merge_file=merges_path))
+    hf = GPT2BPETokenizer(vocab_path, merges_path, backend="hf")
+    assert tok.backend == "tiktoken" and tok.vocab_size == 600
+    assert tok.eod == tok.vocab["<|endoftext|>"]
+    for text in texts[:5] + EDGE_CASES:
+        ids = tok.tokenize(text)
+        assert ids == hf.tokenize(text)
+        assert tok.detokenize(ids) == text
+    assert len(tok.tokenize(texts[0])) < 0.7 * len(texts[0].encode())  # it learned merges
+    with pytest.raises(SystemExit, match="--vocab-size must be larger"):
+        train_main(["--input", str(corpus), "--vocab-size", "100", "--output-dir", str(tmp_path / "t2")])
