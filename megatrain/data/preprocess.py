@@ -47,6 +47,7 @@ __all__ = [
     "expand_inputs",
     "iter_texts",
     "main",
+    "parse_line",
     "preprocess",
     "split_sentences",
 ]
@@ -198,6 +199,45 @@ def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------
+# parsing lines
+# ----------------------------------------------------------------------------------------
+def parse_line(raw: bytes, fmt: str, json_keys: Sequence[str], where: str) -> dict[str, list[str] | str] | str | None:
+    """The texts of one input line per key, None for a blank jsonl line, or an error message
+    starting with ``where`` (``FILE:LINE``)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {e.start} of the line)"
+    if fmt == "text":
+        if line.endswith("\n"):
+            line = line[:-1]
+            if line.endswith("\r"):
+                line = line[:-1]
+        return {key: line for key in json_keys}
+    if not line.strip():
+        return None
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(data, dict):
+        return f"{where}: expected a JSON object, got {type(data).__name__}"
+    out = {}
+    for key in json_keys:
+        if key not in data:
+            present = ", ".join(list(data)[:10]) or "none"
+            return f"{where}: missing JSON key {key!r} (keys on this line: {present}; see --json-keys)"
+        value = data[key]
+        if isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(s, str) for s in value)
+        ):
+            out[key] = value
+        else:
+            return f"{where}: JSON key {key!r} holds {type(value).__name__}, expected a string or a list of strings"
+    return out
+
+
+# ----------------------------------------------------------------------------------------
 # worker side
 # ----------------------------------------------------------------------------------------
 @dataclass
@@ -231,40 +271,6 @@ class _Encoder:
         self.max_id = int(np.iinfo(self.dtype).max)
         self.eod = self.tokenizer.eod
 
-    def _texts(self, raw: bytes, fmt: str, where: str) -> dict[str, list[str] | str] | str | None:
-        """The texts of one line per key, None for a blank jsonl line, or an error message."""
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {e.start} of the line)"
-        if fmt == "text":
-            if line.endswith("\n"):
-                line = line[:-1]
-                if line.endswith("\r"):
-                    line = line[:-1]
-            return {key: line for key in self.cfg.json_keys}
-        if not line.strip():
-            return None
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as e:
-            return f"{where}: invalid JSON ({e.msg} at column {e.colno})"
-        if not isinstance(data, dict):
-            return f"{where}: expected a JSON object, got {type(data).__name__}"
-        out = {}
-        for key in self.cfg.json_keys:
-            if key not in data:
-                present = ", ".join(list(data)[:10]) or "none"
-                return f"{where}: missing JSON key {key!r} (keys on this line: {present}; see --json-keys)"
-            value = data[key]
-            if isinstance(value, str) or (
-                isinstance(value, list) and all(isinstance(s, str) for s in value)
-            ):
-                out[key] = value
-            else:
-                return f"{where}: JSON key {key!r} holds {type(value).__name__}, expected a string or a list of strings"
-        return out
-
     def encode_chunk(self, chunk: _Chunk) -> _ChunkResult:
         cfg = self.cfg
         path, fmt = self.files[chunk.file_index], self.formats[chunk.file_index]
@@ -281,7 +287,7 @@ class _Encoder:
         for offset, raw in enumerate(chunk.lines):
             lineno = chunk.first_lineno + offset
             where = f"{path}:{lineno}"
-            texts = self._texts(raw, fmt, where)
+            texts = parse_line(raw, fmt, self.cfg.json_keys, where)
             if texts is None:
                 n_blank += 1
                 continue
@@ -594,15 +600,11 @@ def iter_texts(
 ) -> Iterator[str]:
     """Every text of every document of the inputs, in order (same rules as preprocessing)."""
     files = expand_inputs(inputs)
-    cfg = PreprocessConfig(input="", output_prefix="", tokenizer=TokenizerConfig(),
-                           json_keys=list(json_keys), input_format=input_format)
-    parser = _Encoder.__new__(_Encoder)
-    parser.cfg = cfg
-    for fi, path in enumerate(files):
+    for path in files:
         fmt = input_format_of(path, input_format)
         for chunk in _iter_chunks([path]):
             for offset, raw in enumerate(chunk.lines):
-                texts = parser._texts(raw, fmt, f"{path}:{chunk.first_lineno + offset}")
+                texts = parse_line(raw, fmt, json_keys, f"{path}:{chunk.first_lineno + offset}")
                 if texts is None:
                     continue
                 if isinstance(texts, str):
