@@ -1,0 +1,136 @@
+"""Data parallelism: replicated (DDP) or sharded (FSDP2, ZeRO stages 1-3) over the ``dp`` mesh axis.
+
+=============================================  ==================================================
+flags                                          implementation
+=============================================  ==================================================
+(default), tensor parallel off                 ``DistributedDataParallel`` (all-reduce in buckets
+                                               of ``--ddp-bucket-size`` elements, overlapped with
+                                               the backward pass)
+--use-distributed-optimizer / --zero-stage 1|2 ``fully_shard(reshard_after_forward=False)``:
+                                               optimizer state and gradients sharded, parameters
+                                               gathered once per step (ZeRO-2; also used for 1)
+--zero-stage 3                                 ``fully_shard(reshard_after_forward=True)``:
+                                               parameters sharded too, gathered per layer
+tensor parallel on, no ZeRO flag               FSDP2 as for ZeRO-2 (DDP does not take DTensor
+                                               parameters); same numbers as a replicated run
+--overlap-param-gather                         explicit FSDP2 prefetch of the next layer's
+                                               parameters (forward) and the previous (backward)
+--bf16                                         FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
+                                               reduce_dtype=fp32, or bf16 with
+                                               --grad-reduce-in-bf16); master weights stay fp32
+=============================================  ==================================================
+
+Gradients are averaged over the dp ranks, so with each rank's loss the mean over its micro-batches
+the result equals one process averaging all micro-batches of the global batch. During gradient
+accumulation only the last micro-batch communicates (:func:`gradient_sync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+try:  # torch >= 2.6 exports FSDP2 publicly
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older layouts
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # type: ignore
+from torch.nn.parallel import DistributedDataParallel
+
+# Megatron's default bucket: max(40M, 1M x dp) elements.
+_DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclass
+class DataParallelConfig:
+    zero_stage: int = 0
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None  # --ddp-bucket-size, in elements (Megatron's unit)
+    param_dtype: torch.dtype | None = None  # bf16 compute copy of parameters (FSDP2)
+    grad_reduce_in_bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> "DataParallelConfig":
+        zero = getattr(args, "zero_stage", 0) or 0
+        if getattr(args, "use_distributed_optimizer", False) and zero == 0:
+            zero = 1
+        return cls(zero_stage=zero, overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+                   overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+                   bucket_size=getattr(args, "ddp_bucket_size", None),
+                   param_dtype=torch.bfloat16 if getattr(args, "bf16", False) else None,
+                   grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)))
+
+
+def uses_fsdp(cfg: DataParallelConfig, tensor_parallel: bool) -> bool:
+    return cfg.zero_stage > 0 or tensor_parallel
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -> nn.Module:
+    """``fully_shard`` every transformer layer, then the root (embeddings, final norm, head)."""
+    reshard = cfg.zero_stage == 3
+    if cfg.param_dtype is not None:
+        reduce_dtype = torch.bfloat16 if cfg.grad_reduce_in_bf16 else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=reduce_dtype)
+    else:
+        mp = MixedPrecisionPolicy()
+    layers = list(model.layers.values())
+    for layer in layers:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if cfg.overlap_param_gather and len(layers) > 1:
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers) and hasattr(layer, "set_modules_to_forward_prefetch"):
+                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            if i > 0 and hasattr(layer, "set_modules_to_backward_prefetch"):
+                layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    return model
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig,
+              device: torch.device) -> DistributedDataParallel:
+    """Replicated data parallel; the model must hold its initial weights already (rank 0's are broadcast)."""
+    elements = cfg.bucket_size or max(_DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp_mesh.size())
+    bytes_per_grad = 2 if cfg.grad_reduce_in_bf16 else 4
+    ddp = DistributedDataParallel(
+        model, process_group=dp_mesh.get_group(), device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=elements * bytes_per_grad / 2**20, gradient_as_bucket_view=True)
+    if cfg.grad_reduce_in_bf16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(dp_mesh.get_group(), bf16_compress_hook)
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 and tensor parallelism keep the module itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Forward and backward of one micro-batch; gradients are reduced across dp only if ``enabled``.
+
+    Use ``enabled=False`` for every micro-batch but the last of an iteration.
+    """
+    if isinstance(model, DistributedDataParallel):
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

@@ -1,0 +1,154 @@
+"""ParallelDims: the parallel sizes of a run, their validation, and the one DeviceMesh built from them.
+
+The world is laid out as a 4-D mesh with named axes ``("pp", "dp", "cp", "tp")`` (outermost to
+innermost, so tensor-parallel ranks are neighbours, as in Megatron). Data parallel is what is left
+over: ``dp = world / (pp * cp * tp)``. Sub-meshes are handed out by axis name (``dims.mesh["tp"]``,
+``dims.submesh("dp")``); code never assumes a 1-D mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from megatrain.models.config import GPTConfig
+
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the pipeline (pp), data (dp), context (cp) and tensor (tp) parallel axes.
+
+    ``dp`` of -1 (the default) means "the rest of the world". Sizes are checked on construction;
+    :meth:`validate_model` checks a model shape against the tensor-parallel size.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = -1
+    sequence_parallel: bool = False
+    _mesh: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        for flag, size in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp),
+                           ("--context-parallel-size", self.cp)):
+            if size < 1:
+                raise ValueError(f"{flag} must be at least 1, got {size}")
+        model_parallel = self.tp * self.pp * self.cp
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({self.tp}) x "
+                f"--pipeline-model-parallel-size ({self.pp}) x --context-parallel-size ({self.cp})")
+        rest = self.world_size // model_parallel
+        if self.dp == -1:
+            self.dp = rest
+        elif self.dp != rest:
+            raise ValueError(
+                f"data-parallel size {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp} does not equal the "
+                f"world size ({self.world_size})")
+        if self.tp == 1:
+            self.sequence_parallel = False
+
+    @classmethod
+    def from_args(cls, args: Any, world_size: int) -> "ParallelDims":
+        """From Megatron flags (``--tensor-model-parallel-size`` ...) and the launcher's world size."""
+        return cls(world_size=world_size, tp=args.tensor_model_parallel_size,
+                   pp=getattr(args, "pipeline_model_parallel_size", 1),
+                   cp=getattr(args, "context_parallel_size", 1),
+                   sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+
+    # ---- checks against the model --------------------------------------------------------------
+
+    def validate_model(self, config: "GPTConfig", *, orig_vocab_size: int | None = None,
+                       make_vocab_size_divisible_by: int | None = None, seq_length: int | None = None) -> None:
+        """Raise ValueError naming the flags when the model cannot be split ``tp`` ways."""
+        tp = self.tp
+        n, g = config.num_attention_heads, config.num_query_groups
+        if n % tp:
+            raise ValueError(f"--num-attention-heads ({n}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+        if g is not None and g % tp:
+            raise ValueError(f"--num-query-groups ({g}) must be divisible by --tensor-model-parallel-size ({tp}): "
+                             f"each tensor-parallel rank holds whole query groups")
+        assert config.ffn_hidden_size is not None
+        if config.ffn_hidden_size % tp:
+            raise ValueError(f"--ffn-hidden-size ({config.ffn_hidden_size}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+        if config.vocab_size % tp:
+            raise ValueError(f"the padded vocabulary ({config.vocab_size}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp}); pad it with --make-vocab-size-divisible-by")
+        if orig_vocab_size is not None and make_vocab_size_divisible_by is not None:
+            multiple = make_vocab_size_divisible_by * tp
+            if config.vocab_size % multiple or config.vocab_size < orig_vocab_size:
+                raise ValueError(
+                    f"vocabulary size {config.vocab_size} is not the tokenizer's {orig_vocab_size} padded to a "
+                    f"multiple of --make-vocab-size-divisible-by ({make_vocab_size_divisible_by}) x "
+                    f"--tensor-model-parallel-size ({tp})")
+        if self.sequence_parallel and seq_length is not None and seq_length % tp:
+            raise ValueError(f"--sequence-parallel needs --seq-length ({seq_length}) divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+
+    # ---- the mesh ------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.cp, self.tp)
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def build_mesh(self, device_type: str) -> "DeviceMesh":
+        """Build (once) the 4-D DeviceMesh over all ranks; the process group must be initialised."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        return self._mesh
+
+    @property
+    def mesh(self) -> "DeviceMesh":
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh(device_type) must be called before using the mesh")
+        return self._mesh
+
+    def submesh(self, *axes: str) -> "DeviceMesh":
+        """The sub-mesh over the named axes, e.g. ``submesh("dp")`` or ``submesh("dp", "tp")``."""
+        for a in axes:
+            if a not in MESH_AXES:
+                raise ValueError(f"unknown mesh axis {a!r}; axes are {MESH_AXES}")
+        return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]
+
+    def local_rank_on(self, axis: str) -> int:
+        """This process's coordinate along ``axis`` (0 without a mesh)."""
+        if self._mesh is None:
+            return 0
+        return self.mesh.get_local_rank(axis)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank_on("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.local_rank_on("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.local_rank_on("pp")
+
+    def describe(self) -> str:
+        return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} x cp {self.cp} x tp {self.tp}"
+                + (" (sequence parallel)" if self.sequence_parallel else ""))

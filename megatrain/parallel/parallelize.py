@@ -1,0 +1,100 @@
+"""``parallelize_gpt``: turn a GPTModel built on the meta device into a sharded, initialised model.
+
+The steps always run in this order:
+
+1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`);
+2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
+3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``);
+4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs);
+5. materialise (``to_empty``) and fill every parameter from ``initial_value`` -- each rank writes
+   only its shard of the full tensor, so the weights are identical for every layout;
+6. DDP wrapping (replicated data parallel), which needs materialised weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import canonical_parameter_name, initial_value
+from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
+from megatrain.parallel.dims import ParallelDims
+from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
+from megatrain.parallel.tensor_parallel import apply_tensor_parallel
+
+
+@dataclass
+class ParallelizeConfig:
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    compile_layers: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ParallelizeConfig":
+        return cls(DataParallelConfig.from_args(args), RecomputeConfig.from_args(args),
+                   bool(getattr(args, "use_torch_compile", False)))
+
+
+def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
+                    seed: int, config: GPTConfig | None = None,
+                    compile_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Apply parallelism to ``model`` (ideally on the meta device), initialise it and return it.
+
+    ``cfg`` is a :class:`ParallelizeConfig` or parsed Megatron arguments. The result is the model
+    itself (tensor parallel / FSDP2) or a ``DistributedDataParallel`` wrapper around it; use
+    :func:`megatrain.parallel.data_parallel.unwrap` for the module.
+    """
+    if not isinstance(cfg, ParallelizeConfig):
+        cfg = ParallelizeConfig.from_args(cfg)
+    config = config or model.config
+    distributed = dims.world_size > 1
+    if dims.tp_enabled:
+        dims.validate_model(config)
+        apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel)
+    apply_activation_checkpointing(model, cfg.recompute)
+    if compile_fn is None and cfg.compile_layers:
+        compile_fn = _compile_in_place
+    if compile_fn is not None:
+        for layer in model.layers.values():
+            compile_fn(layer)
+    fsdp = distributed and dims.dp_enabled and uses_fsdp(cfg.data_parallel, dims.tp_enabled)
+    if fsdp:
+        apply_fsdp(model, dims.submesh("dp"), cfg.data_parallel)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    init_parameters(model, config, seed)
+    if distributed and dims.dp_enabled and not fsdp:
+        return apply_ddp(model, dims.submesh("dp"), cfg.data_parallel, device)
+    return model
+
+
+def _compile_in_place(module: nn.Module) -> None:
+    module.compile()
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, config: GPTConfig, seed: int) -> None:
+    """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``."""
+    for name, param in model.named_parameters():
+        full = initial_value(canonical_parameter_name(name), param.shape, config, seed)
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            shard = _local_shard(full.to(device=local.device, dtype=local.dtype), param)
+            local.copy_(shard)
+        else:
+            param.copy_(full.to(dtype=param.dtype))
+
+
+def _local_shard(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's part of ``full`` for the placements of ``like``, without communication."""
+    try:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    except TypeError:  # torch without src_data_rank
+        replicated = DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
+                                        run_check=False)
+        return replicated.redistribute(like.device_mesh, like.placements).to_local()

@@ -1,0 +1,77 @@
+"""Activation recomputation (Megatron's ``--recompute-*`` flags) with torch's non-reentrant checkpointing.
+
+* ``--recompute-granularity full --recompute-method block --recompute-num-layers N``: the first N
+  transformer layers of the stage are checkpointed (only their inputs are kept; the layer is run
+  again in the backward pass); the others keep all activations.
+* ``--recompute-granularity full --recompute-method uniform --recompute-num-layers N``: Megatron
+  checkpoints chunks of N consecutive layers (one stored input per chunk). Here every layer is
+  checkpointed on its own: the same numbers and the same recompute work, with one stored input per
+  layer instead of per chunk (N = 1, the common setting and what ``--checkpoint-activations``
+  means, is exactly Megatron's).
+* ``--recompute-granularity selective``: only core attention (softmax(QK^T)V with its dropout,
+  ``self_attention.core_attention``) is recomputed, Megatron's "selective" choice: cheap to redo,
+  large to keep.
+
+Wrapping uses torch's ``checkpoint_wrapper``; the wrapper's ``_checkpoint_wrapped_module`` path
+part is dropped from parameter names by DCP and by ``canonical_parameter_name``. RNG state is
+preserved and restored, so dropout masks replay exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+
+@dataclass
+class RecomputeConfig:
+    granularity: str | None = None  # None, "full" or "selective"
+    method: str | None = None  # "uniform" or "block" (full only)
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.granularity not in (None, "full", "selective"):
+            raise ValueError(f"--recompute-granularity must be full or selective, got {self.granularity!r}")
+        if self.granularity == "full":
+            self.method = self.method or "uniform"
+            if self.method not in ("uniform", "block"):
+                raise ValueError(f"--recompute-method must be uniform or block, got {self.method!r}")
+            if self.num_layers is None:
+                self.num_layers = 1
+            if self.num_layers < 1 and self.method == "uniform":
+                raise ValueError(f"--recompute-num-layers must be at least 1, got {self.num_layers}")
+            if self.num_layers < 0:
+                raise ValueError(f"--recompute-num-layers must not be negative, got {self.num_layers}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> "RecomputeConfig":
+        return cls(getattr(args, "recompute_granularity", None), getattr(args, "recompute_method", None),
+                   getattr(args, "recompute_num_layers", None))
+
+
+def _wrap(module: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True)
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: RecomputeConfig) -> list[str]:
+    """Wrap the layers (or core attentions) of ``model`` as ``cfg`` asks; returns the wrapped paths."""
+    wrapped: list[str] = []
+    if cfg.granularity is None:
+        return wrapped
+    layers: nn.ModuleDict = model.layers
+    keys = list(layers.keys())
+    if cfg.granularity == "full":
+        assert cfg.num_layers is not None
+        chosen = keys[: cfg.num_layers] if cfg.method == "block" else keys
+        for key in chosen:
+            layers[key] = _wrap(layers[key])
+            wrapped.append(f"layers.{key}")
+    else:
+        for key in keys:
+            attention = layers[key].self_attention
+            attention.core_attention = _wrap(attention.core_attention)
+            wrapped.append(f"layers.{key}.self_attention.core_attention")
+    return wrapped

@@ -1,0 +1,191 @@
+"""Tensor and sequence parallelism for GPTModel: DTensor plans by module path, and the vocab-parallel loss.
+
+Layout on the ``tp`` mesh axis (Megatron's):
+
+=====================================  =====================================================
+module path                            style
+=====================================  =====================================================
+embedding.word_embeddings              vocab-parallel embedding (RowwiseParallel: rows of the
+                                       table sharded, partial sums all-reduced)
+layers.N.self_attention.linear_qkv     column parallel; the grouped [g, n/g + 2, d] row layout
+                                       makes Shard(0) give every rank whole query groups (GQA too)
+layers.N.self_attention.linear_proj    row parallel
+layers.N.mlp.linear_fc1                column parallel; SwiGLU rows are interleaved gate/up per
+                                       channel, so Shard(0) keeps each pair on one rank
+layers.N.mlp.linear_fc2                row parallel
+output_layer (or the tied embedding)   column parallel over the vocabulary: logits stay sharded
+                                       and the loss is :func:`vocab_parallel_cross_entropy`
+=====================================  =====================================================
+
+The model reads head and channel counts from tensor sizes, so the unchanged forward code runs on
+the local shards. With sequence parallelism the residual stream between blocks is sharded on the
+sequence dim (dim 1): norms run on ``Shard(1)`` (SequenceParallel), attention and MLP all-gather
+their input (PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)).
+
+Dropout regions on sharded activations (attention dropout, and the residual dropout under
+sequence parallelism) run under :class:`megatrain.parallel.random.TensorParallelRNG`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from megatrain.parallel.random import TensorParallelRNG
+
+__all__ = ["layer_plan", "apply_tensor_parallel", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
+
+
+def layer_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """The plan of one transformer layer, keyed by module path relative to the layer."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "self_attention.linear_qkv": ColwiseParallel(),
+        "self_attention.linear_proj": RowwiseParallel(output_layouts=residual),
+        "mlp.linear_fc1": ColwiseParallel(),
+        "mlp.linear_fc2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        plan.update({
+            "input_layernorm": SequenceParallel(),
+            "pre_mlp_layernorm": SequenceParallel(),
+            # SelfAttention.forward(x, position_ids, attention_mask, kv_cache): gather x only.
+            "self_attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None, None),
+                                                 use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+        })
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                          rng: TensorParallelRNG | None = None) -> nn.Module:
+    """Shard ``model`` (a GPTModel, possibly a pipeline stage without embedding or head) in place.
+
+    After this, ``model(..., labels=...)`` returns the per-token loss as a plain tensor computed
+    with the vocab-parallel cross entropy; ``model(...)`` without labels returns the logits as a
+    DTensor sharded on the vocabulary (``.full_tensor()`` gathers them).
+    """
+    tp = tp_mesh.size()
+    residual = Shard(1) if sequence_parallel else Replicate()
+    if rng is None:
+        rng = TensorParallelRNG(tp_mesh.get_local_rank(), tp_mesh.device_type)
+
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        parallelize_module(embedding, tp_mesh, {
+            "word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+        if sequence_parallel:
+            # Word + position embeddings and their dropout are replicated; then each rank keeps its
+            # part of the sequence (the backward all-gathers the gradient).
+            parallelize_module(embedding, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+        rng.fork_module(layer.self_attention.core_attention)  # local heads: masks differ per rank
+        if sequence_parallel:
+            rng.fork_module(layer.dropout)  # residual dropout on the rank's part of the sequence
+
+    final_norm = getattr(model, "final_layernorm", None)
+    if final_norm is not None:
+        if sequence_parallel:
+            parallelize_module(final_norm, tp_mesh, SequenceParallel())
+        # The head's input as a replicated DTensor, so that the tied F.linear with the vocab-sharded
+        # embedding table (or the column-parallel output layer) yields vocab-sharded logits.
+        parallelize_module(final_norm, tp_mesh, PrepareModuleOutput(
+            output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=False))
+        if getattr(model, "output_layer", None) is not None:
+            parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
+        model.loss = VocabParallelLoss(tp_mesh)  # instance attribute: replaces GPTModel.loss
+    del tp
+    return model
+
+
+# ---- vocab-parallel cross entropy ----------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits whose last dim is split across ``group``; never gathers them."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any,
+                ignore_index: int) -> torch.Tensor:
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+
+        in_shard = (target >= vocab_start) & (target < vocab_start + local_vocab)
+        local_target = torch.where(in_shard, target - vocab_start, torch.zeros_like(target))
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_shard
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack((target_logit, sum_exp))
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        target_logit, sum_exp = both[0], both[1]
+
+        keep = target != ignore_index
+        loss = (sum_exp.log() - target_logit) * keep
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, in_shard, keep)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+        softmax, local_target, in_shard, keep = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -in_shard.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * keep).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, group: Any = None,
+                                 vocab_start: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross entropy (float32, shape of ``target``) of vocab-sharded ``logits``.
+
+    ``logits`` [..., V/tp] is this rank's contiguous slice of the vocabulary starting at
+    ``vocab_start`` (default ``rank_in_group * V/tp``), or a DTensor sharded on its last dim.
+    Tokens labelled ``ignore_index`` get 0, as with ``F.cross_entropy``.
+    """
+    if isinstance(logits, DTensor):
+        (placement,) = logits.placements
+        assert isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1), logits.placements
+        mesh = logits.device_mesh
+        group = mesh.get_group()
+        local = logits.to_local()
+        vocab_start = mesh.get_local_rank() * local.shape[-1]
+        logits = local
+    if vocab_start is None:
+        vocab_start = dist.get_rank(group) * logits.shape[-1]
+    flat = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), vocab_start, group,
+                                            ignore_index)
+    return flat.view(target.shape)
+
+
+class VocabParallelLoss:
+    """Drop-in for ``GPTModel.loss`` under tensor parallelism (logits sharded on the vocabulary)."""
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):
+            return vocab_parallel_cross_entropy(logits, labels)
+        return vocab_parallel_cross_entropy(logits, labels, group=self.tp_mesh.get_group(),
+                                            vocab_start=self.tp_mesh.get_local_rank() * logits.shape[-1])

@@ -1,0 +1,144 @@
+"""Running a function on several gloo CPU processes from a test, and tiny training runs to compare.
+
+``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes that form a gloo group,
+calls ``fn(rank, world_size, *args)`` in each and returns the list of their return values (any
+picklable object). An exception in a worker fails the test with that worker's traceback.
+
+``train_reference`` / ``train_parallel`` run the same few optimizer steps (micro-batches, masked
+mean loss per micro-batch, gradient clipping, AdamW) on one process and on a parallel layout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel, canonical_parameter_name
+from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    out: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out = {"ok": False, "error": traceback.format_exc()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.start_processes(_entry, args=(world_size, _free_port(), result_dir, fn, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+        results = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
+                   for r in range(world_size)]
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if not res["ok"]]
+    if errors:
+        raise AssertionError("worker failed\n" + "\n".join(errors))
+    return [res["value"] for res in results]
+
+
+# ---- tiny deterministic training runs -----------------------------------------------------------
+
+def tiny_config(style: str = "gpt2", **overrides: Any) -> GPTConfig:
+    fields: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                  max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                                  ffn_hidden_size=64)
+    if style == "llama":
+        fields.update(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                      ffn_hidden_size=48, add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+SEQ, MICRO, GLOBAL, STEPS, SEED = 16, 2, 8, 5, 1234
+
+
+def global_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, labels and loss mask [GLOBAL, SEQ] of one step (some tokens masked)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, vocab, (GLOBAL, SEQ + 1), generator=g)
+    mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.2).float()
+    return data[:, :-1], data[:, 1:], mask
+
+
+def micro_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    per_token = model(tokens, labels=labels)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4, foreach=False))
+
+
+CLIP = 0.5  # small enough that clipping is active on these runs
+
+
+def train_reference(config: GPTConfig, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, all micro-batches of every global batch: (losses, final parameters)."""
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    model.to_empty(device="cpu")
+    model.init_weights(SEED)
+    opt = make_optimizer(model)
+    losses = []
+    n_micro = GLOBAL // MICRO
+    for step in range(steps):
+        tokens, labels, mask = global_batch(step, config.vocab_size)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(n_micro):
+            sl = slice(m * MICRO, (m + 1) * MICRO)
+            loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
+            (loss / n_micro).backward()
+            total += loss.item()
+        clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(total / n_micro)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to its full value, keyed by canonical name."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[canonical_parameter_name(name)] = t.clone()
+    return out
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    worst = 0.0
+    for k in a:
+        err = ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item()
+        worst = max(worst, err)
+    return worst
+
+
+def relative_errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a}
