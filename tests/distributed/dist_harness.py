@@ -142,3 +142,73 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 def relative_errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a}
+
+
+RUN_INFO: dict[str, Any] = {}
+
+
+def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
+    """After a micro-batch without gradient sync: FSDP2 has no sharded gradient yet; DDP's differ per rank."""
+    grads = [p.grad for p in module.parameters()]
+    if any(hasattr(p, "device_mesh") for p in module.parameters()):
+        return all(g is None for g in grads)
+    local = torch.cat([g.flatten() for g in grads if g is not None])
+    gathered = [torch.empty_like(local) for _ in range(dims.dp)]
+    dist.all_gather(gathered, local, group=dims.submesh("dp").get_group())
+    return not torch.equal(gathered[0], gathered[1])
+
+
+def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: int = 0,
+                   recompute: tuple = (None, None, None), overlap: bool = False, steps: int = STEPS,
+                   bucket_size: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The run of :func:`train_reference` on this process group's layout (inside a worker)."""
+    from megatrain.parallel.data_parallel import DataParallelConfig, gradient_sync, unwrap
+    from megatrain.parallel.dims import ParallelDims
+    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+    from megatrain.parallel.recompute import RecomputeConfig
+
+    dims = ParallelDims(dist.get_world_size(), tp=tp, sequence_parallel=sp)
+    dims.build_mesh("cpu")
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    cfg = ParallelizeConfig(DataParallelConfig(zero_stage=zero, overlap_grad_reduce=overlap,
+                                               overlap_param_gather=overlap, bucket_size=bucket_size),
+                            RecomputeConfig(*recompute))
+    model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
+    opt = make_optimizer(unwrap(model))
+    n_micro = GLOBAL // MICRO // dims.dp
+    dp_rank = dims.dp_rank
+    losses = []
+    for step in range(steps):
+        tokens, labels, mask = global_batch(step, config.vocab_size)
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for m in range(n_micro):
+            start = (m * dims.dp + dp_rank) * MICRO  # Megatron's order: micro-batch m of every dp rank
+            sl = slice(start, start + MICRO)
+            with gradient_sync(model, m == n_micro - 1):
+                loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
+                (loss / n_micro).backward()
+            total += loss.detach()
+            if step == 0 and m == 0 and n_micro > 1 and dims.dp > 1:
+                RUN_INFO["unsynced"] = _gradients_unsynced(unwrap(model), dims)
+        RUN_INFO.setdefault("grad_norms", []).append(
+            float(clip_grad_norm_(list(unwrap(model).parameters()), CLIP)))
+        opt.step()
+        total /= n_micro
+        if dims.dp > 1:
+            dist.all_reduce(total, group=dims.submesh("dp").get_group())
+            total /= dims.dp
+        losses.append(total.item())
+    return losses, full_parameters(unwrap(model))
+
+
+def compare_to_reference(config: GPTConfig, **layout: Any) -> dict[str, float]:
+    """Max relative errors of per-step losses and final full parameters against one process."""
+    ref_losses, ref_params = train_reference(config)
+    RUN_INFO.clear()
+    losses, params = train_parallel(config, **layout)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    ref = {canonical_parameter_name(k): v for k, v in ref_params.items()}
+    return {"loss": loss_err, "params": max_relative_error(params, ref), **RUN_INFO}

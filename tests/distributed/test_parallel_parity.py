@@ -1,0 +1,71 @@
+"""Every parallel layout trains exactly like one process: per-step losses and final parameters.
+
+Each layout runs 5 optimizer steps (4 micro-batches per global batch, masked per-micro-batch mean
+loss, active gradient clipping, AdamW) on gloo CPU processes and is compared with one plain
+process doing all micro-batches; the gathered full parameters must agree within 1e-5 relative
+error. All layouts of one world size share one spawned job (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import compare_to_reference, run_workers, tiny_config
+
+TOLERANCE = 1e-5
+
+# name -> (model style, layout keyword arguments of train_parallel)
+WORLD2 = {
+    "tp2": ("gpt2", dict(tp=2)),
+    "tp2_sp": ("gpt2", dict(tp=2, sp=True)),
+    "tp2_llama_gqa_swiglu_untied": ("llama", dict(tp=2)),
+    "tp2_sp_llama_gqa_swiglu_untied": ("llama", dict(tp=2, sp=True)),
+    "dp2_ddp": ("gpt2", dict(overlap=True, bucket_size=10_000)),
+    "dp2_zero1": ("llama", dict(zero=1)),
+    "dp2_zero2": ("gpt2", dict(zero=2, overlap=True)),
+    "dp2_zero3": ("llama", dict(zero=3, overlap=True)),
+    "tp2_sp_recompute_full_uniform": ("llama", dict(tp=2, sp=True, recompute=("full", "uniform", 1))),
+    "tp2_recompute_full_block": ("gpt2", dict(tp=2, recompute=("full", "block", 1))),
+    "tp2_recompute_selective": ("llama", dict(tp=2, recompute=("selective", None, None))),
+    "dp2_zero3_recompute_full": ("gpt2", dict(zero=3, recompute=("full", "uniform", 1))),
+}
+WORLD4 = {
+    "tp2_dp2": ("gpt2", dict(tp=2)),
+    "tp2_sp_dp2_zero3_selective": ("llama", dict(tp=2, sp=True, zero=3, recompute=("selective", None, None))),
+}
+
+
+def _run_all(rank: int, world_size: int, layouts: dict) -> dict:
+    return {name: compare_to_reference(tiny_config(style), **layout) for name, (style, layout) in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def world2_results():
+    return run_workers(_run_all, 2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4_results():
+    return run_workers(_run_all, 4, WORLD4)
+
+
+def _check(results: list[dict], name: str, layout: dict) -> None:
+    for rank, per_rank in enumerate(results):
+        r = per_rank[name]
+        assert r["loss"] < TOLERANCE, f"rank {rank}: per-step loss differs from one process by {r['loss']:.2e}"
+        assert r["params"] < TOLERANCE, f"rank {rank}: final parameters differ from one process by {r['params']:.2e}"
+        assert max(r["grad_norms"]) > 0.5, "gradient clipping was not active; the check would be weaker"
+        if "unsynced" in r:
+            assert r["unsynced"], "gradients were reduced on a micro-batch that should not synchronise"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_world2_layout_matches_one_process(world2_results, name):
+    _check(world2_results, name, WORLD2[name][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_world4_layout_matches_one_process(world4_results, name):
+    _check(world4_results, name, WORLD4[name][1])
