@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import os
 import shlex
 import subprocess
@@ -26,6 +27,7 @@ def build_corpus(out: Path, max_bytes: int) -> int:
     """One document per stdlib source file, until ``max_bytes`` of text; returns the document count."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    random.Random(0).shuffle(files)  # a fixed mix of modules, so every split sees typical code
     total = docs = 0
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
+from megatrain.errors import user_errors_exit
 from megatrain.inference.generation import generate
 from megatrain.inference.loading import fill_tokenizer_args, load_model
 from megatrain.training.builders import choose_device
@@ -53,6 +54,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+@user_errors_exit
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.tokens_to_generate < 0:

@@ -39,7 +39,12 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--use-legacy-models": "megatrain has one model implementation",
     "--apply-query-key-layer-scaling": "softmax is computed in fp32 by SDPA; no extra scaling is needed",
     "--attention-softmax-in-fp32": "softmax is computed in fp32 by SDPA",
-    "--no-load-optim-legacy": "ignored",
+    "--log-throughput": "throughput is always logged",
+    "--log-timers-to-tensorboard": "iteration time and throughput are always written to TensorBoard",
+    "--log-validation-ppl-to-tensorboard": "validation perplexity is always written to TensorBoard",
+    "--log-memory-to-tensorboard": "peak memory is always written to TensorBoard on CUDA",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 "
+                                            "(unless --grad-reduce-in-bf16)",
 }
 
 # Megatron flags that megatrain knows but does not implement; they are refused with this reason.
@@ -158,7 +163,6 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 def _add_init_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("initialization")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--data-parallel-random-init", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
 
 
@@ -178,9 +182,12 @@ def _add_lr_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--override-opt-param-scheduler", action="store_true")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   dest="use_checkpoint_opt_param_scheduler")
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on --load, take the LR schedule from the flags instead of the checkpoint")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on --load, take the LR schedule from the checkpoint (the default here)")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -205,8 +212,7 @@ def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="gradients are always accumulated in fp32 here")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
 
 
@@ -393,6 +399,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if cp != 1:
         _fail("--context-parallel-size is reserved and must be 1")
+    if pp != 1:
+        _fail("--pipeline-model-parallel-size > 1: pipeline parallelism is not supported yet")
     for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
         if size < 1:
             _fail(f"{name} must be at least 1, got {size}")

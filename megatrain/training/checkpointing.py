@@ -15,12 +15,14 @@ A checkpoint is written under ``iter_XXXXXXX.tmp`` and renamed when complete on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -43,6 +45,14 @@ class TrainState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when torch.distributed is not initialised: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def checkpoint_dir(save: str, iteration: int) -> str:
@@ -135,7 +145,8 @@ def save_checkpoint(
         to_save = {"model": model_sd, "optimizer": optim_sd}
     else:
         to_save = {"model": get_state_dict(model, [])[0]}
-    dcp.save(to_save, checkpoint_id=tmp)
+    with _single_process_quiet():
+        dcp.save(to_save, checkpoint_id=tmp)
     if save_rng:
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
     _barrier()
@@ -209,7 +220,8 @@ def load_checkpoint(
         sd = {"model": model_sd, "optimizer": optim_sd}
     else:
         sd = {"model": get_state_dict(model, [])[0]}
-    dcp.load(sd, checkpoint_id=ckpt)
+    with _single_process_quiet():
+        dcp.load(sd, checkpoint_id=ckpt)
     if load_optim:
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
     else:

@@ -29,7 +29,8 @@ from megatrain.training import checkpointing
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
-from megatrain.training.logging import MetricsWriter, format_train_log_line, format_validation_line
+from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
+                                        format_validation_line)
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler, found_inf_in_grads, unscale_grads_
 from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
@@ -103,9 +104,10 @@ class Trainer:
         self.flops_per_iteration = num_floating_point_operations(
             self.model_config, args.global_batch_size, args.seq_length)
         self.peak_tflops = device_peak_tflops(self.device, self.precision.dtype)
-        self.writer = MetricsWriter(args.tensorboard_dir, wandb_project=args.wandb_project,
-                                    wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-                                    config=vars(args)) if self._is_logging_rank() else None
+        self.writer = MetricsWriter(args.tensorboard_dir, enabled=self._is_logging_rank(),
+                                    wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                                    wandb_save_dir=args.wandb_save_dir, run_config=vars(args))
+        self.writer.log_config(vars(args))
         if args.load:
             self._load(args.load)
         self._build_data()
@@ -208,7 +210,7 @@ class Trainer:
         skipped = bad
         if not skipped:
             self.optimizer.step()
-        self.scheduler.step(a.global_batch_size)
+            self.scheduler.step(a.global_batch_size)
         grad_norm = float(grad_norm_t) if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
 
@@ -231,12 +233,9 @@ class Trainer:
         loss = self.evaluate(data_iter, self.args.eval_iters)
         if loss is None:
             return None
-        line = format_validation_line(prefix, loss)
-        print_rank0("-" * (len(line) + 1))
-        print_rank0(line)
-        print_rank0("-" * (len(line) + 1))
-        if self.writer is not None:
-            self.writer.add_validation(loss, iteration, consumed_samples=self.state.consumed_train_samples)
+        print_rank0(format_validation_block(format_validation_line(iteration, loss, prefix=prefix)))
+        self.writer.log_validation(iteration, loss, consumed_samples=self.state.consumed_train_samples,
+                                   log_ppl=True)
         return loss
 
     # ------------------------------------------------------------------ the loop
@@ -262,8 +261,11 @@ class Trainer:
             if result.nan:
                 self.state.nan_iterations += 1
             it = self.state.iteration
-            if self.writer is not None and it % a.tensorboard_log_interval == 0:
-                self.writer.add_train(it, self._scalars(result))
+            if self.writer.active and it % a.tensorboard_log_interval == 0:
+                self.writer.log_train(it, consumed_samples=self.state.consumed_train_samples,
+                                      losses={"lm loss": float(result.loss)}, learning_rate=self.scheduler.current_lr(),
+                                      batch_size=a.global_batch_size, grad_norm=result.grad_norm,
+                                      loss_scale=float(self.scaler.scale) if self.scaler is not None else None)
             if it % a.log_interval == 0:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -290,14 +292,6 @@ class Trainer:
                 sys.exit(0)
         return self.state
 
-    def _scalars(self, r: StepResult) -> dict[str, float]:
-        out = {"learning-rate": self.optimizer.param_groups[0]["lr"], "lm loss": float(r.loss)}
-        if r.grad_norm is not None:
-            out["grad-norm"] = r.grad_norm
-        if self.scaler is not None:
-            out["loss-scale"] = float(self.scaler.scale)
-        return out
-
     def _log(self, stats: "_IntervalStats", seconds_per_iter: float, train_iters: int) -> None:
         a = self.args
         tflops = self.flops_per_iteration / (seconds_per_iter * 1e12 * self.world_size)
@@ -306,21 +300,21 @@ class Trainer:
         line = format_train_log_line(
             iteration=self.state.iteration, train_iters=train_iters,
             consumed_samples=self.state.consumed_train_samples, elapsed_ms=seconds_per_iter * 1000.0,
-            tflops=tflops, learning_rate=self.optimizer.param_groups[0]["lr"],
-            global_batch_size=a.global_batch_size, lm_loss=stats.mean_loss(),
+            throughput_tflops=tflops, learning_rate=self.scheduler.current_lr(),
+            global_batch_size=a.global_batch_size, losses={"lm loss": stats.mean_loss()},
             loss_scale=float(self.scaler.scale) if self.scaler is not None else 1.0,
-            grad_norm=stats.last_grad_norm, skipped=stats.skipped, nan=stats.nan,
+            grad_norm=stats.last_grad_norm, skipped_iterations=stats.skipped, nan_iterations=stats.nan,
             tokens_per_sec_per_gpu=tokens_per_gpu,
             mfu=(tflops / self.peak_tflops) if self.peak_tflops else None, peak_mem_gib=mem_gib)
         print_rank0(line)
-        if self.writer is not None:
-            self.writer.add_train(self.state.iteration, {"throughput": tflops, "tokens-per-sec-per-gpu": tokens_per_gpu,
-                                                         **({"mem-max-allocated-bytes": mem_gib * 2**30}
-                                                            if mem_gib is not None else {})})
+        self.writer.log_train(self.state.iteration, consumed_samples=self.state.consumed_train_samples,
+                              throughput_tflops=tflops, iteration_time_s=seconds_per_iter,
+                              tokens_per_sec_per_gpu=tokens_per_gpu,
+                              mfu=(tflops / self.peak_tflops) if self.peak_tflops else None,
+                              memory={"mem-max-allocated-bytes": mem_gib * 2**30} if mem_gib is not None else None)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.writer.close()
 
 
 class _IntervalStats:

@@ -1,0 +1,145 @@
+"""The Megatron-compatible command line: defaults, legacy flags, --config, and every user error."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatrain.training.arguments import build_parser, parse_args, validate_args
+from megatrain.training.builders import model_config_from_args, padded_vocab_size
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]
+
+
+def parse(*extra: str, world_size: int = 1):
+    args = parse_args([*BASE, *extra], validate=False)
+    return validate_args(args, world_size=world_size)
+
+
+def fails(capsys, *extra: str, world_size: int = 1) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse(*extra, world_size=world_size)
+    msg = str(e.value.code) if not isinstance(e.value.code, int) else capsys.readouterr().err
+    return msg
+
+
+def test_defaults_follow_megatron():
+    a = parse()
+    assert a.split.replace(" ", "") == "969,30,1"
+    assert a.seed == 1234 and a.init_method_std == 0.02
+    assert a.global_batch_size == 2 and a.num_micro_batches == 1
+    assert a.max_position_embeddings == 32
+    assert a.lr_decay_style == "linear" and a.clip_grad == 1.0 and a.weight_decay == 0.01
+    assert a.num_query_groups == 4 and a.add_bias_linear
+    assert a.eval_interval == 1000 and a.eval_iters == 100 and a.log_interval == 100
+
+
+def test_gradient_accumulation_and_data_parallel():
+    a = parse("--global-batch-size", "16", world_size=4)
+    assert a.data_parallel_size == 4 and a.num_micro_batches == 2
+    a = parse("--global-batch-size", "16", "--tensor-model-parallel-size", "2", world_size=4)
+    assert a.data_parallel_size == 2 and a.num_micro_batches == 4
+
+
+def test_llama_style_flags_reach_model_config():
+    a = parse("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+              "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+              "--disable-bias-linear", "--norm-epsilon", "1e-6", "--rotary-base", "500000")
+    cfg = model_config_from_args(a, 512)
+    assert cfg.num_query_groups == 2 and cfg.swiglu and not cfg.add_bias_linear
+    assert cfg.untie_embeddings_and_output_weights and cfg.normalization == "RMSNorm"
+    assert cfg.rotary_base == 500000 and cfg.norm_epsilon == 1e-6
+
+
+def test_legacy_flags_are_accepted_with_a_note():
+    a = parse("--checkpoint-activations", "--distributed-backend", "nccl", "--use-flash-attn",
+              "--num-gpus-per-node", "8", "--world-size", "8", "--use-mcore-models", "--batch-size", "2")
+    assert a.recompute_granularity == "full" and a.recompute_method == "uniform"
+    assert any("--checkpoint-activations" in n for n in a.legacy_notes)
+    assert any("--use-flash-attn" in n for n in a.legacy_notes)
+
+
+def test_unknown_flag_is_rejected_with_a_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--num-layer", "3"], validate=False)
+    err = capsys.readouterr().err
+    assert "--num-layer" in err and "did you mean --num-layers" in err
+
+
+def test_known_unsupported_flag_says_why(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--num-experts", "8"], validate=False)
+    assert "mixture-of-experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--num-attention-heads", "5"], "--hidden-size (64) must be divisible by --num-attention-heads (5)"),
+    (["--global-batch-size", "3"], "--global-batch-size (3) must be a multiple of --micro-batch-size"),
+    (["--max-position-embeddings", "16"], "--seq-length (32) is larger than --max-position-embeddings (16)"),
+    (["--fp16", "--bf16"], "--fp16 and --bf16 cannot be used together"),
+    (["--train-samples", "100"], "exactly one of --train-iters and --train-samples"),
+    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups (3)"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "--lr-warmup-fraction and --lr-warmup-iters"),
+])
+def test_bad_combinations_name_the_flags(capsys, extra, expected):
+    assert expected in fails(capsys, *extra)
+
+
+def test_missing_data_is_an_error(capsys):
+    args = parse_args([a for a in BASE if a != "--mock-data"], validate=False)
+    with pytest.raises(SystemExit) as e:
+        validate_args(args, world_size=1)
+    assert "--data-path" in str(e.value.code)
+
+
+def test_neither_train_iters_nor_samples(capsys):
+    args = parse_args([a for a in BASE if a not in ("--train-iters", "10")], validate=False)
+    with pytest.raises(SystemExit) as e:
+        validate_args(args, world_size=1)
+    assert "--train-iters" in str(e.value.code)
+
+
+def test_world_size_must_divide_by_model_parallel(capsys):
+    msg = fails(capsys, "--tensor-model-parallel-size", "4", world_size=6)
+    assert "world size (6)" in msg and "--tensor-model-parallel-size (4)" in msg
+
+
+def test_config_yaml_supplies_fields_and_flags_override(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("num-layers: 6\nhidden_size: 128\nswiglu: true\ndisable-bias-linear: true\nlr: 0.5\n")
+    a = parse("--config", str(cfg), "--lr", "0.25")
+    assert a.num_layers == 2  # the command line wins over the file
+    a = parse_args(["--config", str(cfg), "--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size",
+                    "1", "--train-iters", "1", "--mock-data"], validate=True)
+    assert a.num_layers == 6 and a.hidden_size == 128 and a.swiglu and not a.add_bias_linear and a.lr == 0.5
+
+
+def test_config_yaml_unknown_key(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("num_layerz: 6\n")
+    with pytest.raises(SystemExit) as e:
+        parse("--config", str(cfg))
+    assert "unknown key 'num_layerz'" in str(e.value.code) and "num-layers" in str(e.value.code)
+
+
+def test_vocab_padding_matches_megatron():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 4) == 50688
+    assert padded_vocab_size(4096, 128, 1) == 4096
+
+
+def test_every_flag_has_help_or_is_legacy():
+    parser = build_parser()
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    assert len(flags) == len(set(flags))
+    assert "--tensor-model-parallel-size" in flags and "--data-path" in flags and "--tokenizer-type" in flags
+
+
+def test_flag_table_doc_is_current():
+    from pathlib import Path
+
+    from megatrain.training.flag_table import render
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "megatron_flags.md"
+    assert doc.read_text(encoding="utf-8") == render(), (
+        "docs/megatron_flags.md is stale: run python -m megatrain.training.flag_table docs/megatron_flags.md")
