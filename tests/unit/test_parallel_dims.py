@@ -1,0 +1,109 @@
+"""ParallelDims validation, launcher environment (torchrun / SLURM) and parallel flag mapping."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatrain.models.config import GPTConfig
+from megatrain.parallel.data_parallel import DataParallelConfig
+from megatrain.parallel.dims import ParallelDims
+from megatrain.parallel.distributed import env_from_environ, first_slurm_host, setup_env_from_slurm
+from megatrain.parallel.recompute import RecomputeConfig
+
+
+def test_data_parallel_is_the_rest_of_the_world():
+    dims = ParallelDims(16, tp=2, pp=2)
+    assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 4, 1, 2)
+    assert ParallelDims(3).dp == 3
+    assert not ParallelDims(4, tp=1, sequence_parallel=True).sequence_parallel
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=6, tp=4), "not divisible by --tensor-model-parallel-size"),
+    (dict(world_size=8, tp=2, pp=3), "--pipeline-model-parallel-size"),
+    (dict(world_size=4, tp=0), "--tensor-model-parallel-size must be at least 1"),
+    (dict(world_size=8, tp=2, dp=2), "does not equal the world size"),
+])
+def test_sizes_that_do_not_fit_the_world(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+def _config(**kw) -> GPTConfig:
+    fields = dict(num_layers=2, hidden_size=48, num_attention_heads=6, vocab_size=128, ffn_hidden_size=96)
+    fields.update(kw)
+    return GPTConfig(**fields)
+
+
+@pytest.mark.parametrize("config, tp, message", [
+    (_config(), 4, r"--num-attention-heads \(6\) must be divisible"),
+    (_config(num_attention_heads=4, hidden_size=32, num_query_groups=1), 2, r"--num-query-groups \(1\)"),
+    (_config(ffn_hidden_size=100), 4, r"--num-attention-heads|--ffn-hidden-size"),
+    (_config(num_attention_heads=4, hidden_size=32, ffn_hidden_size=90), 4, r"--ffn-hidden-size \(90\)"),
+    (_config(num_attention_heads=4, hidden_size=32, vocab_size=130), 4, "padded vocabulary"),
+])
+def test_model_shapes_that_do_not_split(config, tp, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(tp * 2, tp=tp).validate_model(config)
+
+
+def test_vocab_padding_and_sequence_length_checks():
+    dims = ParallelDims(2, tp=2, sequence_parallel=True)
+    dims.validate_model(_config(num_attention_heads=4, hidden_size=32, vocab_size=256), orig_vocab_size=200,
+                        make_vocab_size_divisible_by=128, seq_length=32)
+    with pytest.raises(ValueError, match="--make-vocab-size-divisible-by"):
+        dims.validate_model(_config(num_attention_heads=4, hidden_size=32, vocab_size=128), orig_vocab_size=100,
+                            make_vocab_size_divisible_by=128)
+    with pytest.raises(ValueError, match="--seq-length"):
+        dims.validate_model(_config(num_attention_heads=4, hidden_size=32), seq_length=33)
+
+
+def test_mesh_is_required_before_use():
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        ParallelDims(1).mesh
+    assert ParallelDims(1).dp_rank == 0
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu[003-010,012],cpu1", "gpu003"), ("node7", "node7"), ("a1,b2", "a1"), ("rack[1-2]-n[08-09]", "rack1-n08"),
+])
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+def test_slurm_environment_fills_torchrun_variables():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "dgx[12-13]",
+           "SLURM_JOB_ID": "4242"}
+    assert setup_env_from_slurm(env)
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "dgx12" and env["MASTER_PORT"] == str(20000 + 4242)
+    got = env_from_environ(env)
+    assert (got.rank, got.world_size, got.local_rank) == (5, 8, 1)
+
+
+def test_torchrun_variables_win_over_slurm():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert not setup_env_from_slurm(env)
+    got = env_from_environ(env)
+    assert (got.rank, got.world_size, got.source) == (1, 2, "torchrun")
+    assert env_from_environ({}).source == "single"
+    with pytest.raises(ValueError, match="RANK"):
+        env_from_environ({"RANK": "3", "WORLD_SIZE": "2"})
+
+
+def test_flag_mapping():
+    args = SimpleNamespace(zero_stage=0, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                           overlap_param_gather=False, ddp_bucket_size=1000, bf16=True, grad_reduce_in_bf16=False)
+    cfg = DataParallelConfig.from_args(args)
+    assert cfg.zero_stage == 1 and cfg.bucket_size == 1000 and cfg.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="--zero-stage"):
+        DataParallelConfig(zero_stage=4)
+    rc = RecomputeConfig("full")
+    assert (rc.method, rc.num_layers) == ("uniform", 1)
+    with pytest.raises(ValueError, match="--recompute-method"):
+        RecomputeConfig("full", "sometimes", 1)
+    with pytest.raises(ValueError, match="--recompute-granularity"):
+        RecomputeConfig("partial")
