@@ -1,0 +1,49 @@
+"""Shared fixtures for end-to-end tests: a tiny real corpus, tokenizer and preprocessed dataset."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cmd(argv: list[str], timeout: int = 300, env: dict | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command from the repository root, failing the test with its output when it fails."""
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(argv)}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> dict[str, str]:
+    """~400 KB of Python stdlib sources -> BPE tokenizer (vocab 512) -> .bin/.idx; returns paths."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = root / "corpus.jsonl"
+    total = 0
+    with open(corpus, "w", encoding="utf-8") as f:
+        for p in sorted(stdlib.glob("*.py")):
+            text = p.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                f.write(json.dumps({"text": text}) + "\n")
+                total += len(text)
+            if total > 400_000:
+                break
+    tok = root / "tok"
+    run_cmd([sys.executable, "-m", "megatrain", "train-tokenizer", "--input", str(corpus), "--vocab-size", "512",
+             "--output-dir", str(tok)])
+    tok_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tok / "vocab.json"),
+                 "--merge-file", str(tok / "merges.txt")]
+    prefix = root / "stdlib"
+    run_cmd([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
+             *tok_flags, "--append-eod", "--workers", "1"])
+    return {"root": str(root), "data_path": f"{prefix}_text_document", "tok_flags": tok_flags}
