@@ -23,7 +23,7 @@ def _forward_counts(model: GPTModel, module_of_layer) -> tuple[list[int], float,
     for i, layer in enumerate(model.layers.values()):
         def hook(*_, i=i):
             counts[i] += 1
-        module_of_layer(layer).register_forward_hook(hook)
+        module_of_layer(layer).register_forward_pre_hook(hook)  # recomputation may stop before the end
     torch.manual_seed(1)
     tokens = torch.randint(0, 64, (2, 16))
     loss = model(tokens, labels=tokens).mean()
