@@ -74,3 +74,24 @@ def test_bad_flags_fail_before_work(tmp_path):
     proc = run_cmd([sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "2", "--lr", "1e-3", "--mock-data",
                     "--fp16", "--bf16"], check=False)
     assert proc.returncode != 0 and "--fp16 and --bf16" in proc.stderr
+
+
+MOCK = [*MODEL, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--eval-iters", "0"]
+
+
+def test_fp16_overflow_skips_iterations_and_backs_off_the_scale():
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *MOCK, "--train-iters", "6", "--lr", "1e-3", "--fp16",
+                    "--initial-loss-scale", "1e38", "--hysteresis", "1", "--log-interval", "3"])
+    lines = train_lines(proc.stdout)
+    assert lines[0]["number of skipped iterations"] == 3
+    assert lines[1]["loss scale"] < lines[0]["loss scale"] < 1e38
+    assert lines[0]["learning rate"] == 1e-3  # the schedule does not advance on skipped steps
+
+
+def test_nan_iterations_are_counted_and_stop_the_run():
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *MOCK, "--train-iters", "30", "--lr", "1e30", "--clip-grad",
+                    "0", "--log-interval", "1", "--max-nan-iterations", "3"], check=False)
+    assert proc.returncode != 0
+    assert "--max-nan-iterations 3" in proc.stderr
+    lines = train_lines(proc.stdout)
+    assert sum(d["number of nan iterations"] for d in lines) == 3
