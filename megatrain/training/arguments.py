@@ -163,6 +163,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 def _add_init_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("initialization")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="initialise each data-parallel replica with a different seed (Megatron's option)")
     g.add_argument("--init-method-std", type=float, default=0.02)
 
 
