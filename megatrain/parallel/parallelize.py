@@ -52,6 +52,10 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     if not isinstance(cfg, ParallelizeConfig):
         cfg = ParallelizeConfig.from_args(cfg)
     config = config or model.config
+    if dims.pp > 1 or dims.cp > 1:
+        raise ValueError("parallelize_gpt applies tensor, sequence and data parallelism; pipeline "
+                         f"(--pipeline-model-parallel-size {dims.pp}) and context parallel (--context-parallel-size "
+                         f"{dims.cp}) stages must be built before calling it")
     distributed = dims.world_size > 1
     if dims.tp_enabled:
         dims.validate_model(config)

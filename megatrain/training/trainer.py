@@ -25,19 +25,32 @@ from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samp
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.models.gpt import GPTModel
+from megatrain.parallel.data_parallel import gradient_sync, unwrap
+from megatrain.parallel.dims import ParallelDims
+from megatrain.parallel.distributed import destroy_distributed, get_rank, get_world_size, init_distributed
+from megatrain.parallel.parallelize import parallelize_gpt
+from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
 from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
                                         format_validation_line)
-from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler, found_inf_in_grads, unscale_grads_
+from megatrain.training.loss_scaler import (ConstantLossScaler, DynamicLossScaler, found_inf_in_grads,
+                                            reduce_found_inf, unscale_grads_)
 from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
 
 
 def print_rank0(*a: Any, **kw: Any) -> None:
-    print(*a, **kw, flush=True)
+    if get_rank() == 0:
+        print(*a, **kw, flush=True)
+
+
+def print_rank_last(*a: Any, **kw: Any) -> None:
+    """Megatron prints training and validation lines from the last rank (it holds the loss under PP)."""
+    if get_rank() == get_world_size() - 1:
+        print(*a, **kw, flush=True)
 
 
 class ExitRequest:
@@ -81,16 +94,32 @@ class Trainer:
         self.start_time = time.time()
         self.device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.precision = Precision.from_args(args)
-        self.world_size = 1
-        self.dp_rank, self.dp_size = 0, 1
-        torch.manual_seed(args.seed)
+        self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
+        if self.world_size != getattr(args, "world_size_actual", self.world_size):
+            raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "
+                             f"launcher started {self.world_size} processes; set WORLD_SIZE before parsing (torchrun "
+                             f"does; under srun call megatrain.parallel.distributed.setup_env_from_slurm first)")
+        try:
+            self.dims = ParallelDims.from_args(args, self.world_size)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        if self.world_size > 1:
+            self.dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
+        seed_everything(args.seed, pp_rank=self.dims.pp_rank, dp_rank=self.dp_rank,
+                        data_parallel_random_init=bool(getattr(args, "data_parallel_random_init", False)))
 
         self.tokenizer = build_tokenizer(args)
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
         self.model_config = model_config_from_args(args, self.vocab_size)
-        self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, OptimizerConfig(
+        try:
+            self.dims.validate_model(self.model_config, seq_length=args.seq_length)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        self.model = self._build_model()  # DDP wrapper or the (sharded) model itself
+        self.module = unwrap(self.model)  # the GPTModel, for its methods and state dicts
+        self.optimizer = build_optimizer(self.module, OptimizerConfig(
             optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum))
         self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(args))
@@ -114,14 +143,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _is_logging_rank(self) -> bool:
-        return True
+        return get_rank() == self.world_size - 1
 
     def _build_model(self) -> torch.nn.Module:
+        """Build on the meta device; TP/SP, recompute, compile, FSDP2/DDP; fill the weights (any layout)."""
         with torch.device("meta"):
             model = GPTModel(self.model_config)
-        model.to_empty(device=self.device)
-        model.init_weights(self.args.seed)
-        return model
+        return parallelize_gpt(model, self.dims, self.args, device=self.device, seed=self.args.seed)
 
     def _build_data(self) -> None:
         a = self.args
@@ -147,7 +175,7 @@ class Trainer:
         if ckpt is None:
             print_rank0(f"WARNING: no checkpoint found in --load {load}; starting from scratch")
             return
-        meta = checkpointing.load_checkpoint(ckpt, self.model, self.optimizer,
+        meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
                                              load_optim=not (a.finetune or a.no_load_optim),
                                              load_rng=not (a.finetune or a.no_load_rng))
         if not a.finetune:
@@ -167,7 +195,7 @@ class Trainer:
         t0 = time.time()
         extra = {"scheduler": self.scheduler.state_dict(),
                  "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        path = checkpointing.save_checkpoint(a.save, self.state, self.model, self.optimizer, extra, a,
+        path = checkpointing.save_checkpoint(a.save, self.state, self.module, self.optimizer, extra, a,
                                              self.model_config, save_optim=not a.no_save_optim,
                                              save_rng=not a.no_save_rng)
         print_rank0(f" saved checkpoint at iteration {self.state.iteration:7d} to {path} "
@@ -191,17 +219,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
-        for _ in range(a.num_micro_batches):
-            loss = self._forward_loss(next(self.train_iter))
-            total += loss.detach()
-            (loss * (scale / a.num_micro_batches)).backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        for i in range(a.num_micro_batches):
+            # Data-parallel gradient reduction only after the last micro-batch.
+            with gradient_sync(self.model, i == a.num_micro_batches - 1):
+                loss = self._forward_loss(next(self.train_iter))
+                total += loss.detach()
+                (loss * (scale / a.num_micro_batches)).backward()
+        params = [p for p in self.module.parameters() if p.grad is not None]
         if self.scaler is not None:
             found_inf = unscale_grads_(params, 1.0 / scale)
         else:
             found_inf = found_inf_in_grads(params)
+        if self.world_size > 1:
+            reduce_found_inf(found_inf)  # MAX over all ranks: every rank skips the same steps
         grad_norm_t = clip_grad_norm_(params, a.clip_grad) if a.clip_grad > 0 else None
-        mean_loss = total / a.num_micro_batches
+        mean_loss = self._dp_mean(total / a.num_micro_batches)
         # One host synchronisation per iteration: decide whether to step.
         bad = bool(found_inf.item() > 0)
         loss_nan = not bool(torch.isfinite(mean_loss).item())
@@ -213,6 +245,14 @@ class Trainer:
             self.scheduler.step(a.global_batch_size)
         grad_norm = float(grad_norm_t) if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a per-rank loss over the data-parallel ranks (the global batch's mean)."""
+        if self.dp_size == 1:
+            return value
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=self.dims.submesh("dp").get_group())
+        return value / self.dp_size
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -227,13 +267,13 @@ class Trainer:
                 total += self._forward_loss(next(data_iter))
             self.state.consumed_valid_samples += a.global_batch_size
         self.model.train()
-        return float(total / (eval_iters * a.num_micro_batches))
+        return float(self._dp_mean(total / (eval_iters * a.num_micro_batches)))
 
     def evaluate_and_print(self, prefix: str, data_iter: Any, iteration: int) -> float | None:
         loss = self.evaluate(data_iter, self.args.eval_iters)
         if loss is None:
             return None
-        print_rank0(format_validation_block(format_validation_line(iteration, loss, prefix=prefix)))
+        print_rank_last(format_validation_block(format_validation_line(iteration, loss, prefix=prefix)))
         self.writer.log_validation(iteration, loss, consumed_samples=self.state.consumed_train_samples,
                                    log_ppl=True)
         return loss
@@ -243,10 +283,10 @@ class Trainer:
         a = self.args
         train_iters = a.train_iters_derived
         exits = ExitRequest(a, self.start_time)
-        print_rank0(f" training: {self.model.num_parameters():,} parameters, {train_iters} iterations, "
+        print_rank0(f" training: {self.module.num_parameters():,} parameters, {train_iters} iterations, "
                     f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
                     f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
-                    f"on {self.device}")
+                    f"on {self.device}" + (f"; {self.dims.describe()}" if self.world_size > 1 else ""))
         interval = _IntervalStats()
         t_last = time.time()
         if self.device.type == "cuda":
@@ -306,7 +346,7 @@ class Trainer:
             grad_norm=stats.last_grad_norm, skipped_iterations=stats.skipped, nan_iterations=stats.nan,
             tokens_per_sec_per_gpu=tokens_per_gpu,
             mfu=(tflops / self.peak_tflops) if self.peak_tflops else None, peak_mem_gib=mem_gib)
-        print_rank0(line)
+        print_rank_last(line)
         self.writer.log_train(self.state.iteration, consumed_samples=self.state.consumed_train_samples,
                               throughput_tflops=tflops, iteration_time_s=seconds_per_iter,
                               tokens_per_sec_per_gpu=tokens_per_gpu,
@@ -363,4 +403,5 @@ def pretrain(args: argparse.Namespace) -> TrainState:
             trainer.evaluate_and_print(f"iteration {it} on test set", test_iter, it)
     finally:
         trainer.close()
+        destroy_distributed()
     return trainer.state
