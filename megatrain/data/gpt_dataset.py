@@ -32,6 +32,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -469,6 +470,14 @@ def _splits_of_prefix(cfg: DataConfig, prefix: str, flag: str, matrix, sizes, se
         if r is None:
             out.append(None)
             continue
+        if r[1] <= r[0]:
+            if i == 0:
+                raise ValueError(f"{flag}: the train split of {prefix} has no documents "
+                                 f"(--split {split_str!r} over {len(indexed)} documents)")
+            warnings.warn(f"{prefix}: the {SPLIT_NAMES[i]} split of --split {split_str!r} has no documents "
+                          f"({len(indexed)} documents in all); it is skipped", stacklevel=2)
+            out.append(None)
+            continue
         docs = np.arange(r[0], r[1], dtype=np.int32)
         out.append(GPTDataset(indexed, prefix, docs, sizes[i], SPLIT_NAMES[i], seq_length, seed,
                               cache_dir, split_str, matrix))
@@ -493,6 +502,9 @@ def _build_blend(cfg: DataConfig, prefixes, weights, flag, matrix, sizes, seq_le
             out.append(None)
             continue
         datasets = [per_prefix[k][i] for k in range(len(prefixes))]
+        if any(d is None for d in datasets):
+            out.append(None)  # a prefix has no documents in this split (warned above)
+            continue
         if weights is not None:
             w_i = weights
             size_i = sum(targets[k][i] for k in range(len(prefixes)))
