@@ -7,6 +7,8 @@
 the GPT-2 BPE (``../shared/data/gpt2``) on a jsonl corpus of at least 50 MB built from the
 running Python's standard library sources (one source file per document), with
 ``--workers 1`` and ``--workers 2``, and reports tokens/s overall and per worker.
+``index_1e9`` times building the document/sample/shuffle indices for 1e9 tokens at
+sequence length 4096 (``benchmarks/index_building.py`` has more cases, blending included).
 """
 
 from __future__ import annotations
@@ -102,9 +104,28 @@ def bench_tokenize_gpt2(work: Path) -> list[dict]:
     return rows
 
 
+def bench_index_1e9(work: Path) -> list[dict]:
+    """Megatron-order GPT indices for 1e9 tokens at seq 4096 (synthetic document lengths)."""
+    import numpy as np
+
+    from megatrain.data.gpt_dataset import build_indices
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 1200, size=int(1e9 / 600), dtype=np.int32)
+    tokens = int(sizes.sum(dtype=np.int64))
+    seq = 4096
+    n_samples = int(2.5 * (tokens - 1) // seq)
+    t0 = time.perf_counter()
+    out = build_indices(sizes, np.arange(len(sizes), dtype=np.int32), n_samples, seq, 1234)
+    secs = time.perf_counter() - t0
+    return [{"benchmark": "index_1e9", "config": f"seq {seq}, {out['num_epochs']} epochs, {n_samples:,} samples",
+             "docs": len(sizes), "tokens": tokens, "seconds": secs, "tokens/s": tokens * out["num_epochs"] / secs}]
+
+
 #: name -> function(work_dir) returning table rows; other benchmarks are added here.
 BENCHMARKS: dict[str, Callable[[Path], list[dict]]] = {
     "tokenize_gpt2": bench_tokenize_gpt2,
+    "index_1e9": bench_index_1e9,
 }
 
 COLUMNS = ["benchmark", "config", "docs", "MB", "tokens", "seconds", "tokens/s", "tokens/s/worker", "MB/s"]
