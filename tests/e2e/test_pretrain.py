@@ -95,3 +95,41 @@ def test_nan_iterations_are_counted_and_stop_the_run():
     assert "--max-nan-iterations 3" in proc.stderr
     lines = train_lines(proc.stdout)
     assert sum(d["number of nan iterations"] for d in lines) == 3
+
+
+def test_sigterm_with_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.e2e.conftest import REPO
+
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *MOCK, "--train-iters", "100000", "--lr", "1e-3",
+                             "--log-interval", "1", "--exit-signal-handler", "--save", str(save)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until training is under way
+            if "] iteration " in line or time.time() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "received SIGTERM" in out
+    iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= iteration < 100000 and (save / f"iter_{iteration:07d}" / "meta.json").is_file()
+    assert not [n for n in os.listdir(save) if n.endswith(".tmp")]  # no half-written checkpoint left
+
+
+def test_exit_duration_saves_before_exiting(tmp_path):
+    save = tmp_path / "ckpt"
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *MOCK, "--train-iters", "100000", "--lr", "1e-3",
+                    "--log-interval", "1", "--exit-duration-in-mins", "0", "--save", str(save)])
+    assert "--exit-duration-in-mins" in proc.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
