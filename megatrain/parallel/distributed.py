@@ -43,22 +43,25 @@ def first_slurm_host(nodelist: str) -> str:
 def setup_env_from_slurm(environ: MutableMapping[str, str] | None = None) -> bool:
     """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from SLURM_* when RANK is not set.
 
-    Returns True when the variables were taken from SLURM. Variables already set are kept, so
-    ``srun torchrun ...`` and an explicit MASTER_ADDR both win over the SLURM values.
+    Returns True when the rank variables were taken from SLURM. Variables already set are kept, so
+    ``srun torchrun ...`` and an explicit MASTER_ADDR both win over the SLURM values; MASTER_ADDR and
+    MASTER_PORT are filled from SLURM whenever they are missing.
     """
     env = os.environ if environ is None else environ
-    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return False
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    taken = "RANK" not in env
+    if taken:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
     if "MASTER_ADDR" not in env:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         env["MASTER_ADDR"] = first_slurm_host(nodelist) if nodelist else "127.0.0.1"
     if "MASTER_PORT" not in env:
         job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
         env["MASTER_PORT"] = str(20000 + job_id % 20000)
-    return True
+    return taken
 
 
 def env_from_environ(environ: MutableMapping[str, str] | None = None) -> DistributedEnv:

@@ -107,3 +107,26 @@ def test_flag_mapping():
         RecomputeConfig("full", "sometimes", 1)
     with pytest.raises(ValueError, match="--recompute-granularity"):
         RecomputeConfig("partial")
+
+
+def test_slurm_master_address_is_filled_when_ranks_come_from_elsewhere():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_NODELIST": "n[4-5]"}
+    assert not setup_env_from_slurm(env)
+    assert env["MASTER_ADDR"] == "n4" and env["MASTER_PORT"] == "20000"
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt_single_node.sh", "pretrain_gpt_multi_node.sh",
+                                    "pretrain_gpt_slurm.sbatch"])
+def test_example_launch_scripts_use_known_flags(script):
+    """Every flag the example scripts pass to pretrain_gpt.py is one the parser knows."""
+    import re
+    from pathlib import Path
+
+    from megatrain.training.arguments import parse_args
+
+    text = (Path(__file__).resolve().parents[2] / "examples" / script).read_text()
+    command = text.split("pretrain_gpt.py", 1)[1].split('"$@"', 1)[-1]
+    command = re.sub(r"\\\n", " ", command)
+    tokens = [t for t in command.split() if not t.startswith("'") and t != "_"]
+    tokens = ["8" if t.startswith('"$') or t.startswith("$") else t for t in tokens]
+    parse_args(tokens, validate=False)
