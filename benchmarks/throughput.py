@@ -1,0 +1,156 @@
+"""Training throughput through the real `pretrain_gpt.py`: a table of TFLOP/s/GPU, MFU, tokens/s,
+peak memory and time to the first iteration for the shapes we are measured by.
+
+    python benchmarks/throughput.py                    # every shape
+    python benchmarks/throughput.py gpt2-124m 1.7b     # some of them
+    python benchmarks/throughput.py --output results.md --iters 30 --extra "--no-torch-compile"
+
+Each run is a separate `pretrain_gpt.py` process on synthetic tokens (`--mock-data`), bf16, with
+`--log-interval 1`; TFLOP/s/GPU is the median over the iterations after the warm-up, read from
+Megatron's log line (guide §3.4's formula). Several GPUs: `--nproc N` launches torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatrain.training.logging import parse_train_log_line  # noqa: E402
+
+# name -> pretrain_gpt.py flags (model shape and batch); the vocabulary comes from NullTokenizer.
+SHAPES: dict[str, list[str]] = {
+    "tiny": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 "
+            "--global-batch-size 8 --vocab-size 511".split(),  # a smoke test that runs anywhere
+    "gpt2-124m": "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
+                 "--max-position-embeddings 1024 --micro-batch-size 16 --global-batch-size 64 "
+                 "--vocab-size 50256".split(),
+    "1.7b": "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 4096 "
+            "--max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 8 "
+            "--vocab-size 131071".split(),
+    "llama-1.2b": "--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention "
+                  "--num-query-groups 8 --swiglu --ffn-hidden-size 8192 --position-embedding-type rope "
+                  "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
+                  "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 8 "
+                  "--vocab-size 128255".split(),
+}
+
+COMMON = ("--mock-data --tokenizer-type NullTokenizer --bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine "
+          "--lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 "
+          "--log-interval 1 --eval-iters 0 --eval-interval 100000 --num-workers 2").split()
+
+
+def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, timeout: int) -> dict:
+    flags = [*SHAPES[name], *COMMON, "--train-iters", str(iters), *extra]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "pretrain_gpt.py", *flags]
+    else:
+        cmd = [sys.executable, "pretrain_gpt.py", *flags]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = None
+    lines, tail = [], []
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line])[-30:]
+            if "] iteration " in line:
+                if first is None:
+                    first = time.time() - t0
+                lines.append(parse_train_log_line(line))
+            if time.time() - t0 > timeout:
+                proc.kill()
+                break
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    row = {"shape": name, "flags": " ".join(extra) or "(defaults)", "nproc": nproc}
+    steady = [d for d in lines if d["iteration"] > warmup]
+    if proc.returncode != 0 or not steady:
+        row["error"] = f"exit {proc.returncode}: " + "".join(tail)[-1500:]
+        return row
+    row["TFLOP/s/GPU"] = statistics.median(d["throughput per GPU (TFLOP/s/GPU)"] for d in steady)
+    row["ms/iter"] = statistics.median(d["elapsed time per iteration (ms)"] for d in steady)
+    row["tokens/s/GPU"] = statistics.median(d.get("tokens/s/GPU", 0.0) for d in steady)
+    row["MFU %"] = statistics.median(d["MFU"] for d in steady) if "MFU" in steady[0] else None
+    row["peak GiB"] = max(d.get("peak mem (GiB)", 0.0) for d in steady)
+    row["first iter s"] = first
+    row["final loss"] = steady[-1].get("lm loss")
+    return row
+
+
+def environment() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return (f"{datetime.date.today()} | {gpu} x{torch.cuda.device_count()} | torch {torch.__version__} | "
+            f"Python {platform.python_version()} | commit {commit}")
+
+
+COLUMNS = ["shape", "flags", "nproc", "TFLOP/s/GPU", "MFU %", "tokens/s/GPU", "ms/iter", "peak GiB",
+           "first iter s", "final loss"]
+
+
+def markdown(rows: list[dict]) -> str:
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3g}"
+        return "" if v is None else str(v)
+
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['shape']} | {r['flags']} | {r['nproc']} | failed: "
+                       f"{r['error'].splitlines()[-1] if r['error'].strip() else r['error']} |")
+        else:
+            out.append("| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*", help=f"default all but tiny: {', '.join(SHAPES)}")
+    ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=8, help="iterations left out of the medians")
+    ap.add_argument("--extra", action="append", default=None,
+                    help="extra pretrain_gpt.py flags; repeat to run every shape once per value")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per run")
+    ap.add_argument("--output", default=None, help="also write the table (markdown) here")
+    a = ap.parse_args(argv)
+    unknown = [s for s in a.shapes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    rows = []
+    for extra in a.extra or [""]:
+        for name in a.shapes or [s for s in SHAPES if s != "tiny"]:
+            row = run_one(name, a.iters, a.warmup, shlex.split(extra), a.nproc, a.timeout)
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "error"}, row.get("error", "")[-800:], flush=True)
+    table = f"{environment()}\n\n{markdown(rows)}\n"
+    print(table)
+    if a.output:
+        tmp = a.output + ".tmp"
+        Path(tmp).write_text(table, encoding="utf-8")
+        os.replace(tmp, a.output)
+
+
+if __name__ == "__main__":
+    main()
