@@ -17,7 +17,8 @@ tensor parallel on, no ZeRO flag               FSDP2 as for ZeRO-2 (DDP does not
                                                parameters (forward) and the previous (backward)
 --bf16                                         FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
                                                reduce_dtype=fp32, or bf16 with
-                                               --grad-reduce-in-bf16); master weights stay fp32
+                                               --grad-reduce-in-bf16; DDP: bf16_compress_hook
+                                               on CUDA); master weights stay fp32
 =============================================  ==================================================
 
 Gradients are averaged over the dp ranks, so with each rank's loss the mean over its micro-batches
@@ -105,7 +106,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig,
     ddp = DistributedDataParallel(
         model, process_group=dp_mesh.get_group(), device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=elements * bytes_per_grad / 2**20, gradient_as_bucket_view=True)
-    if cfg.grad_reduce_in_bf16:
+    if cfg.grad_reduce_in_bf16 and device.type == "cuda":  # torch's hook needs NCCL; gloo reduces in fp32
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
         ddp.register_comm_hook(dp_mesh.get_group(), bf16_compress_hook)
