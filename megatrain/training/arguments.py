@@ -192,6 +192,13 @@ def _add_lr_args(p: argparse.ArgumentParser) -> None:
                    help="on --load, take the LR schedule from the checkpoint (the default here)")
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
@@ -203,6 +210,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background; the loop waits only for a copy to host memory")
+    g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",
+                   help="after each save delete all but the newest K complete checkpoints (default: keep all)")
 
 
 def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:

@@ -137,6 +137,9 @@ class Trainer:
                                     wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
                                     wandb_save_dir=args.wandb_save_dir, run_config=vars(args))
         self.writer.log_config(vars(args))
+        self.checkpointer = checkpointing.Checkpointer(async_save=bool(getattr(args, "async_save", False)),
+                                                       keep_last=getattr(args, "keep_last_checkpoints", None),
+                                                       verbose=get_rank() == 0)
         if args.load:
             self._load(args.load)
         self._build_data()
@@ -175,9 +178,13 @@ class Trainer:
         if ckpt is None:
             print_rank0(f"WARNING: no checkpoint found in --load {load}; starting from scratch")
             return
-        meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
-                                             load_optim=not (a.finetune or a.no_load_optim),
-                                             load_rng=not (a.finetune or a.no_load_rng))
+        try:
+            meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
+                                                 load_optim=not (a.finetune or a.no_load_optim),
+                                                 load_rng=not (a.finetune or a.no_load_rng),
+                                                 model_config=self.model_config, finetune=a.finetune)
+        except checkpointing.CheckpointError as e:
+            raise SystemExit(f"error: --load {load}: {e}") from None
         if not a.finetune:
             ts = meta["train_state"]
             self.state = TrainState(**ts)
@@ -192,14 +199,17 @@ class Trainer:
         a = self.args
         if not a.save:
             return
-        t0 = time.time()
         extra = {"scheduler": self.scheduler.state_dict(),
                  "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        path = checkpointing.save_checkpoint(a.save, self.state, self.module, self.optimizer, extra, a,
-                                             self.model_config, save_optim=not a.no_save_optim,
-                                             save_rng=not a.no_save_rng)
-        print_rank0(f" saved checkpoint at iteration {self.state.iteration:7d} to {path} "
-                    f"({(time.time() - t0) * 1000:.1f} ms)")
+        report = self.checkpointer.save(a.save, self.state, self.module, self.optimizer, extra, a,
+                                        self.model_config, save_optim=not a.no_save_optim,
+                                        save_rng=not a.no_save_rng)
+        if report.asynchronous:
+            print_rank0(f" saving checkpoint at iteration {self.state.iteration:7d} to {report.path} in the "
+                        f"background (training loop blocked {report.blocked_s * 1000:.1f} ms)")
+        else:
+            print_rank0(f" saved checkpoint at iteration {self.state.iteration:7d} to {report.path} "
+                        f"({report.blocked_s * 1000:.1f} ms)")
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
@@ -354,6 +364,8 @@ class Trainer:
                               memory={"mem-max-allocated-bytes": mem_gib * 2**30} if mem_gib is not None else None)
 
     def close(self) -> None:
+        """Finish a background checkpoint save (it must complete before exit), close the writers."""
+        self.checkpointer.close()
         self.writer.close()
 
 
