@@ -1,0 +1,171 @@
+"""`tools/convert_checkpoint_to_hf.py`: a megatrain checkpoint -> a Hugging Face model folder.
+
+The checkpoint is loaded whole into one process (DCP reshards whatever layout saved it: TP, FSDP,
+DDP), mapped to GPT2LMHeadModel or LlamaForCausalLM names and written as ``config.json``,
+``generation_config.json``, ``model.safetensors`` (or shards plus ``model.safetensors.index.json``)
+and the tokenizer files. ``transformers`` is not needed to export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+import torch
+
+from megatrain.convert.hf_mapping import hf_architecture, hf_config_dict, to_hf_state_dict
+from megatrain.convert.tokenizer_files import atomic_write_json, write_hf_tokenizer
+from megatrain.errors import user_errors_exit
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import canonical_parameter_name
+from megatrain.training import checkpointing
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
+                    "vocab_extra_ids", "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a plain number of bytes -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size like 5GB, 500MB or 1000000")
+    unit = (m.group(2) or "B").upper()
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    base = 1024 if "I" in unit else 1000
+    return int(float(m.group(1)) * base**power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convert_checkpoint_to_hf.py", allow_abbrev=False,
+                                description="Export a megatrain checkpoint as a Hugging Face model folder.")
+    p.add_argument("--checkpoint-path", "--load", dest="checkpoint_path", required=True,
+                   help="a --save directory (newest checkpoint) or one iter_XXXXXXX folder")
+    p.add_argument("--ckpt-step", type=int, default=None, help="export this iteration instead of the newest")
+    p.add_argument("--output-path", required=True, help="folder to write (created if missing)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the written weights")
+    p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this size")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="rows of the exported embedding (default: the vocabulary the model was imported with, "
+                        "else the padded size)")
+    p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer flags")
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def load_full_state_dict(ckpt: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """All model tensors of ``ckpt`` as whole CPU tensors with canonical names (any saved layout)."""
+    from megatrain.models.gpt import GPTModel
+
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    model.to_empty(device=torch.device("cpu"))
+    checkpointing.load_checkpoint(ckpt, model, None, load_optim=False, load_rng=False)
+    return {canonical_parameter_name(k): v.detach() for k, v in model.state_dict().items()}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int,
+                      progress: bool = True) -> list[str]:
+    """``model.safetensors``, or shards + ``model.safetensors.index.json`` above ``max_shard_bytes``."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing weights", disable=not progress)
+    try:
+        for fname, shard in zip(names, shards):
+            path = os.path.join(out_dir, fname)
+            tmp = f"{path}.tmp.{os.getpid()}"
+            try:
+                save_file({k: v.contiguous() for k, v in shard.items()}, tmp, metadata={"format": "pt"})
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
+    finally:
+        bar.close()
+    if len(shards) > 1:
+        weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
+        atomic_write_json(os.path.join(out_dir, "model.safetensors.index.json"),
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+    else:
+        stale = os.path.join(out_dir, "model.safetensors.index.json")
+        if os.path.exists(stale):
+            os.remove(stale)
+    return names
+
+
+def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "fp32", step: int | None = None,
+                      max_shard_size: str = "5GB", vocab_size: int | None = None,
+                      tokenizer_overrides: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Export one checkpoint; returns the written config.json content."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    ckpt = checkpointing.find_checkpoint(checkpoint_path, step)
+    if ckpt is None:
+        raise ValueError(f"--checkpoint-path {checkpoint_path}: no checkpoint found (no {checkpointing.TRACKER})")
+    meta = checkpointing.read_meta(ckpt)
+    if "model_config" not in meta:
+        raise ValueError(f"--checkpoint-path {ckpt}: meta.json has no model_config")
+    cfg = GPTConfig(**meta["model_config"])
+    architecture = hf_architecture(cfg)  # refuse before reading any weights
+    saved_args = meta.get("args", {}) or {}
+    rows = vocab_size or saved_args.get("hf_vocab_size") or cfg.vocab_size
+    if rows <= 0:
+        raise ValueError(f"--vocab-size must be positive, got {rows}")
+    max_shard_bytes = parse_size(max_shard_size)
+
+    os.makedirs(output_path, exist_ok=True)
+    print(f" exporting {ckpt} ({architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) to {output_path}",
+          flush=True)
+    state = load_full_state_dict(ckpt, cfg)
+    hf_state = to_hf_state_dict(state, cfg, architecture, vocab_size=rows)
+    hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state.items()}
+
+    tok_args = {k: saved_args.get(k) for k in TOKENIZER_FIELDS if saved_args.get(k) is not None}
+    for k, v in (tokenizer_overrides or {}).items():
+        if v is not None:
+            tok_args[k] = v
+    special = write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings)
+
+    names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress)
+    config = hf_config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype],
+                            bos_token_id=special.bos_token_id, eos_token_id=special.eos_token_id,
+                            pad_token_id=special.pad_token_id)
+    atomic_write_json(os.path.join(output_path, "config.json"), config)
+    generation = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id}
+    if special.pad_token_id is not None:
+        generation["pad_token_id"] = special.pad_token_id
+    atomic_write_json(os.path.join(output_path, "generation_config.json"), generation)
+    n_params = sum(t.numel() for t in hf_state.values())
+    print(f" wrote {architecture} ({n_params:,} parameters, {dtype}) as {', '.join(names)}"
+          + (f"; tokenizer: {', '.join(special.files)}" if special.files else "; no tokenizer files"), flush=True)
+    return config
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    export_checkpoint(args.checkpoint_path, args.output_path, dtype=args.dtype, step=args.ckpt_step,
+                      max_shard_size=args.max_shard_size, vocab_size=args.vocab_size,
+                      tokenizer_overrides={"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
+                                           "merge_file": args.merge_file, "tokenizer_model": args.tokenizer_model},
+                      progress=not args.no_progress)

@@ -1,0 +1,372 @@
+"""Mapping between megatrain's GPTModel and Hugging Face's GPT2LMHeadModel / LlamaForCausalLM.
+
+Pure tensor and dict code (``transformers`` is not imported): configs go to and from the plain
+``config.json`` dicts, state dicts to and from Hugging Face parameter names.
+
+Layouts that differ:
+
+- GPT-2's ``Conv1D`` stores weights as [in, out] (transposed from ``nn.Linear``); its fused
+  ``c_attn`` holds all queries, then all keys, then all values, while our ``linear_qkv`` rows are
+  grouped per head as ``[g, n/g + 2, d]`` (queries of a group, its key, its value).
+- LLaMA has separate ``q_proj/k_proj/v_proj`` and ``gate_proj/up_proj``; our ``linear_fc1`` rows are
+  interleaved (row 2i = gate i, row 2i + 1 = up i).
+
+A model that neither class represents exactly is refused with :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megatrain.models.config import GPTConfig
+
+GPT2 = "GPT2LMHeadModel"
+LLAMA = "LlamaForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT2, LLAMA)
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or Hugging Face folder) uses something the other side cannot represent exactly."""
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing the Hugging Face class
+# ---------------------------------------------------------------------------------------------
+def hf_architecture(cfg: GPTConfig) -> str:
+    """GPT2LMHeadModel or LlamaForCausalLM for ``cfg``; raises UnsupportedModelError otherwise."""
+    assert cfg.kv_channels is not None and cfg.num_query_groups is not None
+    gpt2_needs = {
+        "learned absolute positions (--position-embedding-type learned_absolute)":
+            cfg.position_embedding_type == "learned_absolute",
+        "LayerNorm (--normalization LayerNorm)": cfg.normalization == "LayerNorm",
+        "a GELU MLP (no --swiglu)": not cfg.swiglu,
+        "no grouped-query attention": cfg.num_query_groups == cfg.num_attention_heads,
+        "head dim = hidden / heads (no --kv-channels)": cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size,
+    }
+    llama_needs = {
+        "rotary positions (--position-embedding-type rope)": cfg.position_embedding_type == "rope",
+        "RMSNorm (--normalization RMSNorm)": cfg.normalization == "RMSNorm",
+        "a SwiGLU MLP (--swiglu)": cfg.swiglu,
+    }
+    if all(gpt2_needs.values()):
+        return GPT2
+    if all(llama_needs.values()):
+        return LLAMA
+    gpt2_missing = [k for k, ok in gpt2_needs.items() if not ok]
+    llama_missing = [k for k, ok in llama_needs.items() if not ok]
+    raise UnsupportedModelError(
+        "this model has no exact Hugging Face equivalent: GPT2LMHeadModel needs "
+        + "; ".join(gpt2_missing) + ". LlamaForCausalLM needs " + "; ".join(llama_missing) + "."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# configs
+# ---------------------------------------------------------------------------------------------
+def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype: str,
+                   bos_token_id: int | None, eos_token_id: int | None, pad_token_id: int | None = None
+                   ) -> dict[str, Any]:
+    """The ``config.json`` content for ``cfg`` exported as ``architecture`` with ``vocab_size`` rows."""
+    common: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": vocab_size,
+        "initializer_range": cfg.init_method_std,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if architecture == GPT2:
+        return {
+            **common,
+            "model_type": "gpt2",
+            "n_layer": cfg.num_layers,
+            "n_embd": cfg.hidden_size,
+            "n_head": cfg.num_attention_heads,
+            "n_inner": cfg.ffn_hidden_size,
+            "n_positions": cfg.max_position_embeddings,
+            "n_ctx": cfg.max_position_embeddings,
+            "activation_function": "gelu",  # exact erf GELU, as our MLP (GPT-2's default is tanh "gelu_new")
+            "layer_norm_epsilon": cfg.norm_epsilon,
+            "resid_pdrop": cfg.hidden_dropout,
+            "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+        }
+    if architecture == LLAMA:
+        return {
+            **common,
+            "model_type": "llama",
+            "num_hidden_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_query_groups,
+            "head_dim": cfg.kv_channels,
+            "intermediate_size": cfg.ffn_hidden_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_epsilon,
+            "rope_theta": cfg.rotary_base,
+            "rope_scaling": None,
+            "attention_bias": cfg.add_bias_linear,
+            "mlp_bias": cfg.add_bias_linear,
+            "attention_dropout": cfg.attention_dropout,
+            "pretraining_tp": 1,
+        }
+    raise UnsupportedModelError(f"unknown architecture {architecture!r}")
+
+
+def _architecture_of(hf: Mapping[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not archs and model_type == "gpt2":
+        return GPT2
+    if not archs and model_type == "llama":
+        return LLAMA
+    raise UnsupportedModelError(
+        f"architecture {archs or model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    """rope_theta from a LLaMA config (transformers 4 top-level key or 5's ``rope_parameters``)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for source in (scaling, params):
+        kind = source.get("rope_type", source.get("type", "default"))
+        if kind not in (None, "default"):
+            raise UnsupportedModelError(
+                f"rope scaling {kind!r} is not implemented in megatrain; refusing to convert (the model would "
+                "behave differently on long contexts)")
+        if source.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfig, str]:
+    """GPTConfig (with the padded ``vocab_size``) and the architecture of a Hugging Face config dict."""
+    arch = _architecture_of(hf)
+    tied = bool(hf.get("tie_word_embeddings", True))
+    if arch == GPT2:
+        act = hf.get("activation_function", "gelu_new")
+        if act != "gelu":
+            raise UnsupportedModelError(
+                f"activation_function {act!r}: megatrain's GPT-2 style MLP uses exact (erf) GELU, so only "
+                "\"gelu\" converts exactly; pass --allow-gelu-approximation to convert anyway (logits will "
+                "differ slightly)")
+        for key, bad in (("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False),
+                         ("add_cross_attention", True)):
+            if hf.get(key, not bad) == bad:
+                raise UnsupportedModelError(f"GPT-2 option {key}={bad} is not supported by megatrain")
+        hidden = int(hf["n_embd"])
+        cfg = GPTConfig(
+            num_layers=int(hf["n_layer"]), hidden_size=hidden, num_attention_heads=int(hf["n_head"]),
+            vocab_size=vocab_size, max_position_embeddings=int(hf.get("n_positions", 1024)),
+            ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden), position_embedding_type="learned_absolute",
+            normalization="LayerNorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
+            add_bias_linear=True, untie_embeddings_and_output_weights=not tied,
+            hidden_dropout=float(hf.get("resid_pdrop", 0.1)), attention_dropout=float(hf.get("attn_pdrop", 0.1)),
+            init_method_std=float(hf.get("initializer_range", 0.02)))
+        return cfg, arch
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r}: megatrain's SwiGLU uses silu only")
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise UnsupportedModelError(
+            f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megatrain has one switch for all linear "
+            "biases (--disable-bias-linear), so both must be equal")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    cfg = GPTConfig(
+        num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
+        vocab_size=vocab_size, max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        ffn_hidden_size=int(hf["intermediate_size"]), kv_channels=int(hf.get("head_dim") or hidden // heads),
+        num_query_groups=int(hf.get("num_key_value_heads") or heads), position_embedding_type="rope",
+        rotary_base=_rope_theta(hf), normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        swiglu=True, add_bias_linear=attention_bias, untie_embeddings_and_output_weights=not tied,
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+    return cfg, arch
+
+
+# ---------------------------------------------------------------------------------------------
+# state dicts
+# ---------------------------------------------------------------------------------------------
+def _qkv_split(w: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our grouped ``linear_qkv`` weight [(n+2g)d, ...] (or bias) -> q [n d, ...], k [g d, ...], v [g d, ...]."""
+    g, hpg, d = cfg.num_query_groups, cfg.heads_per_group, cfg.kv_channels
+    grouped = w.reshape(g, hpg + 2, d, *w.shape[1:])
+    q = grouped[:, :hpg].reshape(g * hpg * d, *w.shape[1:])
+    k = grouped[:, hpg].reshape(g * d, *w.shape[1:])
+    v = grouped[:, hpg + 1].reshape(g * d, *w.shape[1:])
+    return q, k, v
+
+
+def _qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    g, hpg, d = cfg.num_query_groups, cfg.heads_per_group, cfg.kv_channels
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(g, hpg, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    return grouped.reshape(g * (hpg + 2) * d, *rest)
+
+
+def _fit_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Keep the first ``rows`` rows of ``w``, or append zero rows up to ``rows`` (vocabulary padding)."""
+    if w.shape[0] >= rows:
+        return w[:rows]
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architecture: str,
+                     vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Our state dict (canonical names, full tensors) -> Hugging Face names and layouts.
+
+    ``vocab_size`` trims (or zero-pads) the embedding and output rows. Tied output weights are not
+    written (``tie_word_embeddings`` restores them). Biases we lack are written as zeros for GPT-2.
+    """
+    vocab_size = vocab_size or cfg.vocab_size
+    out: dict[str, torch.Tensor] = {}
+    h = cfg.hidden_size
+    tied = not cfg.untie_embeddings_and_output_weights
+    word = _fit_rows(sd["embedding.word_embeddings.weight"], vocab_size)
+
+    def bias(name: str, width: int) -> torch.Tensor:
+        return sd[name] if name in sd else torch.zeros(width, dtype=word.dtype)
+
+    if architecture == GPT2:
+        out["transformer.wte.weight"] = word
+        out["transformer.wpe.weight"] = sd["embedding.position_embeddings.weight"]
+        for i in range(cfg.num_layers):
+            p, q = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[q + theirs + ".weight"] = sd[p + ours + ".weight"]
+                out[q + theirs + ".bias"] = sd[p + ours + ".bias"]
+            wq, wk, wv = _qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
+            out[q + "attn.c_attn.weight"] = torch.cat([wq, wk, wv]).t()
+            bq, bk, bv = _qkv_split(bias(p + "self_attention.linear_qkv.bias", 3 * h), cfg)
+            out[q + "attn.c_attn.bias"] = torch.cat([bq, bk, bv])
+            out[q + "attn.c_proj.weight"] = sd[p + "self_attention.linear_proj.weight"].t()
+            out[q + "attn.c_proj.bias"] = bias(p + "self_attention.linear_proj.bias", h)
+            out[q + "mlp.c_fc.weight"] = sd[p + "mlp.linear_fc1.weight"].t()
+            out[q + "mlp.c_fc.bias"] = bias(p + "mlp.linear_fc1.bias", cfg.ffn_hidden_size)
+            out[q + "mlp.c_proj.weight"] = sd[p + "mlp.linear_fc2.weight"].t()
+            out[q + "mlp.c_proj.bias"] = bias(p + "mlp.linear_fc2.bias", h)
+        out["transformer.ln_f.weight"] = sd["final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = sd["final_layernorm.bias"]
+        if not tied:
+            out["lm_head.weight"] = _fit_rows(sd["output_layer.weight"], vocab_size)
+    elif architecture == LLAMA:
+        out["model.embed_tokens.weight"] = word
+        for i in range(cfg.num_layers):
+            p, q = f"layers.{i}.", f"model.layers.{i}."
+            out[q + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+            out[q + "post_attention_layernorm.weight"] = sd[p + "pre_mlp_layernorm.weight"]
+            wq, wk, wv = _qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
+            out[q + "self_attn.q_proj.weight"], out[q + "self_attn.k_proj.weight"] = wq, wk
+            out[q + "self_attn.v_proj.weight"] = wv
+            out[q + "self_attn.o_proj.weight"] = sd[p + "self_attention.linear_proj.weight"]
+            fc1 = sd[p + "mlp.linear_fc1.weight"]
+            out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
+            out[q + "mlp.down_proj.weight"] = sd[p + "mlp.linear_fc2.weight"]
+            if cfg.add_bias_linear:
+                bq, bk, bv = _qkv_split(sd[p + "self_attention.linear_qkv.bias"], cfg)
+                out[q + "self_attn.q_proj.bias"], out[q + "self_attn.k_proj.bias"] = bq, bk
+                out[q + "self_attn.v_proj.bias"] = bv
+                out[q + "self_attn.o_proj.bias"] = sd[p + "self_attention.linear_proj.bias"]
+                b1 = sd[p + "mlp.linear_fc1.bias"]
+                out[q + "mlp.gate_proj.bias"], out[q + "mlp.up_proj.bias"] = b1[0::2], b1[1::2]
+                out[q + "mlp.down_proj.bias"] = sd[p + "mlp.linear_fc2.bias"]
+        out["model.norm.weight"] = sd["final_layernorm.weight"]
+        if not tied:
+            out["lm_head.weight"] = _fit_rows(sd["output_layer.weight"], vocab_size)
+    else:
+        raise UnsupportedModelError(f"unknown architecture {architecture!r}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# Hugging Face keys that hold no parameters (old GPT-2 files store attention mask buffers).
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architecture: str) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors -> our canonical state dict for ``cfg`` (vocabulary zero-padded to cfg's size).
+
+    Raises UnsupportedModelError on missing or unexpected tensors, so nothing is silently dropped.
+    """
+    hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        for candidate in (name, name.removeprefix("transformer."), name.removeprefix("model.")):
+            if candidate in hf:
+                used.add(candidate)
+                return hf[candidate]
+        raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
+
+    tied = not cfg.untie_embeddings_and_output_weights
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    sd: dict[str, torch.Tensor] = {}
+    if architecture == GPT2:
+        sd["embedding.word_embeddings.weight"] = _fit_rows(take("transformer.wte.weight"), vocab)
+        sd["embedding.position_embeddings.weight"] = take("transformer.wpe.weight")
+        for i in range(cfg.num_layers):
+            p, q = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                sd[p + ours + ".weight"] = take(q + theirs + ".weight")
+                sd[p + ours + ".bias"] = take(q + theirs + ".bias")
+            wq, wk, wv = take(q + "attn.c_attn.weight").t().split(h)
+            sd[p + "self_attention.linear_qkv.weight"] = _qkv_join(wq, wk, wv, cfg)
+            bq, bk, bv = take(q + "attn.c_attn.bias").split(h)
+            sd[p + "self_attention.linear_qkv.bias"] = _qkv_join(bq, bk, bv, cfg)
+            sd[p + "self_attention.linear_proj.weight"] = take(q + "attn.c_proj.weight").t()
+            sd[p + "self_attention.linear_proj.bias"] = take(q + "attn.c_proj.bias")
+            sd[p + "mlp.linear_fc1.weight"] = take(q + "mlp.c_fc.weight").t()
+            sd[p + "mlp.linear_fc1.bias"] = take(q + "mlp.c_fc.bias")
+            sd[p + "mlp.linear_fc2.weight"] = take(q + "mlp.c_proj.weight").t()
+            sd[p + "mlp.linear_fc2.bias"] = take(q + "mlp.c_proj.bias")
+        sd["final_layernorm.weight"] = take("transformer.ln_f.weight")
+        sd["final_layernorm.bias"] = take("transformer.ln_f.bias")
+    elif architecture == LLAMA:
+        sd["embedding.word_embeddings.weight"] = _fit_rows(take("model.embed_tokens.weight"), vocab)
+        for i in range(cfg.num_layers):
+            p, q = f"layers.{i}.", f"model.layers.{i}."
+            sd[p + "input_layernorm.weight"] = take(q + "input_layernorm.weight")
+            sd[p + "pre_mlp_layernorm.weight"] = take(q + "post_attention_layernorm.weight")
+            sd[p + "self_attention.linear_qkv.weight"] = _qkv_join(
+                take(q + "self_attn.q_proj.weight"), take(q + "self_attn.k_proj.weight"),
+                take(q + "self_attn.v_proj.weight"), cfg)
+            sd[p + "self_attention.linear_proj.weight"] = take(q + "self_attn.o_proj.weight")
+            gate, up = take(q + "mlp.gate_proj.weight"), take(q + "mlp.up_proj.weight")
+            sd[p + "mlp.linear_fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, h)
+            sd[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
+            if cfg.add_bias_linear:
+                sd[p + "self_attention.linear_qkv.bias"] = _qkv_join(
+                    take(q + "self_attn.q_proj.bias"), take(q + "self_attn.k_proj.bias"),
+                    take(q + "self_attn.v_proj.bias"), cfg)
+                sd[p + "self_attention.linear_proj.bias"] = take(q + "self_attn.o_proj.bias")
+                sd[p + "mlp.linear_fc1.bias"] = torch.stack(
+                    [take(q + "mlp.gate_proj.bias"), take(q + "mlp.up_proj.bias")], dim=1).reshape(-1)
+                sd[p + "mlp.linear_fc2.bias"] = take(q + "mlp.down_proj.bias")
+        sd["final_layernorm.weight"] = take("model.norm.weight")
+    else:
+        raise UnsupportedModelError(f"unknown architecture {architecture!r}")
+    if not tied:
+        sd["output_layer.weight"] = _fit_rows(take("lm_head.weight"), vocab)
+    elif "lm_head.weight" in hf:
+        used.add("lm_head.weight")  # a tied copy written out by some savers
+    unexpected = sorted(set(hf) - used)
+    if unexpected:
+        raise UnsupportedModelError(
+            f"the Hugging Face weights hold tensors megatrain has no place for (e.g. {unexpected[:3]}); "
+            "the config does not describe them, so converting would drop them")
+    return {k: v.contiguous() for k, v in sd.items()}

@@ -1,0 +1,173 @@
+"""`tools/convert_hf_to_checkpoint.py`: a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM folder ->
+a megatrain checkpoint that ``pretrain_gpt.py --load CKPT --finetune`` (or ``finetune_gpt.py``) continues.
+
+Weights are read from ``model.safetensors`` (sharded or not) or ``pytorch_model.bin`` (loaded with
+``weights_only=True``, never unpickling code). The checkpoint is written through DCP like any
+training checkpoint, so it loads under any parallel layout. Its vocabulary is padded as the trainer
+pads it (``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``); the original size
+is recorded so that exporting gives the same rows back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import warnings
+from typing import Any
+
+import torch
+
+from megatrain.convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
+from megatrain.convert.tokenizer_files import import_hf_tokenizer
+from megatrain.errors import user_errors_exit
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel
+from megatrain.training import checkpointing
+from megatrain.training.builders import padded_vocab_size
+from megatrain.training.checkpointing import TrainState
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convert_hf_to_checkpoint.py", allow_abbrev=False,
+                                description="Convert a local Hugging Face model folder to a megatrain checkpoint.")
+    p.add_argument("--hf-path", required=True, help="folder with config.json and the weights")
+    p.add_argument("--save", required=True, help="checkpoint directory to write (as pretrain_gpt.py --save)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary as pretrain_gpt.py will (same flag, same default)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="the TP size the vocabulary padding is computed for (as pretrain_gpt.py pads it)")
+    p.add_argument("--allow-gelu-approximation", action="store_true",
+                   help="convert GPT-2 models that use tanh-approximated GELU (gelu_new) to exact GELU; "
+                        "their logits will differ slightly")
+    return p
+
+
+def read_hf_config(hf_path: str) -> dict[str, Any]:
+    path = os.path.join(hf_path, "config.json")
+    if not os.path.isdir(hf_path):
+        raise ValueError(f"--hf-path {hf_path}: no such directory")
+    if not os.path.isfile(path):
+        raise ValueError(f"--hf-path {hf_path}: no config.json (is it a Hugging Face model folder?)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"--hf-path {path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--hf-path {path}: expected a JSON object")
+    return config
+
+
+def read_hf_weights(hf_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face folder (safetensors preferred, pytorch_model.bin loaded safely)."""
+    def files_from_index(index_name: str) -> list[str]:
+        with open(os.path.join(hf_path, index_name), encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+
+    if os.path.isfile(os.path.join(hf_path, "model.safetensors.index.json")):
+        files = files_from_index("model.safetensors.index.json")
+    elif os.path.isfile(os.path.join(hf_path, "model.safetensors")):
+        files = ["model.safetensors"]
+    elif os.path.isfile(os.path.join(hf_path, "pytorch_model.bin.index.json")):
+        files = files_from_index("pytorch_model.bin.index.json")
+    elif os.path.isfile(os.path.join(hf_path, "pytorch_model.bin")):
+        files = ["pytorch_model.bin"]
+    else:
+        raise ValueError(f"--hf-path {hf_path}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = os.path.join(hf_path, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"--hf-path {hf_path}: the index names {name}, which is missing")
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            tensors.update(load_file(path))
+        else:
+            try:
+                loaded = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - the unpickler raises many kinds
+                raise ValueError(f"--hf-path {path}: cannot be loaded safely as tensors only ({e})") from None
+            tensors.update(loaded)
+    return tensors
+
+
+def pretrain_flags(cfg: GPTConfig, tok_args: dict[str, Any], divisible_by: int) -> list[str]:
+    """The pretrain_gpt.py model and tokenizer flags that rebuild exactly this model."""
+    flags = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
+             "--num-attention-heads", str(cfg.num_attention_heads), "--ffn-hidden-size", str(cfg.ffn_hidden_size),
+             "--max-position-embeddings", str(cfg.max_position_embeddings),
+             "--make-vocab-size-divisible-by", str(divisible_by), "--norm-epsilon", repr(cfg.norm_epsilon),
+             "--init-method-std", repr(cfg.init_method_std)]
+    if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        flags += ["--kv-channels", str(cfg.kv_channels)]
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(cfg.num_query_groups)]
+    if cfg.position_embedding_type == "rope":
+        flags += ["--position-embedding-type", "rope", "--rotary-base", repr(cfg.rotary_base)]
+    if cfg.normalization == "RMSNorm":
+        flags += ["--normalization", "RMSNorm"]
+    if cfg.swiglu:
+        flags += ["--swiglu"]
+    if not cfg.add_bias_linear:
+        flags += ["--disable-bias-linear"]
+    if cfg.untie_embeddings_and_output_weights:
+        flags += ["--untie-embeddings-and-output-weights"]
+    flags += ["--hidden-dropout", repr(cfg.hidden_dropout), "--attention-dropout", repr(cfg.attention_dropout)]
+    for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+        if tok_args.get(key):
+            flags += ["--" + key.replace("_", "-"), str(tok_args[key])]
+    return flags
+
+
+def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: int = 128,
+                    tensor_model_parallel_size: int = 1, allow_gelu_approximation: bool = False) -> str:
+    """Convert ``hf_path`` into ``save``; returns the written checkpoint directory."""
+    if make_vocab_size_divisible_by <= 0 or tensor_model_parallel_size <= 0:
+        raise ValueError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be positive")
+    hf_config = read_hf_config(hf_path)
+    if allow_gelu_approximation and hf_config.get("activation_function", "gelu") in ("gelu_new", "gelu_pytorch_tanh",
+                                                                                       "gelu_fast"):
+        warnings.warn(f"converting activation_function {hf_config['activation_function']!r} to exact GELU "
+                      "(--allow-gelu-approximation): logits will differ slightly from the original")
+        hf_config = {**hf_config, "activation_function": "gelu"}
+    if "vocab_size" not in hf_config:
+        raise UnsupportedModelError(f"--hf-path {hf_path}: config.json has no vocab_size")
+    hf_vocab = int(hf_config["vocab_size"])
+    padded = padded_vocab_size(hf_vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
+    cfg, architecture = gpt_config_from_hf(hf_config, padded)
+
+    state = from_hf_state_dict({k: v.float() for k, v in read_hf_weights(hf_path).items()}, cfg, architecture)
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    model.to_empty(device=torch.device("cpu"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UnsupportedModelError(f"conversion produced missing {missing} / unexpected {unexpected} tensors")
+
+    tok_args = import_hf_tokenizer(hf_path, os.path.join(save, "tokenizer"), architecture)
+    if not tok_args:
+        warnings.warn(f"--hf-path {hf_path}: no tokenizer files found; pass tokenizer flags when training")
+    flags = pretrain_flags(cfg, tok_args, make_vocab_size_divisible_by)
+    args = argparse.Namespace(
+        **tok_args, hf_vocab_size=hf_vocab, converted_from=os.path.abspath(hf_path), hf_architecture=architecture,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tensor_model_parallel_size=tensor_model_parallel_size, pretrain_flags=flags)
+    ckpt = checkpointing.save_checkpoint(save, TrainState(iteration=0), model, None, {}, args, cfg,
+                                         save_optim=False, save_rng=False)
+    print(f" converted {architecture} from {hf_path} ({model.num_parameters():,} parameters, vocabulary {hf_vocab} "
+          f"padded to {padded}) into {ckpt}", flush=True)
+    print(" continue from it with these model/tokenizer flags:\n   " + shlex.join(flags)
+          + f" --load {shlex.quote(save)} --finetune", flush=True)
+    return ckpt
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    import_hf_model(args.hf_path, args.save, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                    tensor_model_parallel_size=args.tensor_model_parallel_size,
+                    allow_gelu_approximation=args.allow_gelu_approximation)
