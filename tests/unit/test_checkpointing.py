@@ -1,0 +1,196 @@
+"""Checkpoint files on one process: completeness markers, fallback past broken checkpoints,
+retention, async save, shape checks, --finetune subsets and the refusal of unsafe pickles."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel
+from megatrain.training import checkpointing
+from megatrain.training.checkpointing import Checkpointer, CheckpointError, TrainState
+from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+
+CONFIG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, max_position_embeddings=8,
+                   hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _trained(config: GPTConfig = CONFIG, seed: int = 1):
+    model = GPTModel(config)
+    model.init_weights(seed)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    tokens = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(tokens, labels=tokens).mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _save(root, it, model, opt, **kw):
+    return checkpointing.save_checkpoint(str(root), TrainState(iteration=it, consumed_train_samples=4 * it), model,
+                                         opt, {"scheduler": {"num_steps": it}}, argparse.Namespace(), model.config,
+                                         **kw)
+
+
+def _shards(ckpt: str) -> list[str]:
+    return sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))
+
+
+def test_markers_written_and_tracker_names_complete_checkpoint(tmp_path):
+    model, opt = _trained()
+    path = _save(tmp_path, 3, model, opt)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    marker = json.loads((tmp_path / "iter_0000003" / "complete_rank00000.json").read_text())
+    assert set(marker["files"]) >= {"meta.json", ".metadata", "rng_rank00000.pt", *_shards(path)}
+    assert checkpointing.checkpoint_problem(path) is None
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    meta = checkpointing.read_meta(path)
+    assert meta["layout"]["world_size"] == 1 and meta["train_state"]["consumed_train_samples"] == 12
+
+
+@pytest.mark.parametrize("damage", ["truncate_shard", "drop_metadata", "drop_marker", "drop_meta_json"])
+def test_broken_newest_checkpoint_falls_back_with_warning(tmp_path, capsys, damage):
+    model, opt = _trained()
+    _save(tmp_path, 2, model, opt)
+    newest = _save(tmp_path, 4, model, opt)
+    if damage == "truncate_shard":
+        shard = os.path.join(newest, _shards(newest)[0])
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    elif damage == "drop_metadata":
+        os.remove(os.path.join(newest, ".metadata"))
+    elif damage == "drop_marker":
+        os.remove(os.path.join(newest, "complete_rank00000.json"))
+    else:
+        os.remove(os.path.join(newest, "meta.json"))
+    assert checkpointing.checkpoint_problem(newest) is not None
+    found = checkpointing.find_checkpoint(str(tmp_path))
+    assert found == str(tmp_path / "iter_0000002")
+    out = capsys.readouterr().out
+    assert "WARNING" in out and "iter_0000004" in out and "falling back" in out
+    with pytest.raises(SystemExit, match="--ckpt-step 4"):
+        checkpointing.find_checkpoint(str(tmp_path), step=4)
+
+
+def test_leftover_tmp_and_missing_tracker(tmp_path, capsys):
+    model, opt = _trained()
+    _save(tmp_path, 2, model, opt)
+    (tmp_path / "iter_0000004.tmp").mkdir()  # a save killed half way
+    assert checkpointing.find_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000002")
+    os.remove(tmp_path / "latest_checkpointed_iteration.txt")  # killed between rename and tracker update
+    assert checkpointing.find_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000002")
+    assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().out
+    _save(tmp_path, 6, model, opt)
+    assert not (tmp_path / "iter_0000004.tmp").exists()  # stale temporary directories are cleaned up
+    assert checkpointing.find_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000006")
+
+
+def test_nothing_complete_is_an_error(tmp_path):
+    model, opt = _trained()
+    path = _save(tmp_path, 2, model, opt)
+    os.remove(os.path.join(path, ".metadata"))
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        checkpointing.find_checkpoint(str(tmp_path))
+
+
+def test_retention_keeps_last_k_complete_and_never_the_newest_complete(tmp_path):
+    model, opt = _trained()
+    for it in (1, 2, 3):
+        _save(tmp_path, it, model, opt, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    # A broken newer directory (say, copied in by hand) does not count as one of the K.
+    broken = tmp_path / "iter_0000009"
+    broken.mkdir()
+    _save(tmp_path, 4, model, opt, keep_last=1)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["iter_0000004", "iter_0000009", "latest_checkpointed_iteration.txt"]
+    assert checkpointing.find_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000004")
+    with pytest.raises(ValueError, match="at least 1"):
+        Checkpointer(keep_last=0)
+
+
+def test_async_save_snapshots_state_and_matches_sync(tmp_path):
+    model, opt = _trained()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = Checkpointer(async_save=True, verbose=False)
+    report = saver.save(str(tmp_path / "a"), TrainState(iteration=5), model, opt, {}, argparse.Namespace(), CONFIG)
+    assert report.asynchronous and report.blocked_s >= 0
+    with torch.no_grad():  # training goes on while the files are written
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.close()
+    assert saver.last_write_s is not None
+    assert checkpointing.checkpoint_problem(report.path) is None
+    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "5\n"
+    fresh = GPTModel(CONFIG)
+    checkpointing.load_checkpoint(report.path, fresh, None, load_optim=False, load_rng=False)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_optimizer_and_rng_round_trip_and_no_save_flags(tmp_path, capsys):
+    model, opt = _trained()
+    torch.manual_seed(77)
+    rng_at_save = torch.get_rng_state()
+    path = _save(tmp_path / "full", 1, model, opt)
+    torch.manual_seed(5)
+    model2, opt2 = _trained(seed=2)
+    checkpointing.load_checkpoint(path, model2, opt2, model_config=CONFIG)
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+    # --no-save-optim / --no-save-rng: neither is in the checkpoint; loading warns and keeps the fresh optimizer.
+    bare = _save(tmp_path / "bare", 1, model, opt, save_optim=False, save_rng=False)
+    keys = checkpointing.read_dcp_metadata(bare).state_dict_metadata
+    assert keys and not [k for k in keys if k.startswith("optimizer")]
+    assert not [n for n in os.listdir(bare) if n.startswith("rng_")]
+    model3 = GPTModel(CONFIG)
+    opt3 = build_optimizer(model3, OptimizerConfig(lr=1e-2))
+    meta = checkpointing.load_checkpoint(bare, model3, opt3)
+    assert not meta["has_optimizer"] and not opt3.state
+    assert "no optimizer state" in capsys.readouterr().out
+
+
+def test_shape_mismatch_lists_differences_and_finetune_loads_compatible_subset(tmp_path):
+    model, opt = _trained()
+    path = _save(tmp_path, 1, model, opt)
+    wider = GPTConfig(**{**CONFIG.__dict__, "hidden_size": 32, "kv_channels": None})
+    with pytest.raises(CheckpointError) as e:
+        checkpointing.load_checkpoint(path, GPTModel(wider), None, model_config=wider)
+    msg = str(e.value)
+    assert "--hidden-size: checkpoint 16, flags 32" in msg and "embedding.word_embeddings.weight" in msg
+    with pytest.raises(CheckpointError, match="shape differs"):  # --finetune does not hide shape differences
+        checkpointing.load_checkpoint(path, GPTModel(wider), None, model_config=wider, finetune=True)
+    untied = GPTConfig(**{**CONFIG.__dict__, "untie_embeddings_and_output_weights": True})
+    with pytest.raises(CheckpointError, match="not in the checkpoint: output_layer.weight"):
+        checkpointing.load_checkpoint(path, GPTModel(untied), None, model_config=untied, load_optim=False)
+    target = GPTModel(untied)
+    target.init_weights(9)
+    before = target.output_layer.weight.detach().clone()
+    checkpointing.load_checkpoint(path, target, None, model_config=untied, finetune=True, load_rng=False)
+    assert torch.equal(target.embedding.word_embeddings.weight, model.embedding.word_embeddings.weight)
+    assert torch.equal(target.output_layer.weight, before)  # not in the checkpoint: keeps its value
+
+
+class _Evil:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+def test_metadata_with_arbitrary_objects_is_refused(tmp_path):
+    model, opt = _trained()
+    path = _save(tmp_path, 1, model, opt)
+    canary = tmp_path / "pwned"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(str(canary)), f)
+    with pytest.raises(CheckpointError, match="refusing"):
+        checkpointing.load_checkpoint(path, GPTModel(CONFIG), None)
+    assert not canary.exists()
