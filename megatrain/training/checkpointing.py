@@ -687,11 +687,24 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     else:
         set_state_dict(model, [], model_state_dict=sd["model"], optim_state_dict={},
                        options=StateDictOptions(strict=True))
-    rng_file = os.path.join(ckpt, _rng_name(_rank()))
-    if load_rng and meta.get("has_rng"):
-        if os.path.isfile(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=True))
-        else:
-            _warn(f"checkpoint {ckpt} has no RNG state for rank {_rank()} (saved with {meta.get('world_size')} "
-                  f"ranks); this rank keeps its seeded RNG")
+    if load_rng:
+        restore_rng(ckpt, meta)
     return meta
+
+
+def restore_rng(ckpt: str, meta: dict[str, Any] | None = None) -> bool:
+    """Set this rank's RNG states from the checkpoint; False (with a warning) when it holds none for this rank.
+
+    Call it last when resuming: anything that draws random numbers afterwards (creating a
+    DataLoader iterator draws one) would otherwise shift the streams against the original run.
+    """
+    meta = read_meta(ckpt) if meta is None else meta
+    if not meta.get("has_rng"):
+        return False
+    rng_file = os.path.join(ckpt, _rng_name(_rank()))
+    if not os.path.isfile(rng_file):
+        _warn(f"checkpoint {ckpt} has no RNG state for rank {_rank()} (saved with {meta.get('world_size')} "
+              f"ranks); this rank keeps its seeded RNG")
+        return False
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    return True

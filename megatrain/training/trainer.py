@@ -140,9 +140,12 @@ class Trainer:
         self.checkpointer = checkpointing.Checkpointer(async_save=bool(getattr(args, "async_save", False)),
                                                        keep_last=getattr(args, "keep_last_checkpoints", None),
                                                        verbose=get_rank() == 0)
+        self._rng_checkpoint: str | None = None
         if args.load:
             self._load(args.load)
         self._build_data()
+        if self._rng_checkpoint:  # last: building the data iterators draws from the RNG
+            checkpointing.restore_rng(self._rng_checkpoint)
 
     # ------------------------------------------------------------------ set-up
     def _is_logging_rank(self) -> bool:
@@ -181,10 +184,12 @@ class Trainer:
         try:
             meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
                                                  load_optim=not (a.finetune or a.no_load_optim),
-                                                 load_rng=not (a.finetune or a.no_load_rng),
+                                                 load_rng=False,
                                                  model_config=self.model_config, finetune=a.finetune)
         except checkpointing.CheckpointError as e:
             raise SystemExit(f"error: --load {load}: {e}") from None
+        if not (a.finetune or a.no_load_rng):
+            self._rng_checkpoint = ckpt
         if not a.finetune:
             ts = meta["train_state"]
             self.state = TrainState(**ts)
