@@ -157,13 +157,23 @@ class Trainer:
             model = GPTModel(self.model_config)
         return parallelize_gpt(model, self.dims, self.args, device=self.device, seed=self.args.seed)
 
+    def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
+        """Train/valid/test datasets (hook: fine-tuning returns its own; samples go to ``make_batch``)."""
+        a = self.args
+        return build_train_valid_test_datasets(DataConfig.from_args(a), a.seq_length, a.seed, num_samples,
+                                               self.tokenizer.vocab_size, self.tokenizer.eod)
+
+    def make_batch(self, samples: torch.Tensor) -> dict[str, Any]:
+        """Model inputs and loss mask from a collated micro-batch on the device (hook for fine-tuning)."""
+        a = self.args
+        return make_batch(samples, self.tokenizer.eod, a.reset_position_ids, a.reset_attention_mask,
+                          a.eod_mask_loss)
+
     def _build_data(self) -> None:
         a = self.args
         num_samples = num_samples_for_splits(a.train_iters, a.train_samples, a.global_batch_size,
                                              a.eval_interval, a.eval_iters)
-        self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
-            DataConfig.from_args(a), a.seq_length, a.seed, num_samples, self.tokenizer.vocab_size,
-            self.tokenizer.eod)
+        self.train_ds, self.valid_ds, self.test_ds = self.build_datasets(num_samples)
         pin = self.device.type == "cuda"
 
         def loader(ds: Any, consumed: int) -> Iterator[torch.Tensor] | None:
@@ -218,9 +228,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
-        a = self.args
-        b = make_batch(samples.to(self.device, non_blocking=True), self.tokenizer.eod, a.reset_position_ids,
-                       a.reset_attention_mask, a.eod_mask_loss)
+        b = self.make_batch(samples.to(self.device, non_blocking=True))
         with self.precision.autocast(self.device):
             per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
                                    labels=b["labels"])
@@ -401,11 +409,11 @@ class _IntervalStats:
         return float(self.loss_sum) / self.counted if self.counted else float("nan")
 
 
-def pretrain(args: argparse.Namespace) -> TrainState:
+def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> TrainState:
     """Build everything from parsed arguments, train, evaluate at the end, save."""
     for note in getattr(args, "legacy_notes", []):
         print_rank0(note)
-    trainer = Trainer(args)
+    trainer = trainer_class(args)
     try:
         if not args.skip_train:
             trainer.train()
