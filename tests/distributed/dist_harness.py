@@ -89,7 +89,11 @@ def micro_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tenso
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4, foreach=False))
+    """AdamW with the kernel choice the trainer makes for this (possibly parallel) model."""
+    from megatrain.parallel.parallelize import optimizer_kernel_kwargs
+
+    return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4,
+                                                  **optimizer_kernel_kwargs(model)))
 
 
 CLIP = 0.5  # small enough that clipping is active on these runs
