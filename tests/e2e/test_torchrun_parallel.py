@@ -81,3 +81,20 @@ def test_two_node_launch_with_sp_zero3_recompute_matches_one_process(single_proc
     # The log lines come from the last rank, which runs on the second node.
     _assert_close(_losses(outputs[1][0]), single_process)
     assert "] iteration " not in outputs[0][0]
+
+
+def test_srun_style_launch_without_torchrun_matches_one_process(single_process):
+    """Two plain `python pretrain_gpt.py` processes that only have SLURM_* variables (as `srun`
+    starts them) form a DP=2 job and log the same losses as one process."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_ID="1",
+                   SLURM_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *ARGS], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    _assert_close(_losses(outs[1][0]), single_process)  # the last rank prints the log lines
