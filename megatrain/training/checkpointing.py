@@ -601,6 +601,23 @@ def read_meta(ckpt: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- loading
 
+def resume_vocab_size(ckpt: str, padded: int, true_vocab: int, tensor_parallel_size: int) -> int:
+    """The padded vocabulary to build when loading ``ckpt``: the checkpoint's, when it fits this layout.
+
+    Megatron pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by x TP``, so a
+    checkpoint saved under another TP size can have more (or fewer) padding rows. Its size is kept
+    when it holds the whole vocabulary and divides by the new TP size; the padding rows never
+    receive a target, so the run continues with the same numbers.
+    """
+    saved = int(read_meta(ckpt).get("model_config", {}).get("vocab_size", padded))
+    if saved == padded or saved < true_vocab or saved % tensor_parallel_size:
+        return padded
+    if _rank() == 0:
+        print(f" note: using the checkpoint's padded vocabulary of {saved} (the flags give {padded}; the "
+              f"padding depends on --make-vocab-size-divisible-by x --tensor-model-parallel-size)", flush=True)
+    return saved
+
+
 def _global_shape(t: Any) -> tuple[int, ...]:
     return tuple(t.shape)
 

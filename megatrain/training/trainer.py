@@ -112,6 +112,10 @@ class Trainer:
         self.tokenizer = build_tokenizer(args)
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
+        self._found_checkpoint = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None
+        if self._found_checkpoint:  # a checkpoint saved under another TP size may be padded differently
+            self.vocab_size = checkpointing.resume_vocab_size(self._found_checkpoint, self.vocab_size,
+                                                              self.tokenizer.vocab_size, args.tensor_model_parallel_size)
         self.model_config = model_config_from_args(args, self.vocab_size)
         try:
             self.dims.validate_model(self.model_config, seq_length=args.seq_length)
@@ -188,7 +192,7 @@ class Trainer:
 
     def _load(self, load: str) -> None:
         a = self.args
-        ckpt = checkpointing.find_checkpoint(load, a.ckpt_step)
+        ckpt = self._found_checkpoint
         if ckpt is None:
             print_rank0(f"WARNING: no checkpoint found in --load {load}; starting from scratch")
             return
