@@ -38,6 +38,7 @@ from megatrain.training.logging import (MetricsWriter, format_train_log_line, fo
                                         format_validation_line)
 from megatrain.training.loss_scaler import (ConstantLossScaler, DynamicLossScaler, found_inf_in_grads,
                                             reduce_found_inf, unscale_grads_)
+from megatrain.training.memory_report import MemoryEstimate, estimate_memory
 from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
 
@@ -307,6 +308,14 @@ class Trainer:
         return loss
 
     # ------------------------------------------------------------------ the loop
+    def _memory_estimate(self) -> MemoryEstimate:
+        a = self.args
+        return estimate_memory(
+            self.model_config, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, tp=self.dims.tp,
+            pp=self.dims.pp, dp=self.dims.dp, zero_stage=a.zero_stage, sequence_parallel=a.sequence_parallel,
+            recompute_granularity=a.recompute_granularity, half_precision=self.precision.dtype != torch.float32,
+            optimizer=a.optimizer)
+
     def train(self) -> TrainState:
         a = self.args
         train_iters = a.train_iters_derived
@@ -315,6 +324,8 @@ class Trainer:
                     f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
                     f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
                     f"on {self.device}" + (f"; {self.dims.describe()}" if self.world_size > 1 else ""))
+        estimate = self._memory_estimate()
+        print_rank0(f" {estimate.line()}")
         interval = _IntervalStats()
         t_last = time.time()
         if self.device.type == "cuda":
@@ -339,6 +350,10 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 now = time.time()
                 self._log(interval, (now - t_last) / interval.iterations, train_iters)
+                if self.device.type == "cuda" and self.state.iteration == a.log_interval:
+                    peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    print(f" [rank {get_rank()}] measured peak memory after {self.state.iteration} iterations: "
+                          f"{peak:.2f} GiB (theoretical {estimate.total / 2**30:.2f} GiB)", flush=True)
                 interval = _IntervalStats()
                 t_last = time.time()
             if self.state.nan_iterations >= a.max_nan_iterations:
