@@ -1,4 +1,9 @@
-"""`tools/generate.py` / `megatrain generate`: complete prompts with a trained checkpoint."""
+"""`tools/generate.py` / `megatrain generate`: complete prompts with a trained checkpoint.
+
+`complete()` is the text-in, text-out layer shared with the server and the evaluation tool: it
+tokenizes, runs :func:`generate` over micro-batches of prompts, turns stop strings into both early
+stopping (token sequences) and a cut of the decoded text, and reports why each completion ended.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,75 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.generation import generate
 from megatrain.inference.loading import fill_tokenizer_args, load_model
 from megatrain.training.builders import choose_device
+
+
+@dataclass
+class SamplingParams:
+    """How to choose tokens: greedy, or sampling with temperature / top-k / top-p and a seed."""
+
+    tokens_to_generate: int = 64
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_on_eod: bool = True
+
+
+@dataclass
+class Completion:
+    prompt: str
+    text: str  # generated text only, cut before the first stop string
+    tokens: list[int]  # generated ids (stop tokens included, as generated)
+    prompt_tokens: list[int]
+    finish_reason: str  # "stop" (EOD or a stop string) or "length"
+
+
+def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingParams,
+             micro_batch_size: int | None = None, prompt_ids: list[list[int]] | None = None) -> list[Completion]:
+    """Complete every prompt; ``micro_batch_size`` prompts go through the model at once (all by default).
+
+    With a seed, sampling is reproducible for the same prompts and micro-batch size.
+    """
+    if prompt_ids is None:
+        prompt_ids = [tokenizer.tokenize(p) for p in prompts]
+    stop_seqs = [ids for ids in (tokenizer.tokenize(s) for s in params.stop) if ids] or None
+    eod = tokenizer.eod if params.stop_on_eod else None
+    size = micro_batch_size or len(prompts) or 1
+    out: list[Completion] = []
+    for start in range(0, len(prompts), size):
+        chunk = prompt_ids[start:start + size]
+        if params.tokens_to_generate == 0:
+            generated: list[list[int]] = [[] for _ in chunk]
+        else:
+            seed = None if params.seed is None else params.seed + start
+            with torch.no_grad():
+                generated = generate(model, chunk, params.tokens_to_generate, greedy=params.greedy,
+                                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                     eod=eod, stop_token_sequences=stop_seqs, seed=seed)
+        for prompt, ids, new in zip(prompts[start:start + size], chunk, generated):
+            text = tokenizer.detokenize(new) if new else ""
+            reason = "length"
+            if eod is not None and new and new[-1] == eod:
+                reason = "stop"
+                text = tokenizer.detokenize(new[:-1]) if len(new) > 1 else ""
+            cuts = [text.index(s) for s in params.stop if s and s in text]
+            if cuts:
+                text = text[: min(cuts)]
+                reason = "stop"
+            out.append(Completion(prompt, text, new, list(ids), reason))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop when this text is generated (repeatable)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="prompts generated together (default: all at once)")
     p.add_argument("--output-json", default=None, help='write [{"prompt", "text", "tokens"}, ...] here')
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
+    p.add_argument("--fp16", action="store_true", help="run the model in float16")
     add_tokenizer_args(p)
     return p
 
@@ -39,19 +109,47 @@ def build_parser() -> argparse.ArgumentParser:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.input_file:
-        with open(args.input_file, encoding="utf-8") as f:
+        try:
+            f = open(args.input_file, encoding="utf-8")
+        except OSError as e:
+            raise SystemExit(f"error: --input-file {args.input_file}: {e.strerror}")
+        with f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
-                    prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+                    prompt = obj["prompt"] if isinstance(obj, dict) else obj
                 except (json.JSONDecodeError, KeyError) as e:
                     raise SystemExit(f"error: --input-file {args.input_file}:{lineno}: expected a JSON object "
                                      f'with a "prompt" key ({e})')
+                if not isinstance(prompt, str):
+                    raise SystemExit(f"error: --input-file {args.input_file}:{lineno}: the prompt must be a string")
+                prompts.append(prompt)
     if not prompts:
         raise SystemExit("error: give at least one --prompt or an --input-file")
     return prompts
+
+
+def model_dtype(args: argparse.Namespace) -> torch.dtype:
+    if getattr(args, "bf16", False) and getattr(args, "fp16", False):
+        raise SystemExit("error: --bf16 and --fp16 cannot be used together")
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 @user_errors_exit
@@ -59,27 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.tokens_to_generate < 0:
         raise SystemExit("error: --tokens-to-generate must be >= 0")
+    if args.micro_batch_size is not None and args.micro_batch_size <= 0:
+        raise SystemExit("error: --micro-batch-size must be positive")
     prompts = read_prompts(args)
     device = choose_device(args.device)
     model, meta = load_model(args.load, device, args.ckpt_step)
+    model.to(model_dtype(args))
     tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))
-    prompt_ids = [tokenizer.tokenize(p) for p in prompts]
-    stop_seqs = [tokenizer.tokenize(s) for s in args.stop] or None
-    with torch.no_grad():
-        out = generate(model, prompt_ids, args.tokens_to_generate, greedy=args.greedy,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eod=tokenizer.eod,
-                       stop_token_sequences=stop_seqs, seed=args.seed)
+    params = SamplingParams(args.tokens_to_generate, args.greedy, args.temperature, args.top_k, args.top_p,
+                            args.seed, list(args.stop))
     results = []
-    for prompt, ids in zip(prompts, out):
-        text = tokenizer.detokenize(ids)
-        for s in args.stop:
-            if s in text:
-                text = text[: text.index(s)]
-        results.append({"prompt": prompt, "text": text, "tokens": ids})
-        print(f"--- prompt: {prompt!r}\n{prompt}{text}\n", flush=True)
+    for c in complete(model, tokenizer, prompts, params, args.micro_batch_size):
+        results.append({"prompt": c.prompt, "text": c.text, "tokens": c.tokens})
+        print(f"--- prompt: {c.prompt!r}\n{c.prompt}{c.text}\n", flush=True)
     if args.output_json:
-        tmp = args.output_json + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, args.output_json)
+        write_json_atomic(args.output_json, results)
     sys.stdout.flush()

@@ -1,0 +1,190 @@
+"""The text-generation server over real HTTP on 127.0.0.1: both endpoints, concurrent requests, and a 4xx
+with a message (never a crash) for each kind of bad input; the command starts from a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.data.tokenizers import build_tokenizer
+from megatrain.inference.generation import generate
+from megatrain.inference.server import ServerLimits, TextGenerationService, make_server
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel
+from megatrain.training import checkpointing
+from megatrain.training.checkpointing import TrainState
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER = {"tokenizer_type": "NullTokenizer", "vocab_size": 30}  # text is ids; eod = 30
+
+
+def tiny_model() -> GPTModel:
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=32,
+                               max_position_embeddings=32, init_method_std=0.3))
+    model.init_weights(seed=5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_model()
+    service = TextGenerationService(model, build_tokenizer(TOKENIZER),
+                                    ServerLimits(max_prompt_tokens=12, max_tokens_to_generate=8, max_batch_size=4,
+                                                 max_request_bytes=2000))
+    srv = make_server(service, "127.0.0.1", 0, quiet=True)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv, model
+    srv.shutdown()
+    srv.server_close()
+
+
+def request(srv, method: str, path: str, body=None, raw: bytes | None = None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, body=data, headers=headers or {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    conn.close()
+    return resp.status, payload
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    return generate(model, [prompt], n, eod=30)[0]
+
+
+def test_megatron_api(server):
+    srv, model = server
+    status, out = request(srv, "PUT", "/api", {"prompts": ["1 2 3", "4 5"], "tokens_to_generate": 5, "top_k": 1,
+                                               "logprobs": True})
+    assert status == 200, out
+    for prompt, text, segments, logprobs in zip([[1, 2, 3], [4, 5]], out["text"], out["segments"], out["logprobs"]):
+        new = greedy(model, prompt, 5)
+        assert text == " ".join(map(str, prompt + new)) and segments == [str(t) for t in prompt + new]
+        assert len(logprobs) == len(prompt) + len(new) - 1 and all(lp <= 0 for lp in logprobs)
+    # Sampling with a seed is reproducible.
+    body = {"prompts": ["7"], "tokens_to_generate": 6, "temperature": 0.9, "top_p": 0.8, "random_seed": 3}
+    assert request(srv, "PUT", "/api", body)[1] == request(srv, "PUT", "/api", body)[1]
+
+
+def test_openai_completions(server):
+    srv, model = server
+    status, out = request(srv, "POST", "/v1/completions", {"prompt": "1 2 3", "max_tokens": 6, "temperature": 0})
+    assert status == 200, out
+    new = greedy(model, [1, 2, 3], 6)
+    choice = out["choices"][0]
+    assert out["object"] == "text_completion" and choice["index"] == 0
+    expected = " ".join(map(str, [t for t in new if t != 30]))
+    assert choice["text"] == expected
+    assert choice["finish_reason"] == ("stop" if 30 in new else "length")
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": len(new), "total_tokens": 3 + len(new)}
+    # A stop string cuts the text and ends the completion.
+    if len(new) > 2 and 30 not in new[:3]:
+        stop = str(new[1])
+        status, out = request(srv, "POST", "/v1/completions", {"prompt": ["1 2 3"], "max_tokens": 6,
+                                                               "temperature": 0, "stop": stop, "echo": True})
+        assert status == 200 and out["choices"][0]["finish_reason"] == "stop"
+        assert out["choices"][0]["text"].startswith("1 2 3") and stop not in out["choices"][0]["text"][5:]
+
+
+def test_concurrent_requests(server):
+    srv, model = server
+    prompts = [[i % 29, (3 * i) % 29] for i in range(12)]
+    expected = [" ".join(map(str, p + greedy(model, p, 4))) for p in prompts]
+
+    def one(i):
+        return request(srv, "PUT", "/api", {"prompts": [" ".join(map(str, prompts[i]))], "tokens_to_generate": 4,
+                                            "top_k": 1})
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(one, range(12)))
+    assert [r[0] for r in results] == [200] * 12
+    assert [r[1]["text"][0] for r in results] == expected
+
+
+@pytest.mark.parametrize("method, path, body, status, message", [
+    ("PUT", "/api", b"{not json", 400, "not valid JSON"),
+    ("PUT", "/api", b"[1, 2]", 400, "must be a JSON object"),
+    ("PUT", "/api", {"tokens_to_generate": 4}, 400, "prompts argument required"),
+    ("PUT", "/api", {"prompts": "1 2"}, 200, None),  # one string is accepted as one prompt
+    ("PUT", "/api", {"prompts": []}, 400, "non-empty list"),
+    ("PUT", "/api", {"prompts": [""]}, 400, "prompts[0] is empty"),
+    ("PUT", "/api", {"prompts": [3]}, 400, "prompts[0] must be a string"),
+    ("PUT", "/api", {"prompts": ["1 " * 13]}, 400, "limit is 12"),
+    ("PUT", "/api", {"prompts": ["1"] * 5}, 400, "at most 4 prompts"),
+    ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": "4"}, 400, "non-negative integer"),
+    ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": 9}, 400, "limit is 8"),
+    ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": 0}, 400, "logprobs should be True"),
+    ("PUT", "/api", {"prompts": ["1"], "temperature": 0}, 400, "temperature must be a positive number"),
+    ("PUT", "/api", {"prompts": ["1"], "top_k": 2, "top_p": 0.5}, 400, "cannot set both"),
+    ("PUT", "/api", {"prompts": ["1"], "top_k": True}, 400, "top_k must be an integer"),
+    ("PUT", "/api", {"prompts": ["1"], "random_seed": -1}, 400, "random_seed"),
+    ("PUT", "/api", {"prompts": ["1 99"]}, 400, "NullTokenizer id 99"),
+    ("POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt is required"),
+    ("POST", "/v1/completions", {"prompt": "1", "max_tokens": -1}, 400, "non-negative integer"),
+    ("POST", "/v1/completions", {"prompt": "1", "stop": [1]}, 400, "stop must be"),
+    ("POST", "/v1/completions", {"prompt": "1", "stream": True}, 400, "streaming is not supported"),
+    ("POST", "/v1/completions", {"prompt": "1", "n": 2}, 400, "only n = 1"),
+    ("POST", "/v1/completions", {"prompt": "1", "temperature": "hot"}, 400, "temperature must be"),
+    ("GET", "/api", None, 405, "is not served"),
+    ("POST", "/v2/other", {}, 404, "endpoints"),
+    ("PUT", "/api", b"x" * 3000, 413, "byte limit"),
+])
+def test_bad_requests_get_4xx_with_message(server, method, path, body, status, message):
+    srv, _ = server
+    raw = body if isinstance(body, bytes) else None
+    got, out = request(srv, method, path, None if raw is not None else body, raw=raw)
+    assert got == status, out
+    if message:
+        assert message in out["message"]
+    assert request(srv, "GET", "/health")[0] == 200  # still serving
+
+
+def test_missing_content_length_and_prompt_plus_tokens_over_positions(server):
+    srv, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    conn.putrequest("PUT", "/api")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 411 and "Content-Length" in json.loads(resp.read())["message"]
+    conn.close()
+    status, out = request(srv, "PUT", "/api", {"prompts": ["1 " * 12], "tokens_to_generate": 8})
+    assert status == 200  # 12 + 8 - 1 <= 32 positions
+    long_limits = srv.RequestHandlerClass.service.limits
+    old = long_limits.max_prompt_tokens
+    long_limits.max_prompt_tokens = 40
+    try:
+        status, out = request(srv, "PUT", "/api", {"prompts": ["1 " * 30], "tokens_to_generate": 8})
+        assert status == 400 and "exceeds the model's 32 positions" in out["message"]
+    finally:
+        long_limits.max_prompt_tokens = old
+
+
+def test_command_serves_a_checkpoint(tmp_path):
+    model = tiny_model()
+    checkpointing.save_checkpoint(str(tmp_path / "ckpt"), TrainState(iteration=1), model, None, {},
+                                  argparse.Namespace(**TOKENIZER), model.config)
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "run_text_generation_server.py"), "--load",
+                             str(tmp_path / "ckpt"), "--port", "0", "--quiet", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line = proc.stdout.readline()
+        assert "serving on http://127.0.0.1:" in line, line + proc.stderr.read()
+        port = int(line.rsplit(":", 1)[1].split()[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("PUT", "/api", body=json.dumps({"prompts": ["1 2"], "tokens_to_generate": 3, "top_k": 1}))
+        out = json.loads(conn.getresponse().read())
+        conn.close()
+        assert out["text"] == [" ".join(map(str, [1, 2] + greedy(model, [1, 2], 3)))]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
