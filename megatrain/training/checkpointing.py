@@ -539,7 +539,9 @@ def _find(load: str, step: int | None) -> str | None:
             raise SystemExit(f"error: --load {load}: the checkpoint is incomplete: {problem}")
         return load
     if not os.path.isdir(load):
-        raise SystemExit(f"error: --load {load}: no such directory")
+        if step is not None:
+            raise SystemExit(f"error: --load {load}: no such directory")
+        return None  # as in Megatron: `--save D --load D` starts from scratch on the first launch
     if step is not None:
         ckpt = checkpoint_dir(load, step)
         problem = checkpoint_problem(ckpt)
