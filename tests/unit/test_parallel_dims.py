@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -115,8 +116,8 @@ def test_slurm_master_address_is_filled_when_ranks_come_from_elsewhere():
     assert env["MASTER_ADDR"] == "n4" and env["MASTER_PORT"] == "20000"
 
 
-@pytest.mark.parametrize("script", ["pretrain_gpt_single_node.sh", "pretrain_gpt_multi_node.sh",
-                                    "pretrain_gpt_slurm.sbatch"])
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").iterdir()
+                                           if "pretrain_gpt" in p.read_text()))
 def test_example_launch_scripts_use_known_flags(script):
     """Every flag the example scripts pass to pretrain_gpt.py is one the parser knows."""
     import re
