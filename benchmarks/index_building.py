@@ -19,17 +19,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatrain.data.blended_dataset import build_blending_indices, normalize_weights  # noqa: E402
 from megatrain.data.gpt_dataset import build_indices  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from common import cpu_model  # noqa: E402
 
 
 def main() -> None:

@@ -28,23 +28,14 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import cpu_model  # noqa: E402
+
 GPT2_DIR = REPO / ".." / "shared" / "data" / "gpt2"
 CORPUS_MB = 50
 
 
 class Skip(Exception):
     """A benchmark that cannot run here (missing files); the message says why."""
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def build_stdlib_corpus(path: Path, min_mb: int = CORPUS_MB) -> tuple[int, int]:
