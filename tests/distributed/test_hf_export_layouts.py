@@ -43,6 +43,8 @@ def _save_tp2(rank: int, world_size: int, root: str, style: str) -> dict:
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_tp2_checkpoint_exports_with_same_logits(style, tmp_path):
     from megatrain.convert.export_hf import export_checkpoint
+    from megatrain.inference.generation import generate
+    from megatrain.inference.loading import load_model
 
     params = run_workers(_save_tp2, 2, str(tmp_path), style)[0]
     reference = GPTModel(tiny_config(style)).eval()
@@ -52,3 +54,9 @@ def test_tp2_checkpoint_exports_with_same_logits(style, tmp_path):
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (reference(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+    # tools/generate.py's loader reads the TP=2 checkpoint into one process; greedy tokens match HF's.
+    model, _ = load_model(str(tmp_path / style), torch.device("cpu"))
+    with torch.no_grad():
+        theirs = hf.generate(tokens[:, :8], attention_mask=torch.ones_like(tokens[:, :8]), max_new_tokens=6,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generate(model, tokens[:, :8].tolist(), 6) == theirs[:, 8:].tolist()
