@@ -58,6 +58,8 @@ META = "meta.json"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 2
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+# One process without torch.distributed is an intended way to save (also from the async writer thread).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # Fields of the model config that decide which tensors exist and their shapes.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
