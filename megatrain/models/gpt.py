@@ -26,6 +26,7 @@ from torch import nn
 
 from megatrain.models.attention import KVCache, SelfAttention
 from megatrain.models.config import GPTConfig
+from megatrain.models.fused_loss import ChunkedCrossEntropy
 from megatrain.models.mlp import MLP
 from megatrain.models.norms import build_norm
 
@@ -84,6 +85,10 @@ class GPTModel(nn.Module):
 
     For pipeline stages, ``embedding`` may be set to None (the stage then takes hidden states
     [b, s, h] as ``input_ids``) and ``final_layernorm`` to None (the stage returns hidden states).
+
+    ``chunked_loss`` (a :class:`ChunkedCrossEntropy`, set by ``--cross-entropy-chunk-size``): with
+    labels, the output layer and the loss run together in float32 chunks, so the full float32
+    logits never exist; None (the default) computes the logits and then ``loss``.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -99,6 +104,7 @@ class GPTModel(nn.Module):
             if config.untie_embeddings_and_output_weights
             else None
         )
+        self.chunked_loss: ChunkedCrossEntropy | None = None
         if not next(self.parameters()).is_meta:
             self.init_weights(seed=0)
 
@@ -117,6 +123,13 @@ class GPTModel(nn.Module):
             return self.output_layer(hidden)
         assert self.embedding is not None, "tied output weights need the word embeddings"
         return F.linear(hidden, self.embedding.word_embeddings.weight)
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight [V, h]: its own, or the word embeddings' when tied."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        assert self.embedding is not None, "tied output weights need the word embeddings"
+        return self.embedding.word_embeddings.weight
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -157,6 +170,8 @@ class GPTModel(nn.Module):
             hidden = layer(hidden, position_ids, attention_mask, kv_cache)
         if self.final_layernorm is None:
             return hidden
+        if labels is not None and self.chunked_loss is not None:
+            return self.chunked_loss(self.final_layernorm(hidden), self.output_weight(), labels)
         logits = self.output_logits(hidden)
         return logits if labels is None else self.loss(logits, labels)
 

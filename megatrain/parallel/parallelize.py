@@ -4,11 +4,16 @@ The steps always run in this order:
 
 1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`);
 2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
-3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``);
+3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``), and the head's
+   loss: chunked float32 cross entropy (``--cross-entropy-chunk-size``) unless tensor parallel
+   already made it vocab-parallel;
 4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs);
 5. materialise (``to_empty``) and fill every parameter from ``initial_value`` -- each rank writes
    only its shard of the full tensor, so the weights are identical for every layout;
 6. DDP wrapping (replicated data parallel), which needs materialised weights.
+
+On CUDA, a small probe then checks that SDPA has a fused attention kernel for the model's head
+dim, dtype and masks, and warns when only the slow math fallback would run.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from megatrain.models.attention_backends import warn_if_attention_falls_back
 from megatrain.models.config import GPTConfig
+from megatrain.models.fused_loss import ChunkedCrossEntropy
 from megatrain.models.gpt import canonical_parameter_name, initial_value
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
@@ -33,11 +40,18 @@ class ParallelizeConfig:
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     compile_layers: bool = False
+    cross_entropy_chunk_size: int = 0  # 0: logits, then the plain loss
+    compute_dtype: torch.dtype = torch.float32  # for the attention-kernel probe on CUDA
+    attention_mask: bool = False  # explicit masks (--reset-attention-mask), for the same probe
 
     @classmethod
     def from_args(cls, args: Any) -> "ParallelizeConfig":
+        dtype = (torch.bfloat16 if getattr(args, "bf16", False)
+                 else torch.float16 if getattr(args, "fp16", False) else torch.float32)
         return cls(DataParallelConfig.from_args(args), RecomputeConfig.from_args(args),
-                   bool(getattr(args, "use_torch_compile", False)))
+                   bool(getattr(args, "use_torch_compile", False)),
+                   int(getattr(args, "cross_entropy_chunk_size", 0) or 0), dtype,
+                   bool(getattr(args, "reset_attention_mask", False)))
 
 
 def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
@@ -52,10 +66,11 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     if not isinstance(cfg, ParallelizeConfig):
         cfg = ParallelizeConfig.from_args(cfg)
     config = config or model.config
-    if dims.pp > 1 or dims.cp > 1:
-        raise ValueError("parallelize_gpt applies tensor, sequence and data parallelism; pipeline "
-                         f"(--pipeline-model-parallel-size {dims.pp}) and context parallel (--context-parallel-size "
-                         f"{dims.cp}) stages must be built before calling it")
+    if (dims.pp > 1 and not getattr(model, "is_pipeline_stage", False)) or dims.cp > 1:
+        raise ValueError("parallelize_gpt applies tensor, sequence and data parallelism to one model or one "
+                         f"pipeline stage; with --pipeline-model-parallel-size {dims.pp} build the stages with "
+                         "megatrain.parallel.pipeline.PipelineParallel.build (context parallel "
+                         f"--context-parallel-size {dims.cp} is not supported)")
     distributed = dims.world_size > 1
     if dims.tp_enabled:
         dims.validate_model(config)
@@ -66,12 +81,17 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     if compile_fn is not None:
         for layer in model.layers.values():
             compile_fn(layer)
+    if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and hasattr(model, "chunked_loss"):
+        model.chunked_loss = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
+                                                 compile=cfg.compile_layers and device.type == "cuda")
     fsdp = distributed and dims.dp_enabled and uses_fsdp(cfg.data_parallel, dims.tp_enabled)
     if fsdp:
         apply_fsdp(model, dims.submesh("dp"), cfg.data_parallel)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     init_parameters(model, config, seed)
+    if device.type == "cuda":
+        warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)
     if distributed and dims.dp_enabled and not fsdp:
         return apply_ddp(model, dims.submesh("dp"), cfg.data_parallel, device)
     return model

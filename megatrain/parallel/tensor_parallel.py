@@ -113,6 +113,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
             parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(
                 input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
         model.loss = VocabParallelLoss(tp_mesh)  # instance attribute: replaces GPTModel.loss
+        if getattr(model, "chunked_loss", None) is not None:
+            model.chunked_loss = None  # the vocab-parallel loss never gathers the logits either
     del tp
     return model
 

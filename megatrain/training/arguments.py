@@ -155,8 +155,13 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--max-nan-iterations", type=int, default=10,
                    help="stop the run after this many iterations with a NaN/inf loss or gradient")
-    g.add_argument("--use-torch-compile", action="store_true", help="compile each transformer layer")
-    g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile")
+    g.add_argument("--use-torch-compile", action="store_true", default=None,
+                   help="compile each transformer layer (default: on with CUDA, off on CPU)")
+    g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile", default=None)
+    g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
+                   help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
+                        "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; tensor parallel runs "
+                        "use the vocab-parallel loss)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -363,6 +368,27 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _runs_on_cuda(args: argparse.Namespace) -> bool:
+    device = getattr(args, "device", None)
+    if device is not None:
+        return str(device).startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _resolve_speed_defaults(args: argparse.Namespace) -> None:
+    """--use-torch-compile and --cross-entropy-chunk-size: on by default with CUDA, off on CPU."""
+    on_cuda = _runs_on_cuda(args)
+    if getattr(args, "use_torch_compile", None) is None:
+        args.use_torch_compile = on_cuda
+    chunk = getattr(args, "cross_entropy_chunk_size", None)
+    if chunk is None:
+        args.cross_entropy_chunk_size = 1024 if on_cuda else 0
+    elif chunk < 0:
+        _fail(f"--cross-entropy-chunk-size must be >= 0 (0 turns chunking off), got {chunk}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check flag combinations (clear messages naming the flags) and fill derived values."""
     world_size = world_size_from_env() if world_size is None else world_size
@@ -402,6 +428,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
 
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 cannot be used together")
+    _resolve_speed_defaults(args)
     if (args.train_iters is None) == (args.train_samples is None):
         _fail("give exactly one of --train-iters and --train-samples")
     if args.lr is None:

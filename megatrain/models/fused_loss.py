@@ -1,0 +1,172 @@
+"""Output layer + cross entropy without the full float32 logits: the per-token loss in chunks.
+
+The plain head computes ``logits = h @ W^T`` for every token ([N, V] in the compute dtype), then
+casts them to float32 for the cross entropy, which keeps float32 log-probabilities for the
+backward and builds float32 gradients of the same size: for a 131k vocabulary and 8k tokens that
+is several 4 GiB tensors alive at once.
+
+:class:`ChunkedCrossEntropy` does the same maths with one tensor of that size, in the compute
+dtype:
+
+forward
+    ``logits = h @ W^T`` as one matmul (compute dtype, e.g. bf16 under autocast). Then, chunk by
+    chunk of ``chunk_size`` tokens, the float32 ``logsumexp`` and target logit give the loss
+    ``lse - logit[target]``. Kept for the backward: the logits, ``lse`` (float32 [N]), labels.
+backward
+    Chunk by chunk, ``(softmax - onehot(target)) * grad_loss`` in float32, written over the
+    chunk's logits in the compute dtype; then ``grad_h = G @ W`` and ``grad_W = G^T @ h`` as two
+    matmuls, exactly as the plain head's backward does them.
+
+So the matmuls are the plain head's (no recomputation, same sizes and dtypes), and float32 exists
+only for one chunk at a time. With ``compile=True`` the per-chunk float32 work runs as fused
+torch.compile kernels (one read of the logits in the forward, one read and write in the backward).
+Labels equal to ``ignore_index`` give a loss of 0 and no gradient, as with ``F.cross_entropy``.
+
+The logits buffer is overwritten by the backward, so a graph through this function can be
+back-propagated once (``retain_graph`` is refused with a clear error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ChunkedCrossEntropy", "chunked_cross_entropy", "compute_dtype"]
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``t`` runs in here: autocast's when it is on for t's device, else t's."""
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---- the per-chunk float32 work (plain functions: torch.compile fuses each into a kernel or two) ----
+
+def _chunk_loss(logits_c: torch.Tensor, target_c: torch.Tensor, ignore_index: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] (any float dtype), target [n] -> (loss [n], lse [n]) in float32 (or float64)."""
+    x = logits_c.to(_stats_dtype(logits_c.dtype))
+    lse = torch.logsumexp(x, dim=-1)
+    keep = target_c != ignore_index
+    safe = torch.where(keep, target_c, torch.zeros_like(target_c))
+    target_logit = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    loss = torch.where(keep, lse - target_logit, torch.zeros_like(lse))
+    return loss, lse
+
+
+def _chunk_grad(logits_c: torch.Tensor, lse_c: torch.Tensor, target_c: torch.Tensor, grad_c: torch.Tensor,
+                ignore_index: int) -> torch.Tensor:
+    """d loss / d logits for one chunk, times the incoming per-token gradient, in the logits' dtype."""
+    keep = target_c != ignore_index
+    g = torch.where(keep, grad_c.to(lse_c.dtype), torch.zeros_like(lse_c))
+    probs = torch.exp(logits_c.to(lse_c.dtype) - lse_c.unsqueeze(-1))
+    columns = torch.arange(logits_c.shape[-1], device=logits_c.device)
+    onehot = columns.unsqueeze(0) == target_c.unsqueeze(-1)  # ignored targets (-100) match no column
+    grad = torch.where(onehot, probs - 1.0, probs) * g.unsqueeze(-1)
+    return grad.to(logits_c.dtype)
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _kernels(compile: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if not compile:
+        return _chunk_loss, _chunk_grad
+    if not _COMPILED:
+        # dynamic=False: a chunk has at most two shapes (full chunks and the remainder).
+        _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=False)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=False)
+    return _COMPILED["loss"], _COMPILED["grad"]
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """hidden [N, h], weight [V, h], target [N] -> per-token loss [N] float32 (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
+                ignore_index: int, dtype: torch.dtype, compile: bool) -> torch.Tensor:
+        loss_fn, _ = _kernels(compile)
+        h = hidden.to(dtype)
+        w = weight.to(dtype)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            logits = h @ w.t()  # [N, V] in the compute dtype
+            n = logits.shape[0]
+            loss = torch.empty(n, dtype=_stats_dtype(dtype), device=logits.device)
+            lse = torch.empty_like(loss)
+            for start in range(0, n, chunk_size):
+                end = min(start + chunk_size, n)
+                loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
+        ctx.save_for_backward(h, w, logits, lse, target)
+        ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+        if ctx.used:
+            raise RuntimeError("the chunked cross entropy overwrites its saved logits in the backward: its graph "
+                               "cannot be back-propagated twice (retain_graph); use --cross-entropy-chunk-size 0")
+        ctx.used = True
+        chunk_size, ignore_index, compile, hidden_dtype, weight_dtype = ctx.config
+        h, w, logits, lse, target = ctx.saved_tensors
+        _, grad_fn = _kernels(compile)
+        grad_loss = grad_loss.contiguous()
+        grad_hidden = grad_weight = None
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            for start in range(0, logits.shape[0], chunk_size):
+                end = min(start + chunk_size, logits.shape[0])
+                logits[start:end] = grad_fn(logits[start:end], lse[start:end], target[start:end],
+                                            grad_loss[start:end], ignore_index)
+            grad_logits = logits  # now d loss / d logits, in the compute dtype
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad_logits @ w).to(hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_logits.t() @ h).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                          *, ignore_index: int = -100, compile: bool = False) -> torch.Tensor:
+    """Per-token ``cross_entropy(hidden @ weight.T, labels)`` in float32, shaped like ``labels``.
+
+    hidden [..., h] (after the final norm), weight [V, h] (the output layer or the tied word
+    embeddings), labels [...]. The matmuls run in autocast's dtype when autocast is on (else in
+    hidden's dtype); the softmax statistics in float32, ``chunk_size`` tokens at a time.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"--cross-entropy-chunk-size must be positive for the chunked loss, got {chunk_size}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match")
+    flat = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                            int(chunk_size), int(ignore_index), compute_dtype(hidden),
+                                            bool(compile))
+    return flat.view(labels.shape)
+
+
+@dataclass
+class ChunkedCrossEntropy:
+    """The head's loss as a setting of a model: ``GPTModel.chunked_loss`` (None = the plain head).
+
+    chunk_size: tokens per float32 chunk (``--cross-entropy-chunk-size``); compile: run the
+    per-chunk work as torch.compile kernels (set with ``--use-torch-compile`` on CUDA).
+    """
+
+    chunk_size: int = 1024
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"--cross-entropy-chunk-size must be positive (0 turns the chunked loss off), "
+                             f"got {self.chunk_size}")
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile)

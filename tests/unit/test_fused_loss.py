@@ -1,0 +1,95 @@
+"""The chunked output-layer cross entropy computes the plain head's loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.fused_loss import ChunkedCrossEntropy, chunked_cross_entropy
+from megatrain.models.gpt import GPTModel
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 21, 1000])
+def test_matches_cross_entropy_of_the_logits_in_float64(chunk_size):
+    torch.manual_seed(0)
+    h = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 50, (3, 7))
+    y[0, 2] = y[2, 6] = -100  # ignored: loss 0 and no gradient
+    g = torch.randn(3, 7, dtype=torch.float64)  # an arbitrary upstream gradient per token
+    ref = F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten(), reduction="none").view(3, 7)
+    ref_gh, ref_gw = torch.autograd.grad((ref * g).sum(), (h, w))
+    out = chunked_cross_entropy(h, w, y, chunk_size)
+    gh, gw = torch.autograd.grad((out * g).sum(), (h, w))
+    assert out.shape == (3, 7) and out[0, 2] == 0 and out[2, 6] == 0
+    assert _rel(out, ref) < 1e-12 and _rel(gh, ref_gh) < 1e-12 and _rel(gw, ref_gw) < 1e-12
+
+
+def _tiny(untied: bool, **kw) -> GPTConfig:
+    return GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
+                     hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=untied, **kw)
+
+
+def _loss_and_grads(model: GPTModel, tokens, labels, mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    per_token = model(tokens, labels=labels)
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_model_loss_and_gradients_equal_the_plain_head_in_fp32(untied):
+    torch.manual_seed(1)
+    model = GPTModel(_tiny(untied))
+    tokens = torch.randint(0, 96, (3, 20))
+    labels = torch.randint(0, 96, (3, 20))
+    labels[1, :5] = -100
+    mask = (torch.rand(3, 20) > 0.3).float()
+    plain_loss, plain_grads = _loss_and_grads(model, tokens, labels, mask)
+    model.chunked_loss = ChunkedCrossEntropy(chunk_size=16)
+    loss, grads = _loss_and_grads(model, tokens, labels, mask)
+    assert abs(loss.item() - plain_loss.item()) <= 1e-6 * abs(plain_loss.item())
+    for name in plain_grads:
+        assert _rel(grads[name], plain_grads[name]) < 1e-6, name
+    # Without labels the model still returns the logits.
+    assert model(tokens).shape == (3, 20, 96)
+
+
+def test_bf16_autocast_matches_the_plain_head_within_bf16_tolerance():
+    torch.manual_seed(2)
+    model = GPTModel(_tiny(untied=True))
+    tokens, labels = torch.randint(0, 96, (2, 24)), torch.randint(0, 96, (2, 24))
+    mask = torch.ones(2, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_loss, plain_grads = _loss_and_grads(model, tokens, labels, mask)
+        model.chunked_loss = ChunkedCrossEntropy(chunk_size=10)
+        loss, grads = _loss_and_grads(model, tokens, labels, mask)
+    assert abs(loss.item() - plain_loss.item()) < 1e-2 * abs(plain_loss.item())
+    for name in plain_grads:
+        assert grads[name].dtype == torch.float32
+        assert _rel(grads[name], plain_grads[name]) < 3e-2, name
+
+
+def test_no_grad_evaluation_and_retain_graph_refused():
+    model = GPTModel(_tiny(untied=False))
+    model.chunked_loss = ChunkedCrossEntropy(chunk_size=8)
+    tokens, labels = torch.randint(0, 96, (2, 12)), torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        ref = GPTModel.loss(model(tokens), labels)
+        assert torch.allclose(model(tokens, labels=labels), ref, rtol=1e-6, atol=1e-6)
+    loss = model(tokens, labels=labels).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_bad_chunk_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="--cross-entropy-chunk-size"):
+        ChunkedCrossEntropy(chunk_size=0)
