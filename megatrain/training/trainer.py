@@ -255,24 +255,30 @@ class Trainer:
                 total += loss.detach()
                 (loss * (scale / a.num_micro_batches)).backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
+        found_inf: torch.Tensor | None = None
         if self.scaler is not None:
             found_inf = unscale_grads_(params, 1.0 / scale)
-        else:
+        elif a.clip_grad <= 0:
             found_inf = found_inf_in_grads(params)
+        grad_norm_t = clip_grad_norm_(params, a.clip_grad) if a.clip_grad > 0 else None
+        if found_inf is None:  # the norm is non-finite exactly when a gradient is: no second pass over them
+            assert grad_norm_t is not None
+            found_inf = (~torch.isfinite(grad_norm_t)).float()
         if self.world_size > 1:
             reduce_found_inf(found_inf)  # MAX over all ranks: every rank skips the same steps
-        grad_norm_t = clip_grad_norm_(params, a.clip_grad) if a.clip_grad > 0 else None
         mean_loss = self._dp_mean(total / a.num_micro_batches)
-        # One host synchronisation per iteration: decide whether to step.
-        bad = bool(found_inf.item() > 0)
-        loss_nan = not bool(torch.isfinite(mean_loss).item())
+        # The one host synchronisation of an iteration, before the optimizer step is queued.
+        norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
+        found, loss_finite, norm = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
+                                                norm_value.to(found_inf.device)]).tolist()
+        bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
             self.scaler.update(bad)
         skipped = bad
         if not skipped:
             self.optimizer.step()
             self.scheduler.step(a.global_batch_size)
-        grad_norm = float(grad_norm_t) if grad_norm_t is not None and not skipped else None
+        grad_norm = norm if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
