@@ -5,7 +5,13 @@
     megatrain train-tokenizer ...   train a byte-level BPE (GPT-2 format vocab.json + merges.txt)
     megatrain merge-datasets ...    join several .bin/.idx prefixes
     megatrain dataset-info ...      sizes, splits, and the first training samples
+    megatrain finetune ...          same flags as finetune_gpt.py (supervised fine-tuning)
+    megatrain evaluate ...          same flags as tools/evaluate.py
     megatrain generate ...          text generation from a checkpoint
+    megatrain serve ...             same flags as tools/run_text_generation_server.py
+    megatrain convert-to-hf ...     same flags as tools/convert_checkpoint_to_hf.py
+    megatrain convert-from-hf ...   same flags as tools/convert_hf_to_checkpoint.py
+    megatrain checkpoint-info ...   same flags as tools/checkpoint_info.py
     megatrain demo                  the built-in end-to-end demo
 """
 
@@ -21,7 +27,13 @@ COMMANDS = {
     "train-tokenizer": ("megatrain.data.train_tokenizer", "main"),
     "merge-datasets": ("megatrain.data.merge_datasets", "main"),
     "dataset-info": ("megatrain.data.dataset_info", "main"),
+    "finetune": ("megatrain.training.finetune", "main"),
+    "evaluate": ("megatrain.inference.evaluate", "main"),
     "generate": ("megatrain.inference.text_generation", "main"),
+    "serve": ("megatrain.inference.serve", "main"),
+    "convert-to-hf": ("megatrain.convert.export_hf", "main"),
+    "convert-from-hf": ("megatrain.convert.import_hf", "main"),
+    "checkpoint-info": ("megatrain.training.checkpoint_info", "main"),
     "demo": ("megatrain.demo", "main"),
 }
 

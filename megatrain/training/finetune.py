@@ -1,0 +1,59 @@
+"""Supervised fine-tuning (`finetune_gpt.py`, `megatrain finetune`): the pre-training loop on jsonl
+prompt/response or chat examples, with the loss on response tokens only.
+
+Takes every pretrain_gpt.py flag; ``--data-path`` (or ``--train-data-path``/``--valid-data-path``) names
+jsonl files of ``{"prompt", "response"}`` or ``{"messages": [...]}`` examples (see
+megatrain/data/sft_dataset.py and docs/finetune.md). Start from a pre-trained or imported checkpoint
+with ``--load CKPT --finetune``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from megatrain.data.sft_dataset import SFTConfig, build_sft_datasets, sft_batch
+from megatrain.errors import user_errors_exit
+from megatrain.parallel.distributed import setup_env_from_slurm
+from megatrain.training.arguments import build_parser as build_pretrain_parser
+from megatrain.training.arguments import parse_args
+from megatrain.training.trainer import Trainer, pretrain
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = build_pretrain_parser(prog="finetune_gpt.py")
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--sft", action="store_true", help="accepted for Megatron-LM scripts; fine-tuning is implied")
+    g.add_argument("--sft-pack", action="store_true",
+                   help="pack several examples into each --seq-length sample (default: one example per "
+                        "sample, padded)")
+    g.add_argument("--sft-prompt-key", default="prompt", help="jsonl key of the prompt")
+    g.add_argument("--sft-response-key", default="response", help="jsonl key of the response")
+    g.add_argument("--sft-messages-key", default="messages", help="jsonl key of a chat's message list")
+    return p
+
+
+class SFTTrainer(Trainer):
+    """The pre-training loop with jsonl examples whose batches carry their own (response-only) loss mask."""
+
+    def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
+        a = self.args
+        config = SFTConfig(a.seq_length, pack=a.sft_pack, prompt_key=a.sft_prompt_key,
+                           response_key=a.sft_response_key, messages_key=a.sft_messages_key)
+        per_split = None
+        if a.train_data_path:
+            per_split = [a.train_data_path, a.valid_data_path, a.test_data_path]
+        return build_sft_datasets(a.data_path, a.split, self.tokenizer, config, num_samples, a.seed,
+                                  per_split_paths=per_split)
+
+    def make_batch(self, samples: torch.Tensor) -> dict[str, Any]:
+        return sft_batch(samples)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> None:
+    setup_env_from_slurm()
+    args = parse_args(argv, parser=build_parser())
+    pretrain(args, trainer_class=SFTTrainer)
