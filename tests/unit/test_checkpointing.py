@@ -194,3 +194,14 @@ def test_metadata_with_arbitrary_objects_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="refusing"):
         checkpointing.load_checkpoint(path, GPTModel(CONFIG), None)
     assert not canary.exists()
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_data_position_is_redivided_over_a_new_data_parallel_size(dp):
+    from megatrain.data.loader import PretrainingSampler
+
+    consumed, micro, global_batch = 24, 2, 8  # saved after 3 iterations under any layout
+    per_rank = [iter(PretrainingSampler(100, consumed, micro, r, dp)) for r in range(dp)]
+    for step in range(2):  # each global batch is the next 8 samples, each exactly once
+        seen = [i for _ in range(global_batch // (micro * dp)) for it in per_rank for i in next(it)]
+        assert sorted(seen) == list(range(consumed + step * global_batch, consumed + (step + 1) * global_batch))
