@@ -1,0 +1,199 @@
+"""Where the time of a training step goes: torch.profiler over a few steps of the real Trainer.
+
+    python benchmarks/profile_step.py                          # the 1.7B shape, defaults of the run
+    python benchmarks/profile_step.py --shape gpt2-124m --out prof/ --extra "--cross-entropy-chunk-size 0"
+    python benchmarks/profile_step.py --shape tiny --device cpu --steps 2   # smoke test anywhere
+
+Builds the model, optimizer and mock data through ``megatrain.training.trainer.Trainer`` with the
+flags of ``benchmarks/throughput.py`` (bf16, --mock-data), runs ``--warmup`` steps (compilation,
+allocator warm-up) and then profiles ``--steps`` calls of ``Trainer.train_step`` -- the code the
+log line times. Writes into ``--out``:
+
+- ``kernels.txt``: the top ``--top`` kernels by device time (name, calls, total ms, % of the
+  profiled device time, mean us), followed by a summary per category (matmul, attention,
+  optimizer, cross-entropy/softmax, norms/elementwise, copies, communication, other);
+- ``summary.json``: the same as data, with wall ms per step, device-busy ms per step, peak memory;
+- ``trace.json.gz`` (with ``--trace``): the Chrome/Perfetto trace.
+
+The printed table is what to read first: if device-busy time per step is well below the wall time,
+the host (launches, syncs, data) is the bottleneck; otherwise the category shares say which kernels
+to make faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+
+from throughput import COMMON, SHAPES  # noqa: E402
+
+CATEGORIES = [  # first match wins; patterns are matched against lower-cased kernel names
+    ("communication", r"nccl|allreduce|all_reduce|reduce_scatter|allgather"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn.*(mha|attn)"),
+    ("matmul", r"gemm|cutlass|sm90_xmma|xmma|nvjet|matmul|\bmm\b|cublas|ampere_bf16|sm80_|sm90_"),
+    ("optimizer/grad-norm", r"adam|multi_tensor|foreach|fused_adamw"),
+    ("cross-entropy/softmax", r"softmax|log_softmax|nll_loss|cross_entropy|logsumexp|_chunk_"),
+    ("copies", r"memcpy|memset|copy_|to_copy|cat_|catarray"),
+    ("norms/elementwise", r"layer_norm|layernorm|rms|norm|elementwise|vectorized|triton|reduce|gelu|silu|mul|add"),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return cat
+    return "other"
+
+
+def build_args(shape: str, extra: list[str], steps: int, device: str | None):
+    from megatrain.training.arguments import parse_args
+
+    flags = [*SHAPES[shape], *COMMON, "--train-iters", str(steps + 100), "--num-workers", "2", *extra]
+    if device:
+        flags += ["--device", device]
+    if device == "cpu":
+        flags = [f for f in flags if f != "--bf16"]
+    return parse_args(flags)
+
+
+def kernel_rows(prof: "torch.profiler.profile") -> list[dict]:
+    """Device kernels aggregated by name: calls and total device microseconds.
+
+    Kernel events are the profiler's events on the device; should a torch version not list them,
+    the operators' self device time is used instead (names are then aten operators).
+    """
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if getattr(evt, "device_type", DeviceType.CPU) == DeviceType.CPU:
+            continue
+        totals[evt.name][0] += 1
+        totals[evt.name][1] += float(evt.time_range.elapsed_us())
+    if not totals:
+        for e in prof.key_averages():
+            us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+            if us > 0:
+                totals[e.key] = [e.count, us]
+    rows = [{"name": n, "calls": int(c), "total_us": t} for n, (c, t) in totals.items()]
+    rows.sort(key=lambda r: r["total_us"], reverse=True)
+    return rows
+
+
+def cpu_rows(prof: "torch.profiler.profile") -> list[dict]:
+    """Without a device (smoke test): top operators by self CPU time."""
+    rows = [{"name": e.key, "calls": e.count, "total_us": float(e.self_cpu_time_total)}
+            for e in prof.key_averages()]
+    rows.sort(key=lambda r: r["total_us"], reverse=True)
+    return rows
+
+
+def render(rows: list[dict], top: int, steps: int, wall_ms: float, header: str) -> tuple[str, dict]:
+    busy_us = sum(r["total_us"] for r in rows)
+    by_cat: dict[str, float] = defaultdict(float)
+    for r in rows:
+        by_cat[category(r["name"])] += r["total_us"]
+    lines = [header, "",
+             f"profiled steps: {steps} | wall ms/step: {wall_ms:.1f} | busy ms/step (sum of kernel times): "
+             f"{busy_us / 1000 / steps:.1f}", "",
+             f"{'#':>3} {'total ms/step':>13} {'%':>6} {'calls/step':>10} {'mean us':>9}  kernel"]
+    for i, r in enumerate(rows[:top], 1):
+        name = r["name"] if len(r["name"]) <= 110 else r["name"][:107] + "..."
+        lines.append(f"{i:>3} {r['total_us'] / 1000 / steps:>13.2f} {100 * r['total_us'] / max(busy_us, 1e-9):>6.1f} "
+                     f"{r['calls'] / steps:>10.1f} {r['total_us'] / max(r['calls'], 1):>9.1f}  {name}")
+    lines += ["", f"{'category':<24} {'ms/step':>9} {'%':>6}"]
+    for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{cat:<24} {us / 1000 / steps:>9.2f} {100 * us / max(busy_us, 1e-9):>6.1f}")
+    summary = {"steps": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_us / 1000 / steps,
+               "categories_ms_per_step": {k: v / 1000 / steps for k, v in by_cat.items()},
+               "top_kernels": [{**r, "ms_per_step": r["total_us"] / 1000 / steps} for r in rows[:top]]}
+    return "\n".join(lines), summary
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1.7b", choices=sorted(SHAPES))
+    ap.add_argument("--extra", default="", help="extra pretrain_gpt.py flags, e.g. \"--no-torch-compile\"")
+    ap.add_argument("--warmup", type=int, default=4, help="steps before profiling (compilation happens here)")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=os.environ.get("OUT", "profile_out"), help="output folder (default $OUT)")
+    ap.add_argument("--trace", action="store_true", help="also write trace.json.gz (Chrome/Perfetto)")
+    ap.add_argument("--device", default=None, help="cpu for a smoke test (default: cuda when available)")
+    a = ap.parse_args(argv)
+
+    from megatrain.parallel.distributed import destroy_distributed
+    from megatrain.training.trainer import Trainer
+
+    args = build_args(a.shape, shlex.split(a.extra), a.warmup + a.steps, a.device)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(args)
+    cuda = trainer.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(trainer.device)) if cuda else (lambda: None)
+    try:
+        t0 = time.time()
+        for _ in range(a.warmup):
+            trainer.train_step()
+        sync()
+        print(f"warm-up: {a.warmup} steps in {time.time() - t0:.1f} s (compilation included)", flush=True)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.time()
+            for _ in range(a.steps):
+                trainer.train_step()
+            sync()
+            wall_ms = (time.time() - t0) * 1000 / a.steps
+        peak_gib = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if cuda else None
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+    rows = kernel_rows(prof) if cuda else cpu_rows(prof)
+    header = (f"{a.shape} | {args.global_batch_size} x {args.seq_length} tokens/step | flags: {a.extra or '(defaults)'}"
+              f" | compile {args.use_torch_compile} | CE chunk {args.cross_entropy_chunk_size} | torch "
+              f"{torch.__version__} | {torch.cuda.get_device_name(trainer.device) if cuda else 'cpu'}"
+              + (f" | peak {peak_gib:.1f} GiB (profiled steps)" if peak_gib is not None else "")
+              + ("" if cuda else " | CPU: operators by self CPU time"))
+    table, summary = render(rows, a.top, a.steps, wall_ms, header)
+    summary.update(shape=a.shape, extra=a.extra, peak_gib=peak_gib, torch=torch.__version__)
+    write_atomic(out / "kernels.txt", (table + "\n").encode())
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1).encode())
+    if a.trace:
+        raw = out / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(out / "trace.json.gz.tmp", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(out / "trace.json.gz.tmp", out / "trace.json.gz")
+        raw.unlink()
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()
