@@ -84,7 +84,9 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and hasattr(model, "chunked_loss"):
         model.chunked_loss = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
                                                  compile=cfg.compile_layers and device.type == "cuda")
-    fsdp = distributed and dims.dp_enabled and uses_fsdp(cfg.data_parallel, dims.tp_enabled)
+    # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
+    # fit DDP's reducer with several stages per rank.
+    fsdp = distributed and dims.dp_enabled and uses_fsdp(cfg.data_parallel, dims.tp_enabled or dims.pp > 1)
     if fsdp:
         apply_fsdp(model, dims.submesh("dp"), cfg.data_parallel)
     if any(p.is_meta for p in model.parameters()):

@@ -1,0 +1,447 @@
+"""Pipeline parallelism: GPT stages on the ``pp`` mesh axis, run by ``torch.distributed.pipelining`` schedules.
+
+The layers are split into ``pp x v`` stages (``v`` virtual stages per rank for the interleaved
+schedule). Stage ``s`` lives on pipeline rank ``s % pp`` (chunk ``s // pp``): rank 0 holds stages
+0, pp, 2 pp, ...; the embedding belongs to stage 0, the final norm, output layer and loss to the
+last stage. A stage is a :class:`GPTStage`: a GPTModel with the layers it does not own deleted
+from its ``layers`` ModuleDict and the parts it does not own set to None, so every parameter keeps
+its canonical name (``layers.7.mlp.linear_fc1.weight``) for ``initial_value`` and checkpoints.
+
+Tied input/output embeddings (the default): the last stage keeps its own copy of
+``embedding.word_embeddings.weight`` for the output layer, initialised from the same
+``initial_value``; after every backward pass the gradients of the two copies are summed over a
+two-rank group (first and last pipeline rank with the same dp/cp/tp coordinates), as Megatron
+does, so the copies stay identical. The copy counts once in the gradient norm.
+
+Each stage is parallelised on its own by :func:`megatrain.parallel.parallelize.parallelize_gpt`
+(TP/SP plans, recomputation, compile, FSDP2 or DDP, initialisation). Schedules (``--pipeline-schedule``):
+
+===========================  ==========================================================
+``1f1b`` (default, v = 1)    ``Schedule1F1B``: warm-up forwards, one forward/one backward
+``interleaved-1f1b``         ``ScheduleInterleaved1F1B`` (default when v > 1)
+``interleaved-zero-bubble``  ``ScheduleInterleavedZeroBubble`` (backward split into input
+                             and weight gradients)
+``gpipe``                    ``ScheduleGPipe``: all forwards, then all backwards
+===========================  ==========================================================
+
+Every pipeline rank reads the same micro-batches as the others with its dp coordinate (the
+loader is cheap); the first stage takes the tokens, every stage the position ids and attention
+mask, the last stage the labels and loss mask. A micro-batch's loss is the masked mean over its
+tokens and the step's gradients are those of the mean over micro-batches, exactly as in the
+single-process loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "gpipe")
+
+__all__ = ["PipelineConfig", "split_layers", "GPTStage", "PipelineParallel", "SCHEDULES"]
+
+
+# ---- configuration and the layer split ------------------------------------------------------------
+
+@dataclass
+class PipelineConfig:
+    """Pipeline sizes and the schedule. ``virtual_stages`` is the number of model chunks per rank."""
+
+    size: int = 1
+    virtual_stages: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    schedule: str | None = None  # None: 1f1b, or interleaved-1f1b with virtual stages
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"--pipeline-model-parallel-size must be at least 1, got {self.size}")
+        if self.virtual_stages < 1:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be at least 1, got {self.virtual_stages}")
+        if self.schedule is None:
+            self.schedule = "1f1b" if self.virtual_stages == 1 else "interleaved-1f1b"
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages > 1 and self.schedule in ("1f1b", "gpipe"):
+            raise ValueError(f"--pipeline-schedule {self.schedule} runs one stage per rank; virtual stages "
+                             f"({self.virtual_stages} per rank) need interleaved-1f1b or interleaved-zero-bubble")
+
+    @classmethod
+    def from_args(cls, args: Any) -> "PipelineConfig":
+        """From Megatron flags; ``--num-layers-per-virtual-pipeline-stage N`` gives v = layers per rank / N."""
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        first = getattr(args, "decoder_first_pipeline_num_layers", None)
+        last = getattr(args, "decoder_last_pipeline_num_layers", None)
+        v = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+        per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        if per_virtual is not None:
+            if v is not None:
+                raise ValueError("give only one of --num-layers-per-virtual-pipeline-stage and "
+                                 "--num-virtual-stages-per-pipeline-rank")
+            if first is not None or last is not None:
+                raise ValueError("--num-layers-per-virtual-pipeline-stage assumes equal stages; with "
+                                 "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank")
+            if per_virtual < 1:
+                raise ValueError(f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {per_virtual}")
+            layers = args.num_layers
+            if layers % pp or (layers // pp) % per_virtual:
+                raise ValueError(f"--num-layers ({layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
+                                 f"x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
+            v = layers // pp // per_virtual
+        return cls(size=pp, virtual_stages=v or 1, first_stage_layers=first, last_stage_layers=last,
+                   schedule=getattr(args, "pipeline_schedule", None))
+
+    @property
+    def num_stages(self) -> int:
+        return self.size * self.virtual_stages
+
+
+def split_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int | None = None,
+                 last: int | None = None) -> list[list[int]]:
+    """Layer numbers of every stage, in stage order (stage ``s`` runs on pipeline rank ``s % pp``).
+
+    Without ``first``/``last`` every rank holds ``num_layers / pp`` layers. ``first``
+    (``--decoder-first-pipeline-num-layers``) and ``last`` (``--decoder-last-pipeline-num-layers``)
+    fix the layers of the first and last rank; the others share the rest equally. A rank's layers
+    are split equally over its ``virtual_stages`` chunks. Raises ValueError naming the flags when
+    the numbers do not divide.
+    """
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        if virtual_stages != 1:
+            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        return [list(range(num_layers))]
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if n is not None and not 0 <= n <= num_layers:
+            raise ValueError(f"{flag} ({n}) must be between 0 and --num-layers ({num_layers})")
+    per_rank: list[int | None] = [None] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    fixed = sum(n for n in per_rank if n is not None)
+    free = per_rank.count(None)
+    rest = num_layers - fixed
+    if free == 0:
+        if rest != 0:
+            raise ValueError(f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
+                             f"({last}) must equal --num-layers ({num_layers}) with --pipeline-model-parallel-size 2")
+    elif rest < 0 or rest % free:
+        what = ("" if first is None and last is None else
+                " after --decoder-first/last-pipeline-num-layers (" + f"{first}, {last})")
+        raise ValueError(f"--num-layers ({num_layers}) does not divide into --pipeline-model-parallel-size ({pp}) "
+                         f"stages: {rest} layers for {free} pipeline ranks{what}; use "
+                         f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers for uneven stages")
+    counts = [n if n is not None else rest // free for n in per_rank]
+    for rank, n in enumerate(counts):
+        if n % virtual_stages:
+            raise ValueError(f"pipeline rank {rank} holds {n} layers, not divisible by its {virtual_stages} virtual "
+                             f"stages (--num-virtual-stages-per-pipeline-rank / "
+                             f"--num-layers-per-virtual-pipeline-stage)")
+    stage_sizes = [counts[s % pp] // virtual_stages for s in range(pp * virtual_stages)]
+    for s, n in enumerate(stage_sizes):
+        if n == 0 and 0 < s < len(stage_sizes) - 1:
+            raise ValueError(f"pipeline stage {s} would hold no transformer layer; use fewer pipeline or virtual "
+                             f"stages, or change --decoder-first/last-pipeline-num-layers")
+    out, start = [], 0
+    for n in stage_sizes:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+# ---- the stage module ---------------------------------------------------------------------------
+
+class GPTStage(GPTModel):
+    """A GPTModel holding only one pipeline stage's parts, under their original parameter names.
+
+    ``forward(x, position_ids, attention_mask, labels)``: ``x`` is token ids on the first stage
+    and hidden states [b, s, h] (the local sequence part under sequence parallelism) elsewhere;
+    the last stage returns the per-token loss [b, s] (logits without ``labels``), the others
+    hidden states.
+    """
+
+    is_pipeline_stage = True
+
+    def __init__(self, config: GPTConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> None:
+        super().__init__(config)
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        keep = {str(i) for i in layer_ids}
+        for key in [k for k in self.layers.keys() if k not in keep]:
+            del self.layers[key]
+        self.holds_tied_copy = False
+        if not self.is_first:
+            if self.is_last and not config.untie_embeddings_and_output_weights:
+                # The output layer's copy of the word embeddings; its gradient is summed with the
+                # first stage's after every backward pass.
+                assert self.embedding is not None
+                self.embedding.position_embeddings = None
+                self.holds_tied_copy = True
+            else:
+                self.embedding = None
+        if not self.is_last:
+            self.final_layernorm = None
+            self.output_layer = None
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,  # type: ignore[override]
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        hidden = self.embed(x, position_ids) if self.is_first else x
+        for layer in self.layers.values():
+            hidden = layer(hidden, position_ids, attention_mask)
+        if not self.is_last:
+            return hidden
+        chunked_loss = getattr(self, "chunked_loss", None)  # --cross-entropy-chunk-size
+        if labels is not None and chunked_loss is not None:
+            return chunked_loss(self.final_layernorm(hidden), self.output_weight(), labels)
+        logits = self.output_logits(hidden)
+        return logits if labels is None else self.loss(logits, labels)
+
+
+class PipelineRankModel(nn.Module):
+    """All stages of one rank (virtual stages) as one module with the original parameter names.
+
+    It holds the stages' submodules themselves (no copies), so the optimizer, checkpoints and
+    ``train()``/``eval()`` work on it as on a GPTModel.
+    """
+
+    def __init__(self, stages: Sequence[GPTStage]) -> None:
+        super().__init__()
+        self.config = stages[0].config
+        self.embedding = next((s.embedding for s in stages if s.embedding is not None), None)
+        layers = {k: m for s in stages for k, m in s.layers.items()}
+        self.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
+        self.final_layernorm = next((s.final_layernorm for s in stages if s.final_layernorm is not None), None)
+        self.output_layer = next((s.output_layer for s in stages if s.output_layer is not None), None)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        return GPTModel.num_parameters(self, exclude_embeddings)  # type: ignore[arg-type]
+
+
+# ---- building the stages and running schedules --------------------------------------------------
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+class PipelineParallel:
+    """This rank's pipeline stages, their schedule, and the cross-stage steps of an iteration.
+
+    Build with :meth:`build`; then per iteration :meth:`train_step` (returns the sum of the
+    micro-batch losses on every rank), :meth:`clip_grad_norm_`, and :meth:`eval_step`.
+    """
+
+    def __init__(self, parts: list[nn.Module], stages_modules: list[GPTStage], stage_ids: list[int],
+                 cfg: PipelineConfig, dims: Any, device: torch.device, num_micro_batches: int) -> None:
+        self.parts = parts  # what the schedule runs: GPTStage, or its DDP wrapper
+        self.stage_modules = stages_modules
+        self.stage_ids = stage_ids
+        self.cfg = cfg
+        self.dims = dims
+        self.device = device
+        self.num_micro_batches = num_micro_batches
+        self.pp_group = dims.submesh("pp").get_group()
+        self.is_first = 0 in stage_ids
+        self.is_last = cfg.num_stages - 1 in stage_ids
+        if len(stages_modules) == 1:
+            self.module: nn.Module = stages_modules[0]
+            self.model: nn.Module = parts[0]
+        else:
+            self.module = self.model = PipelineRankModel(stages_modules)
+        self._tied_group = self._build_tied_group()
+        self._tied_copy = next((m.embedding.word_embeddings.weight for m in stages_modules
+                                if m.holds_tied_copy and m.embedding is not None), None)
+        self._tied_params = [m.embedding.word_embeddings.weight for m in stages_modules
+                             if m.embedding is not None and (m.is_first or m.holds_tied_copy)
+                             and not m.config.untie_embeddings_and_output_weights]
+        self._scale = 1.0
+        self._training = True
+        self._micro_losses: list[torch.Tensor] = []
+        self.schedule = self._build_schedule()
+
+    # ---- construction ----------------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: GPTConfig, dims: Any, parallel_cfg: Any, pipeline_cfg: PipelineConfig, *,
+              device: torch.device, seed: int, num_micro_batches: int,
+              compile_fn: Callable[[nn.Module], None] | None = None) -> "PipelineParallel":
+        """Build this rank's stages on the meta device and parallelise and initialise each one.
+
+        ``parallel_cfg``: a ParallelizeConfig or parsed arguments (as for ``parallelize_gpt``).
+        """
+        from megatrain.parallel.parallelize import parallelize_gpt
+
+        if pipeline_cfg.size != dims.pp:
+            raise ValueError(f"pipeline size {pipeline_cfg.size} differs from the mesh's pp axis ({dims.pp})")
+        layer_split = split_layers(config.num_layers, dims.pp, pipeline_cfg.virtual_stages,
+                                   pipeline_cfg.first_stage_layers, pipeline_cfg.last_stage_layers)
+        if pipeline_cfg.schedule in ("1f1b", "gpipe") and num_micro_batches < dims.pp:
+            raise ValueError(f"the {pipeline_cfg.schedule} schedule needs at least as many micro-batches "
+                             f"({num_micro_batches} = --global-batch-size / (--micro-batch-size x data-parallel "
+                             f"size)) as pipeline stages (--pipeline-model-parallel-size {dims.pp})")
+        rank = dims.pp_rank
+        stage_ids = [rank + c * dims.pp for c in range(pipeline_cfg.virtual_stages)]
+        modules, parts = [], []
+        for s in stage_ids:
+            with torch.device("meta"):
+                stage = GPTStage(config, layer_split[s], stage_index=s, num_stages=pipeline_cfg.num_stages)
+            part = parallelize_gpt(stage, dims, parallel_cfg, device=device, seed=seed, config=config,
+                                   compile_fn=compile_fn)
+            modules.append(stage)
+            parts.append(part)
+        return cls(parts, modules, stage_ids, pipeline_cfg, dims, device, num_micro_batches)
+
+    def _build_tied_group(self) -> Any:
+        """The two-rank group (first and last pipeline rank, same dp/cp/tp) summing tied gradients."""
+        config = self.stage_modules[0].config
+        if config.untie_embeddings_and_output_weights:
+            return None
+        ranks = self.dims.mesh.mesh  # [pp, dp, cp, tp] global ranks
+        me = dist.get_rank()
+        mine = None
+        for idx in itertools.product(*(range(n) for n in ranks.shape[1:])):
+            pair = [int(ranks[(0, *idx)]), int(ranks[(-1, *idx)])]
+            group = dist.new_group(pair)
+            if me in pair:
+                mine = group
+        return mine
+
+    def _build_schedule(self) -> Any:
+        from torch.distributed import pipelining as pl
+
+        stages = [pl.PipelineStage(part, s, self.cfg.num_stages, self.device, group=self.pp_group)
+                  for part, s in zip(self.parts, self.stage_ids)]
+        cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe,
+               "interleaved-1f1b": pl.ScheduleInterleaved1F1B,
+               "interleaved-zero-bubble": getattr(pl, "ScheduleInterleavedZeroBubble", None)}[self.cfg.schedule]
+        if cls is None:
+            raise ValueError(f"--pipeline-schedule {self.cfg.schedule} needs a newer torch ({torch.__version__})")
+        kwargs: dict[str, Any] = {"loss_fn": self._loss_fn}
+        if _accepts(cls.__init__, "scale_grads"):
+            kwargs["scale_grads"] = False  # the loss function already divides by the micro-batch count
+        try:
+            if self.cfg.schedule in ("1f1b", "gpipe"):
+                schedule = cls(stages[0], self.num_micro_batches, **kwargs)
+            else:
+                schedule = cls(stages, self.num_micro_batches, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"--pipeline-schedule {self.cfg.schedule} with {self.num_micro_batches} micro-batches "
+                             f"and {self.dims.pp} pipeline ranks: {e}") from None
+        self._step_kwargs = {"return_outputs": False} if _accepts(schedule.step, "return_outputs") else {}
+        return schedule
+
+    # ---- one iteration ---------------------------------------------------------------------------
+    def _loss_fn(self, per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        mask = loss_mask.to(per_token.dtype)
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        self._micro_losses.append(loss.detach())
+        if not self._training:
+            return loss
+        return loss * (self._scale / self.num_micro_batches)
+
+    def _inputs(self, batches: Sequence[dict[str, Any]]) -> tuple[tuple, dict[str, Any], Any]:
+        if len(batches) != self.num_micro_batches:
+            raise ValueError(f"expected {self.num_micro_batches} micro-batches, got {len(batches)}")
+
+        def cat(key: str) -> Any:
+            values = [b.get(key) for b in batches]
+            return None if values[0] is None else torch.cat(values)
+
+        args = (cat("tokens"),) if self.is_first else ()
+        kwargs = {"position_ids": cat("position_ids"), "attention_mask": cat("attention_mask"),
+                  "labels": cat("labels") if self.is_last else None}
+        target = cat("loss_mask") if self.is_last else None
+        return args, kwargs, target
+
+    def _loss_sum_on_all_ranks(self) -> torch.Tensor:
+        """Sum of the micro-batch losses, computed on the last stage and shared over the pp group."""
+        total = torch.zeros((), device=self.device)
+        if self.is_last:
+            # The first step's shape inference may call the loss function once more, before the
+            # micro-batches: the last ones recorded are the real ones.
+            assert len(self._micro_losses) >= self.num_micro_batches, len(self._micro_losses)
+            total += torch.stack(self._micro_losses[-self.num_micro_batches:]).sum().float()
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def train_step(self, batches: Sequence[dict[str, Any]], *, loss_scale: float = 1.0,
+                   autocast: ContextManager | None = None) -> torch.Tensor:
+        """Forward and backward of all micro-batches through the pipeline; tied gradients summed.
+
+        ``batches``: this dp rank's micro-batches (``make_batch`` dicts). Gradients are those of
+        ``loss_scale x mean over micro-batches``. Returns the sum of the micro-batch losses (the
+        same value on every pipeline rank).
+        """
+        args, kwargs, target = self._inputs(batches)
+        self._micro_losses = []
+        self._scale, self._training = float(loss_scale), True
+        with autocast or contextlib.nullcontext():
+            self.schedule.step(*args, target=target, **kwargs, **self._step_kwargs)
+        self._sum_tied_grads()
+        return self._loss_sum_on_all_ranks()
+
+    @torch.no_grad()
+    def eval_step(self, batches: Sequence[dict[str, Any]], *, autocast: ContextManager | None = None) -> torch.Tensor:
+        """Forward only; returns the sum of the micro-batch losses on every pipeline rank."""
+        args, kwargs, target = self._inputs(batches)
+        self._micro_losses = []
+        self._training = False
+        try:
+            with autocast or contextlib.nullcontext():
+                if hasattr(self.schedule, "eval"):
+                    self.schedule.eval(*args, target=target, **kwargs)
+                else:  # older torch: the same as eval()
+                    has_backward = self.schedule._has_backward
+                    self.schedule._has_backward = False
+                    try:
+                        self.schedule.step(*args, target=target, **kwargs)
+                    finally:
+                        self.schedule._has_backward = has_backward
+        finally:
+            self._training = True
+        return self._loss_sum_on_all_ranks()
+
+    def _sum_tied_grads(self) -> None:
+        if self._tied_group is None:
+            return
+        for p in self._tied_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if hasattr(p.grad, "to_local"):
+                if tuple(p.grad.placements) != tuple(p.placements):  # e.g. Replicate under sequence parallel
+                    p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+                grad = p.grad.to_local()
+            else:
+                grad = p.grad
+            dist.all_reduce(grad, group=self._tied_group)
+
+    def norm_parameters(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` without the last stage's copy of tied embeddings (it counts once, on the first)."""
+        if self._tied_copy is None:
+            return list(params)
+        return [p for p in params if p is not self._tied_copy]
+
+    def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Global gradient norm over all stages (clipping all of ``params`` when ``max_norm > 0``)."""
+        from megatrain.training.optimizer import clip_grads_with_norm_, get_grad_norm
+
+        params = [p for p in params if p.grad is not None]
+        total = get_grad_norm(self.norm_parameters(params), reduce_group=self.pp_group)
+        if max_norm > 0.0 and params:
+            clip_grads_with_norm_(params, max_norm, total)
+        return total
