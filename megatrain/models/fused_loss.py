@@ -63,16 +63,16 @@ def _chunk_loss(logits_c: torch.Tensor, target_c: torch.Tensor, ignore_index: in
     return loss, lse
 
 
-def _chunk_grad(logits_c: torch.Tensor, lse_c: torch.Tensor, target_c: torch.Tensor, grad_c: torch.Tensor,
-                ignore_index: int) -> torch.Tensor:
-    """d loss / d logits for one chunk, times the incoming per-token gradient, in the logits' dtype."""
+def _chunk_grad_(logits_c: torch.Tensor, lse_c: torch.Tensor, target_c: torch.Tensor, grad_c: torch.Tensor,
+                 ignore_index: int) -> None:
+    """Overwrite one chunk's logits with d loss / d logits times the incoming per-token gradient."""
     keep = target_c != ignore_index
     g = torch.where(keep, grad_c.to(lse_c.dtype), torch.zeros_like(lse_c))
     probs = torch.exp(logits_c.to(lse_c.dtype) - lse_c.unsqueeze(-1))
     columns = torch.arange(logits_c.shape[-1], device=logits_c.device)
     onehot = columns.unsqueeze(0) == target_c.unsqueeze(-1)  # ignored targets (-100) match no column
     grad = torch.where(onehot, probs - 1.0, probs) * g.unsqueeze(-1)
-    return grad.to(logits_c.dtype)
+    logits_c.copy_(grad)  # in place: compiled, one kernel reads and writes the chunk
 
 
 _COMPILED: dict[str, Callable[..., Any]] = {}
@@ -80,11 +80,11 @@ _COMPILED: dict[str, Callable[..., Any]] = {}
 
 def _kernels(compile: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     if not compile:
-        return _chunk_loss, _chunk_grad
+        return _chunk_loss, _chunk_grad_
     if not _COMPILED:
         # dynamic=False: a chunk has at most two shapes (full chunks and the remainder).
         _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=False)
-        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=False)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_, dynamic=False)
     return _COMPILED["loss"], _COMPILED["grad"]
 
 
@@ -124,8 +124,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device_type=logits.device.type, enabled=False):
             for start in range(0, logits.shape[0], chunk_size):
                 end = min(start + chunk_size, logits.shape[0])
-                logits[start:end] = grad_fn(logits[start:end], lse[start:end], target[start:end],
-                                            grad_loss[start:end], ignore_index)
+                grad_fn(logits[start:end], lse[start:end], target[start:end], grad_loss[start:end], ignore_index)
             grad_logits = logits  # now d loss / d logits, in the compute dtype
             if ctx.needs_input_grad[0]:
                 grad_hidden = (grad_logits @ w).to(hidden_dtype)

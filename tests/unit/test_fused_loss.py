@@ -93,3 +93,22 @@ def test_no_grad_evaluation_and_retain_graph_refused():
 def test_bad_chunk_size_is_a_clear_error():
     with pytest.raises(ValueError, match="--cross-entropy-chunk-size"):
         ChunkedCrossEntropy(chunk_size=0)
+
+
+@pytest.mark.slow
+def test_compiled_chunk_kernels_match_and_compile_once():
+    import torch._dynamo
+
+    torch.manual_seed(3)
+    h = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(128, 16, requires_grad=True)
+    y = torch.randint(0, 128, (64,))
+    y[3] = -100
+    ref = F.cross_entropy(h @ w.t(), y, reduction="none")
+    ref_gh, ref_gw = torch.autograd.grad(ref.sum(), (h, w))
+    torch._dynamo.reset()
+    for _ in range(2):  # a second call reuses the compiled kernels (chunks differ only in offset)
+        out = chunked_cross_entropy(h, w, y, 16, compile=True)
+        gh, gw = torch.autograd.grad(out.sum(), (h, w))
+    assert _rel(out, ref) < 1e-5 and _rel(gh, ref_gh) < 1e-5 and _rel(gw, ref_gw) < 1e-5
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the loss and the gradient kernels
