@@ -69,9 +69,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--squared-relu": "squared-ReLU activation is not supported yet",
     "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
     "--fp32-residual-connection": "fp32 residual connections are not supported",
-    "--num-layers-per-virtual-pipeline-stage": "pipeline parallelism is not supported yet",
-    "--decoder-first-pipeline-num-layers": "pipeline parallelism is not supported yet",
-    "--decoder-last-pipeline-num-layers": "pipeline parallelism is not supported yet",
 }
 UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
 
@@ -238,6 +235,17 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the first pipeline stage (uneven stages)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the last pipeline stage (uneven stages)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per virtual stage: interleaved 1F1B with (layers / pp) / N stages per rank")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="model chunks per pipeline rank for the interleaved schedule")
+    g.add_argument("--pipeline-schedule", default=None,
+                   help="1f1b (default), interleaved-1f1b (default with virtual stages), "
+                        "interleaved-zero-bubble or gpipe")
     g.add_argument("--context-parallel-size", type=int, default=1, help="reserved; must be 1")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -389,6 +397,31 @@ def _resolve_speed_defaults(args: argparse.Namespace) -> None:
         _fail(f"--cross-entropy-chunk-size must be >= 0 (0 turns chunking off), got {chunk}")
 
 
+def _validate_pipeline(args: argparse.Namespace) -> None:
+    """Pipeline flags: the layer split divides, the schedule exists, enough micro-batches for it."""
+    pipeline_flags = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                      "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                      "pipeline_schedule")
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        given = [f"--{f.replace('_', '-')}" for f in pipeline_flags if getattr(args, f, None) is not None]
+        if given:
+            _fail(f"{', '.join(given)} need --pipeline-model-parallel-size > 1")
+        return
+    from megatrain.parallel.pipeline import PipelineConfig, split_layers
+
+    try:
+        cfg = PipelineConfig.from_args(args)
+        split_layers(args.num_layers, pp, cfg.virtual_stages, cfg.first_stage_layers, cfg.last_stage_layers)
+    except ValueError as e:
+        _fail(str(e))
+    if cfg.schedule in ("1f1b", "gpipe") and args.num_micro_batches < pp:
+        _fail(f"--pipeline-schedule {cfg.schedule} needs at least --pipeline-model-parallel-size ({pp}) "
+              f"micro-batches per iteration, got {args.num_micro_batches} (--global-batch-size "
+              f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x data-parallel size "
+              f"{args.data_parallel_size})); raise --global-batch-size")
+
+
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check flag combinations (clear messages naming the flags) and fill derived values."""
     world_size = world_size_from_env() if world_size is None else world_size
@@ -439,8 +472,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if cp != 1:
         _fail("--context-parallel-size is reserved and must be 1")
-    if pp != 1:
-        _fail("--pipeline-model-parallel-size > 1: pipeline parallelism is not supported yet")
     for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
         if size < 1:
             _fail(f"{name} must be at least 1, got {size}")
@@ -458,6 +489,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
               f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    _validate_pipeline(args)
     if args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
     else:

@@ -159,6 +159,16 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """Build on the meta device; TP/SP, recompute, compile, FSDP2/DDP; fill the weights (any layout)."""
+        self.pipeline: Any = None
+        if self.dims.pp > 1:  # this rank's pipeline stages, each parallelised like a model
+            from megatrain.parallel.pipeline import PipelineConfig, PipelineParallel
+            try:
+                self.pipeline = PipelineParallel.build(
+                    self.model_config, self.dims, self.args, PipelineConfig.from_args(self.args), device=self.device,
+                    seed=self.args.seed, num_micro_batches=self.args.num_micro_batches)
+            except ValueError as e:
+                raise SystemExit(f"error: {e}") from None
+            return self.pipeline.model
         with torch.device("meta"):
             model = GPTModel(self.model_config)
         return parallelize_gpt(model, self.dims, self.args, device=self.device, seed=self.args.seed)
@@ -241,6 +251,11 @@ class Trainer:
         mask = b["loss_mask"].to(per_token.dtype)
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
+    def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
+        """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
+        return [self.make_batch(next(data_iter).to(self.device, non_blocking=True))
+                for _ in range(self.args.num_micro_batches)]
+
     def train_step(self) -> StepResult:
         a = self.args
         assert self.train_iter is not None
@@ -248,7 +263,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
-        for i in range(a.num_micro_batches):
+        if self.pipeline is not None:  # all micro-batches through the pipeline schedule
+            total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
+                                             autocast=self.precision.autocast(self.device))
+        for i in range(a.num_micro_batches if self.pipeline is None else 0):
             # Data-parallel gradient reduction only after the last micro-batch.
             with gradient_sync(self.model, i == a.num_micro_batches - 1):
                 loss = self._forward_loss(next(self.train_iter))
@@ -260,7 +278,8 @@ class Trainer:
             found_inf = unscale_grads_(params, 1.0 / scale)
         elif a.clip_grad <= 0:
             found_inf = found_inf_in_grads(params)
-        grad_norm_t = clip_grad_norm_(params, a.clip_grad) if a.clip_grad > 0 else None
+        clip = self.pipeline.clip_grad_norm_ if self.pipeline is not None else clip_grad_norm_  # norm over stages
+        grad_norm_t = clip(params, a.clip_grad) if a.clip_grad > 0 else None
         if found_inf is None:  # the norm is non-finite exactly when a gradient is: no second pass over them
             assert grad_norm_t is not None
             found_inf = (~torch.isfinite(grad_norm_t)).float()
@@ -298,7 +317,10 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for _ in range(eval_iters):
-            for _ in range(a.num_micro_batches):
+            if self.pipeline is not None:
+                total += self.pipeline.eval_step(self._micro_batches(data_iter),
+                                                 autocast=self.precision.autocast(self.device))
+            for _ in range(a.num_micro_batches if self.pipeline is None else 0):
                 total += self._forward_loss(next(data_iter))
             self.state.consumed_valid_samples += a.global_batch_size
         self.model.train()

@@ -1,0 +1,62 @@
+"""`torchrun --nproc_per_node 8 pretrain_gpt.py` with TP=4 x PP=2 logs the same losses as one process.
+
+The 8-process layout of the Megatron guides (tensor parallel inside a node, two pipeline stages)
+on CPU with gloo, --mock-data and a tiny model (hidden 64, 4 heads, 4 layers, tied embeddings):
+the lm loss and grad norm of every logged iteration and the validation loss must agree with one
+process within 1e-5 relative error (grad norm 1e-3). Also checks that a layer count that does not
+divide into the stages is refused with a message naming the flags.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+from megatrain.training.logging import parse_train_log_line, parse_validation_line
+from tests.e2e.conftest import run_cmd
+
+ARGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--train-iters", "4",
+        "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "4", "--device", "cpu"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _losses(stdout: str) -> tuple[list[tuple[float, float]], list[float]]:
+    train = [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
+    valid = [parse_validation_line(l)["lm loss value"] for l in stdout.splitlines() if "validation loss at" in l]
+    return [(d["lm loss"], d["grad norm"]) for d in train], valid
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_tp4_pp2_matches_one_process():
+    ref_train, ref_valid = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *ARGS], env=_env()).stdout)
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--master_port",
+                    str(_free_port()), "pretrain_gpt.py", *ARGS, "--tensor-model-parallel-size", "4",
+                    "--pipeline-model-parallel-size", "2"], env=_env(), timeout=600)
+    assert "world 8 = pp 2 x dp 1 x cp 1 x tp 4" in proc.stdout
+    train, valid = _losses(proc.stdout)
+    assert len(train) == len(ref_train) == 4 and len(valid) == len(ref_valid) >= 1
+    for (loss, norm), (ref_loss, ref_norm) in zip(train, ref_train):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
+    assert valid == pytest.approx(ref_valid, rel=1e-5)
+
+
+def test_layers_that_do_not_divide_are_refused():
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *ARGS, "--num-layers", "5", "--pipeline-model-parallel-size",
+                    "2"], env={**_env(), "WORLD_SIZE": "2"}, check=False)
+    assert proc.returncode != 0
+    assert "--num-layers (5)" in proc.stderr and "--decoder-first-pipeline-num-layers" in proc.stderr
