@@ -95,7 +95,7 @@ def probe_backends(case: AttentionCase, device: torch.device, seq_length: int = 
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 results[name] = None
-            except RuntimeError as e:
+            except Exception as e:  # noqa: BLE001 -- a refusing kernel must never stop start-up
                 reasons = [str(w.message).strip() for w in caught]
                 results[name] = "; ".join(reasons) or str(e).strip().splitlines()[0]
     return results
