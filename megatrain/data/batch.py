@@ -48,7 +48,7 @@ def make_batch(samples: torch.Tensor, eod_token: Optional[int], reset_position_i
 
     loss_mask = torch.ones((b, s), dtype=torch.float, device=device)
     if eod_mask_loss:
-        loss_mask[is_eod] = 0.0
+        loss_mask.masked_fill_(is_eod, 0.0)  # no host sync (boolean indexing would need one)
 
     arange = torch.arange(s, dtype=torch.long, device=device)
     starts = _segment_starts(is_eod) if (reset_position_ids or reset_attention_mask) else None
