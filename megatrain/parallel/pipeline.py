@@ -218,6 +218,8 @@ class PipelineRankModel(nn.Module):
     ``train()``/``eval()`` work on it as on a GPTModel.
     """
 
+    is_pipeline_stage = True  # holds part of the model: other stages' checkpoint tensors are not its own
+
     def __init__(self, stages: Sequence[GPTStage]) -> None:
         super().__init__()
         self.config = stages[0].config

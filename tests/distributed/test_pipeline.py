@@ -148,3 +148,55 @@ def test_world2_pipeline_matches_one_process(world2_results, name):
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_world4_pipeline_matches_one_process(world4_results, name):
     _check(world4_results, name)
+
+
+# ---- the layer split and the flags (no processes) -------------------------------------------------
+
+def test_split_layers_even_uneven_and_virtual():
+    from megatrain.parallel.pipeline import split_layers
+
+    assert split_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_layers(7, 4, first=1, last=2) == [[0], [1, 2], [3, 4], [5, 6]]
+    assert split_layers(5, 2, first=2) == [[0, 1], [2, 3, 4]]
+    # Interleaved: stage s runs on rank s % pp; rank 0 holds stages 0 and 2.
+    assert split_layers(8, 2, virtual_stages=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_layers(10, 2, virtual_stages=2, first=4) == [[0, 1], [2, 3, 4], [5, 6], [7, 8, 9]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_layers=5, pp=2), "--num-layers (5) does not divide"),
+    (dict(num_layers=8, pp=4, first=3), "--decoder-first-pipeline-num-layers"),
+    (dict(num_layers=6, pp=2, first=2, last=3), "must equal --num-layers (6)"),
+    (dict(num_layers=6, pp=2, virtual_stages=2), "not divisible by its 2 virtual stages"),
+    (dict(num_layers=4, pp=3, first=2, last=2), "stage 1 would hold no transformer layer"),
+])
+def test_split_layers_refuses_with_the_flags(kwargs, message):
+    from megatrain.parallel.pipeline import split_layers
+
+    num_layers, pp = kwargs.pop("num_layers"), kwargs.pop("pp")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        split_layers(num_layers, pp, **kwargs)
+
+
+def test_pipeline_flags_are_parsed_and_checked():
+    from megatrain.training.arguments import parse_args as parse, validate_args
+
+    def parse_args(argv, world_size):
+        return validate_args(parse(argv, validate=False), world_size=world_size)
+
+    base = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+    from megatrain.parallel.pipeline import PipelineConfig
+
+    args = parse_args(base + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+                      world_size=4)
+    cfg = PipelineConfig.from_args(args)
+    assert (cfg.size, cfg.virtual_stages, cfg.schedule) == (2, 2, "interleaved-1f1b")
+    with pytest.raises(SystemExit, match="virtual stages"):
+        parse_args(base + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                           "--pipeline-schedule", "1f1b"], world_size=2)
+    with pytest.raises(SystemExit, match="needs at least --pipeline-model-parallel-size"):
+        parse_args(base + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "4"], world_size=8)
+    with pytest.raises(SystemExit, match="need --pipeline-model-parallel-size > 1"):
+        parse_args(base + ["--decoder-first-pipeline-num-layers", "2"], world_size=1)
