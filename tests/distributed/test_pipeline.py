@@ -140,11 +140,13 @@ def _check(results: list[dict], name: str) -> None:
     assert len(set(norms)) == 1, f"ranks measured different gradient norms: {norms}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_world2_pipeline_matches_one_process(world2_results, name):
     _check(world2_results, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_world4_pipeline_matches_one_process(world4_results, name):
     _check(world4_results, name)
