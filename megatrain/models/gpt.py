@@ -230,10 +230,10 @@ def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int)
 
     if module.endswith("layernorm"):
         if leaf == "weight":
-            return torch.ones(shape)
-        return torch.zeros(shape)
+            return torch.ones(shape, device="cpu")
+        return torch.zeros(shape, device="cpu")
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if leaf != "weight":
         raise ValueError(f"no initialisation rule for parameter {name!r}")
     if module in _STD_WEIGHTS:
@@ -246,4 +246,4 @@ def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int)
     # The CPU generator (mt19937) keeps only 32 bits of its seed, so hash seed and name together.
     generator = torch.Generator(device="cpu")
     generator.manual_seed(zlib.crc32(f"{seed}:{canonical}".encode("utf-8")))
-    return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)
+    return torch.empty(shape, device="cpu").normal_(mean=0.0, std=std, generator=generator)
