@@ -53,6 +53,10 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+# Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"), so
+# every rank's entries are distinct (pipeline stages hold different parameters) and a checkpoint
+# reshards across any layout.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 DCP_METADATA = ".metadata"
@@ -406,7 +410,7 @@ class Checkpointer:
         _barrier()
         with_optim = bool(save_optim and optimizer is not None)
         if with_optim:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)
             to_save = {"model": model_sd, "optimizer": optim_sd}
         else:
             to_save = {"model": get_state_dict(model, [])[0]}
@@ -669,6 +673,8 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     metadata = read_dcp_metadata(ckpt)
     model_sd = get_state_dict(model, [])[0]
     diff = compare_model(_model_shapes(metadata), model_sd)
+    if getattr(model, "is_pipeline_stage", False):
+        diff["unexpected"] = []  # the other pipeline stages' tensors
     cfg_diff = config_differences(meta.get("model_config", {}), model_config) if model_config is not None else []
     fatal = diff["shape"] or (not finetune and (diff["missing"] or diff["unexpected"]))
     if fatal:
@@ -689,7 +695,7 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         _warn(f"checkpoint {ckpt} holds no optimizer state (saved with --no-save-optim); the optimizer starts fresh")
     load_optim = load_optim and optimizer is not None and has_optim
     if load_optim:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)
         sd: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     else:
         sd = {"model": model_sd}
@@ -704,7 +710,8 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         set_state_dict(model, [], model_state_dict=full, optim_state_dict={},
                        options=StateDictOptions(strict=False))
     elif load_optim:
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
+                       options=OPTIM_OPTIONS)
     else:
         set_state_dict(model, [], model_state_dict=sd["model"], optim_state_dict={},
                        options=StateDictOptions(strict=True))

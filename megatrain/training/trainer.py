@@ -38,20 +38,26 @@ from megatrain.training.logging import (MetricsWriter, format_train_log_line, fo
                                         format_validation_line)
 from megatrain.training.loss_scaler import (ConstantLossScaler, DynamicLossScaler, found_inf_in_grads,
                                             reduce_found_inf, unscale_grads_)
-from megatrain.training.memory_report import MemoryEstimate, estimate_memory
 from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
+from megatrain.training.memory_report import MemoryEstimate, estimate_memory
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
 
 
-def print_rank0(*a: Any, **kw: Any) -> None:
+def _print_line(*a: Any) -> None:
+    """One write per message, so lines of several ranks sharing a stream never interleave mid-line."""
+    sys.stdout.write(" ".join(str(x) for x in a) + "\n")
+    sys.stdout.flush()
+
+
+def print_rank0(*a: Any) -> None:
     if get_rank() == 0:
-        print(*a, **kw, flush=True)
+        _print_line(*a)
 
 
-def print_rank_last(*a: Any, **kw: Any) -> None:
+def print_rank_last(*a: Any) -> None:
     """Megatron prints training and validation lines from the last rank (it holds the loss under PP)."""
     if get_rank() == get_world_size() - 1:
-        print(*a, **kw, flush=True)
+        _print_line(*a)
 
 
 class ExitRequest:
@@ -396,7 +402,7 @@ class Trainer:
                 t_last = time.time()
             reason = exits.reason(it)
             if reason:
-                print_rank0(f" {reason}")
+                print_rank_last(f" {reason}")
                 if a.save and not (a.save_interval and it % a.save_interval == 0):
                     self.save()
                 self.close()
