@@ -19,7 +19,10 @@ Activations per transformer layer, in bytes, for sequence s, micro-batch b, hidd
 "Reducing Activation Recomputation" accounting with the attention-score terms removed); with full
 recomputation only each layer's input, ``2*s*b*h/t_sp``, plus one layer's full activations.
 The output layer and loss hold the logits: ``s*b*V/t`` values in half precision plus their fp32
-copy and gradient (10 bytes each) unless the loss is computed in chunks.
+copy and gradient (10 bytes each); the chunked loss (``--cross-entropy-chunk-size``) keeps only the
+half-precision logits (2 bytes each). Replicated data parallelism (DDP) adds its gradient buckets
+(4 bytes per parameter). Under 1F1B pipeline parallelism the first stage holds the activations of
+up to P micro-batches at once.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ class MemoryEstimate:
     half_weights: float
     activations: float
     logits: float
+    ddp_buckets: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights_and_grads + self.optimizer + self.half_weights + self.activations + self.logits
+        return (self.weights_and_grads + self.optimizer + self.half_weights + self.activations + self.logits
+                + self.ddp_buckets)
 
     def line(self) -> str:
         g = GIB
@@ -51,7 +56,8 @@ class MemoryEstimate:
                 f"(this rank {self.parameters_rank:,}) | weights+grads {self.weights_and_grads / g:.2f} GiB | "
                 f"optimizer {self.optimizer / g:.2f} GiB | half-precision weights {self.half_weights / g:.2f} GiB | "
                 f"activations {self.activations / g:.2f} GiB | logits {self.logits / g:.2f} GiB | "
-                f"total {self.total / g:.2f} GiB")
+                + (f"DDP buckets {self.ddp_buckets / g:.2f} GiB | " if self.ddp_buckets else "")
+                + f"total {self.total / g:.2f} GiB")
 
 
 def parameter_counts(cfg: GPTConfig) -> tuple[int, int, int]:
@@ -76,7 +82,8 @@ def parameter_counts(cfg: GPTConfig) -> tuple[int, int, int]:
 def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int = 1, pp: int = 1,
                     dp: int = 1, zero_stage: int = 0, sequence_parallel: bool = False,
                     recompute_granularity: str | None = None, half_precision: bool = True,
-                    optimizer: str = "adam", loss_chunked: bool = False) -> MemoryEstimate:
+                    optimizer: str = "adam", loss_chunked: bool = False,
+                    num_micro_batches: int = 1) -> MemoryEstimate:
     """Estimate the memory of the rank holding the first pipeline stage (the embedding)."""
     layers, extra, total = parameter_counts(cfg)
     layers_per_stage = cfg.num_layers // pp
@@ -103,5 +110,12 @@ def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, t
     else:
         activations = per_layer * layers_per_stage
     activations *= act_scale
-    logits = 0.0 if loss_chunked else 10.0 * s * b * cfg.vocab_size / tp
-    return MemoryEstimate(total, rank_params, weights_and_grads, optimizer_mem, gathered, activations, logits)
+    if pp > 1:
+        activations *= min(pp, num_micro_batches)  # 1F1B: micro-batches in flight on the first stage
+        logits = 0.0  # on the last stage
+    else:
+        logits = (2.0 if loss_chunked and tp == 1 else 10.0) * s * b * cfg.vocab_size / tp
+    ddp = dp > 1 and zero_stage == 0 and tp == 1 and pp == 1
+    ddp_buckets = 4.0 * rank_params if ddp else 0.0
+    return MemoryEstimate(total, rank_params, weights_and_grads, optimizer_mem, gathered, activations, logits,
+                          ddp_buckets)

@@ -348,7 +348,8 @@ class Trainer:
             self.model_config, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, tp=self.dims.tp,
             pp=self.dims.pp, dp=self.dims.dp, zero_stage=a.zero_stage, sequence_parallel=a.sequence_parallel,
             recompute_granularity=a.recompute_granularity, half_precision=self.precision.dtype != torch.float32,
-            optimizer=a.optimizer)
+            optimizer=a.optimizer, loss_chunked=bool(getattr(a, "cross_entropy_chunk_size", 0)),
+            num_micro_batches=a.num_micro_batches)
 
     def train(self) -> TrainState:
         a = self.args

@@ -39,3 +39,27 @@ def test_bytes_per_parameter_and_sharding():
     sp = estimate_memory(cfg, seq_length=32, micro_batch_size=2, tp=2, sequence_parallel=True)
     assert sp.activations < tp2.activations
     assert "total" in base.line() and f"{base.parameters_total:,}" in base.line()
+
+
+def test_chunked_loss_ddp_buckets_and_pipeline_terms():
+    cfg = GPTConfig(**GPT2)
+    kw = dict(seq_length=32, micro_batch_size=2)
+    plain = estimate_memory(cfg, **kw)
+    chunked = estimate_memory(cfg, **kw, loss_chunked=True)
+    assert chunked.logits == plain.logits / 5  # bf16 logits only, instead of bf16 + fp32 + fp32 grad
+    ddp = estimate_memory(cfg, **kw, dp=2)
+    assert ddp.ddp_buckets == 4 * ddp.parameters_rank and "DDP buckets" in ddp.line()
+    assert estimate_memory(cfg, **kw, dp=2, zero_stage=1).ddp_buckets == 0
+    pp1 = estimate_memory(cfg, seq_length=32, micro_batch_size=2, num_micro_batches=8)
+    pp3 = estimate_memory(cfg, seq_length=32, micro_batch_size=2, pp=3, num_micro_batches=8)
+    assert pp3.logits == 0 and pp3.activations == pytest.approx(pp1.activations)  # 1/3 of the layers x 3 in flight
+
+
+def test_one_h200_measurements_within_15_percent():
+    """The 1.7B shape as measured on H200s (benchmarks/RESULTS.md, 2026-11-30): the report is within 15%."""
+    cfg = GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=131072,
+                    max_position_embeddings=4096)
+    kw = dict(seq_length=4096, micro_batch_size=2, loss_chunked=True)
+    for extra, measured_gib in ((dict(), 41.4), (dict(dp=2), 47.6), (dict(dp=2, zero_stage=1), 31.3),
+                                (dict(tp=2, sequence_parallel=True), 27.1)):
+        assert estimate_memory(cfg, **kw, **extra).total / 2**30 == pytest.approx(measured_gib, rel=0.15), extra
