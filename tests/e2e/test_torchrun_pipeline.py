@@ -80,3 +80,25 @@ def test_pipeline_checkpoint_resumes_exactly_and_under_another_schedule(tmp_path
     other, _ = _losses(launch("--load", str(save), "--num-virtual-stages-per-pipeline-rank", "2"))
     for (loss, norm), (ref_loss, ref_norm) in zip(other, full[2:]):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_pipeline_fp16_overflow_is_agreed_across_stages():
+    """fp16 with a huge initial loss scale: both stages skip the same steps, back off the scale in step,
+    and the logged losses equal one process's."""
+    fp16 = ["--fp16", "--initial-loss-scale", "1e20", "--hysteresis", "1", "--eval-iters", "0"]
+
+    def lines(stdout: str) -> list[dict]:
+        return [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
+
+    one = lines(run_cmd([sys.executable, "pretrain_gpt.py", *ARGS, *fp16], env=_env()).stdout)
+    pp = lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(_free_port()), "pretrain_gpt.py", *ARGS, *fp16, "--pipeline-model-parallel-size", "2"],
+                       env=_env(), timeout=600).stdout)
+    assert [d["loss scale"] for d in pp] == [d["loss scale"] for d in one]
+    assert sum(d["number of skipped iterations"] for d in one) >= 1
+    assert [d["number of skipped iterations"] for d in pp] == [d["number of skipped iterations"] for d in one]
+    for a, b in zip(pp, one):
+        assert ("lm loss" in a) == ("lm loss" in b)
+        if "lm loss" in a:
+            assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-3)
