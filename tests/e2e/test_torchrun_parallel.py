@@ -1,6 +1,6 @@
 """`torchrun pretrain_gpt.py` with tensor + data parallelism logs the same losses as one process.
 
-Runs on CPU with gloo and --mock-data: one process, then 4 processes (TP=2 x DP=2) on one node,
+Runs on CPU with gloo: one process, then 4 processes (TP=2 x DP=2, on the tiny BPE corpus) on one node,
 then the same world as two simulated nodes (two torchrun agents with --nnodes 2 --node_rank), with
 sequence parallelism, ZeRO-3 and recomputation. The lm loss and grad norm of every logged iteration
 and the validation loss must agree within 1e-5 relative error.
@@ -59,11 +59,17 @@ def single_process():
 
 
 @pytest.mark.slow
-def test_torchrun_tp2_dp2_matches_one_process(single_process):
-    proc = run_cmd([*_torchrun("--nproc_per_node", "4", "--master_port", str(_free_port())),
-                    "--tensor-model-parallel-size", "2"], env=_env())
+def test_torchrun_tp2_dp2_on_the_tiny_corpus_matches_one_process(tiny_corpus):
+    """TP=2 x DP=2 on real preprocessed data (BPE-tokenized stdlib sources) against one process."""
+    mock = ARGS.index("--mock-data")
+    data = [*ARGS[:mock], *ARGS[mock + 5:], "--data-path", tiny_corpus["data_path"], "--split", "90,10,0",
+            *tiny_corpus["tok_flags"]]
+    assert "--mock-data" not in data and "--vocab-size" not in data
+    ref = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *data], env=_env()).stdout)
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                    str(_free_port()), "pretrain_gpt.py", *data, "--tensor-model-parallel-size", "2"], env=_env())
     assert "world 4 = pp 1 x dp 2 x cp 1 x tp 2" in proc.stdout
-    _assert_close(_losses(proc.stdout), single_process)
+    _assert_close(_losses(proc.stdout), ref)
 
 
 @pytest.mark.slow
