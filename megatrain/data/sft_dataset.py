@@ -24,7 +24,6 @@ The order is deterministic (seeded per epoch) and independent of the parallel la
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from megatrain.data.gpt_dataset import parse_split, split_matrix_from_vector, split_ranges
+from megatrain.data.jsonl import iter_jsonl
 
 __all__ = ["SFTConfig", "SFTExample", "SFTDataset", "read_sft_jsonl", "tokenize_example", "pack_examples",
            "build_sft_datasets", "sft_batch", "CHAT_ROLES", "CHAT_TEMPLATE"]
@@ -59,20 +59,9 @@ class SFTExample:
 def read_sft_jsonl(path: str, config: SFTConfig) -> list[tuple[str, int, dict[str, Any]]]:
     """(path, line number, object) of every non-empty line; bad lines raise ValueError naming them."""
     out = []
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"--data-path {path}: cannot open ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            _check_example(obj, path, lineno, config)
-            out.append((path, lineno, obj))
+    for lineno, obj in iter_jsonl(path, "--data-path"):
+        _check_example(obj, path, lineno, config)
+        out.append((path, lineno, obj))
     if not out:
         raise ValueError(f"--data-path {path}: no examples (the file is empty)")
     return out

@@ -14,7 +14,6 @@ the last word (teacher-forced argmax at each of its positions, the same as greed
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.loading import fill_tokenizer_args, load_model
@@ -52,21 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_jsonl_texts(path: str, key: str, flag: str) -> Iterator[str]:
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot open ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                raise ValueError(f"{flag} {path}:{lineno}: expected an object with a string {key!r}")
-            yield obj[key]
+    for lineno, obj in iter_jsonl(path, flag):
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            raise ValueError(f"{flag} {path}:{lineno}: expected an object with a string {key!r}")
+        yield obj[key]
 
 
 def token_windows(stream: Iterator[np.ndarray], length: int) -> Iterator[np.ndarray]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.generation import generate
@@ -109,23 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.input_file:
-        try:
-            f = open(args.input_file, encoding="utf-8")
-        except OSError as e:
-            raise SystemExit(f"error: --input-file {args.input_file}: {e.strerror}")
-        with f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    prompt = obj["prompt"] if isinstance(obj, dict) else obj
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise SystemExit(f"error: --input-file {args.input_file}:{lineno}: expected a JSON object "
-                                     f'with a "prompt" key ({e})')
-                if not isinstance(prompt, str):
-                    raise SystemExit(f"error: --input-file {args.input_file}:{lineno}: the prompt must be a string")
-                prompts.append(prompt)
+        for lineno, obj in iter_jsonl(args.input_file, "--input-file"):
+            prompt = obj.get("prompt") if isinstance(obj, dict) else obj
+            if not isinstance(prompt, str):
+                raise ValueError(f"--input-file {args.input_file}:{lineno}: expected a JSON object with a "
+                                 f'string "prompt" (or a JSON string)')
+            prompts.append(prompt)
     if not prompts:
         raise SystemExit("error: give at least one --prompt or an --input-file")
     return prompts
