@@ -52,7 +52,7 @@ def test_kv_cache_logits_equal_full_forward(style):
         for t in range(8, 12):  # then one at a time
             pieces.append(model(tokens[:, t : t + 1], kv_cache=cache))
     assert cache.length == 12
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)  # fp32, different kernels
 
 
 def test_kv_cache_overflow_is_an_error():
