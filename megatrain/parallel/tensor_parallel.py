@@ -95,10 +95,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
             parallelize_module(embedding, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
 
+    config = getattr(model, "config", None)
+    # Without dropout there is no randomness to fork (and the fork would split compiled graphs).
+    attention_dropout = config is None or config.attention_dropout > 0
+    hidden_dropout = config is None or config.hidden_dropout > 0
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
-        rng.fork_module(layer.self_attention.core_attention)  # local heads: masks differ per rank
-        if sequence_parallel:
+        if attention_dropout:
+            rng.fork_module(layer.self_attention.core_attention)  # local heads: masks differ per rank
+        if sequence_parallel and hidden_dropout:
             rng.fork_module(layer.dropout)  # residual dropout on the rank's part of the sequence
 
     final_norm = getattr(model, "final_layernorm", None)
