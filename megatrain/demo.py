@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import os
 import shlex
 import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
+
+from megatrain.atomic_io import atomic_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,8 +30,7 @@ def build_corpus(out: Path, max_bytes: int) -> int:
     files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
     random.Random(0).shuffle(files)  # a fixed mix of modules, so every split sees typical code
     total = docs = 0
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for p in files:
             try:
                 text = p.read_text(encoding="utf-8")
@@ -43,7 +43,6 @@ def build_corpus(out: Path, max_bytes: int) -> int:
             docs += 1
             if total >= max_bytes:
                 break
-    os.replace(tmp, out)
     return docs
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from megatrain.convert.hf_mapping import hf_architecture, hf_config_dict, to_hf_state_dict
-from megatrain.convert.tokenizer_files import atomic_write_json, write_hf_tokenizer
+from megatrain.atomic_io import atomic_path, atomic_write_json
+from megatrain.convert.tokenizer_files import write_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.config import GPTConfig
 from megatrain.models.gpt import canonical_parameter_name
@@ -91,21 +92,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing weights", disable=not progress)
     try:
         for fname, shard in zip(names, shards):
-            path = os.path.join(out_dir, fname)
-            tmp = f"{path}.tmp.{os.getpid()}"
-            try:
+            with atomic_path(os.path.join(out_dir, fname)) as tmp:
                 save_file({k: v.contiguous() for k, v in shard.items()}, tmp, metadata={"format": "pt"})
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
             bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
     finally:
         bar.close()
     if len(shards) > 1:
         weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
         atomic_write_json(os.path.join(out_dir, "model.safetensors.index.json"),
-                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+                          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
     else:
         stale = os.path.join(out_dir, "model.safetensors.index.json")
         if os.path.exists(stale):
@@ -150,11 +145,11 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     config = hf_config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype],
                             bos_token_id=special.bos_token_id, eos_token_id=special.eos_token_id,
                             pad_token_id=special.pad_token_id)
-    atomic_write_json(os.path.join(output_path, "config.json"), config)
+    atomic_write_json(os.path.join(output_path, "config.json"), config, indent=2, sort_keys=True)
     generation = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id}
     if special.pad_token_id is not None:
         generation["pad_token_id"] = special.pad_token_id
-    atomic_write_json(os.path.join(output_path, "generation_config.json"), generation)
+    atomic_write_json(os.path.join(output_path, "generation_config.json"), generation, indent=2, sort_keys=True)
     n_params = sum(t.numel() for t in hf_state.values())
     print(f" wrote {architecture} ({n_params:,} parameters, {dtype}) as {', '.join(names)}"
           + (f"; tokenizer: {', '.join(special.files)}" if special.files else "; no tokenizer files"), flush=True)

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrain.atomic_io import atomic_path, atomic_write_json
 from megatrain.data.tokenizers import GPT2_EOD, _load_gpt2_files, build_tokenizer
 
 
@@ -27,26 +28,9 @@ class SpecialTokens:
     files: list[str] = field(default_factory=list)
 
 
-def atomic_write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def atomic_copy(src: str, dst: str) -> None:
-    tmp = f"{dst}.tmp.{os.getpid()}"
-    try:
+    with atomic_path(dst) as tmp:
         shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _token_text(tokenizer: Any, token_id: int | None) -> str | None:
@@ -86,9 +70,8 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(GPT2_EOD, special=True)])
-        tmp = os.path.join(out_dir, f"tokenizer.json.tmp.{os.getpid()}")
-        tok.save(tmp)
-        os.replace(tmp, os.path.join(out_dir, "tokenizer.json"))
+        with atomic_path(os.path.join(out_dir, "tokenizer.json")) as tmp:
+            tok.save(tmp)
         atomic_copy(tok_args["vocab_file"], os.path.join(out_dir, "vocab.json"))
         atomic_copy(tok_args["merge_file"], os.path.join(out_dir, "merges.txt"))
         files += ["tokenizer.json", "vocab.json", "merges.txt"]
@@ -125,8 +108,8 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
                       "were written (copy your tokenizer beside the model yourself)")
         return SpecialTokens(getattr(tokenizer, "bos", None), tokenizer.eod, None)
 
-    atomic_write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
-    atomic_write_json(os.path.join(out_dir, "special_tokens_map.json"), special)
+    atomic_write_json(os.path.join(out_dir, "tokenizer_config.json"), config, indent=2, sort_keys=True)
+    atomic_write_json(os.path.join(out_dir, "special_tokens_map.json"), special, indent=2, sort_keys=True)
     files += ["tokenizer_config.json", "special_tokens_map.json"]
     return SpecialTokens(ids.bos_token_id, ids.eos_token_id, ids.pad_token_id, files)
 

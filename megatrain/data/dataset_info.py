@@ -10,13 +10,12 @@ take the namespace of ``pretrain_gpt.py``'s parser, so defaults are the same as 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
 
+from megatrain.atomic_io import atomic_path
 from megatrain.data.config import DataConfig
 from megatrain.data.gpt_dataset import (
     SPLIT_NAMES,
@@ -122,18 +121,8 @@ def dump_samples(args: argparse.Namespace, n: int, output: str) -> np.ndarray:
         raise SystemExit(f"error: --dump-samples {n} is more than the {len(train)} training samples")
     samples = np.stack([train[i] for i in range(n)]).astype(np.int64) if n else \
         np.zeros((0, args.seq_length + 1), dtype=np.int64)
-    directory = os.path.dirname(os.path.abspath(output)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(output) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, samples, allow_pickle=False)
-        os.replace(tmp, output)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_path(output) as tmp, open(tmp, "wb") as f:
+        np.save(f, samples, allow_pickle=False)
     return samples
 
 

@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import time
 import warnings
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from megatrain.atomic_io import atomic_path
 from megatrain.data.config import DataConfig
 
 __all__ = [
@@ -258,18 +258,8 @@ def _dist_rank() -> tuple[bool, int]:
 
 
 def _atomic_write(path: str, write: Callable) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 def load_or_build_cached(cache_dir: Optional[str], base: str, names: Sequence[str],

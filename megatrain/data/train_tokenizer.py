@@ -12,28 +12,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Sequence
 
+from megatrain.atomic_io import atomic_write_text
 from megatrain.data.preprocess import PreprocessError, iter_texts
 
 __all__ = ["build_parser", "main", "train_tokenizer"]
 
 EOD = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 bytes + <|endoftext|>
-
-
-def _write_atomic(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def train_tokenizer(
@@ -66,8 +53,8 @@ def train_tokenizer(
     os.makedirs(output_dir, exist_ok=True)
     vocab_path = os.path.join(output_dir, "vocab.json")
     merges_path = os.path.join(output_dir, "merges.txt")
-    _write_atomic(vocab_path, json.dumps(vocab, ensure_ascii=False))
-    _write_atomic(merges_path, "#version: 0.2\n" + "".join(m + "\n" for m in merges))
+    atomic_write_text(vocab_path, json.dumps(vocab, ensure_ascii=False))
+    atomic_write_text(merges_path, "#version: 0.2\n" + "".join(m + "\n" for m in merges))
     return vocab_path, merges_path
 
 

@@ -21,11 +21,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from megatrain.atomic_io import atomic_write_json
 from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.loading import fill_tokenizer_args, load_model
-from megatrain.inference.text_generation import model_dtype, write_json_atomic
+from megatrain.inference.text_generation import model_dtype
 from megatrain.training.builders import choose_device
 
 
@@ -173,5 +174,5 @@ def main(argv: list[str] | None = None) -> None:
         print(f" evaluation on {source} ({results['windows']} windows of {seq_length} tokens) | lm loss value: "
               f"{results['lm loss']:.6E} | lm loss PPL: {results['lm loss PPL']:.6E} |", flush=True)
     if args.output_json:
-        write_json_atomic(args.output_json, results)
+        atomic_write_json(args.output_json, results)
     sys.stdout.flush()

@@ -8,14 +8,13 @@ stopping (token sequences) and a cut of the decoded text, and reports why each c
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from megatrain.atomic_io import atomic_write_json
 from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
@@ -131,17 +130,6 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.float32
 
 
-def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 @user_errors_exit
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
@@ -161,5 +149,5 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"prompt": c.prompt, "text": c.text, "tokens": c.tokens})
         print(f"--- prompt: {c.prompt!r}\n{c.prompt}{c.text}\n", flush=True)
     if args.output_json:
-        write_json_atomic(args.output_json, results)
+        atomic_write_json(args.output_json, results)
     sys.stdout.flush()

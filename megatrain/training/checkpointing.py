@@ -53,6 +53,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from megatrain.atomic_io import atomic_write_bytes, atomic_write_text
+
 # Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"), so
 # every rank's entries are distinct (pipeline stages hold different parameters) and a checkpoint
 # reshards across any layout.
@@ -137,24 +139,6 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    _atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -284,9 +268,9 @@ def _finish(p: _PendingSave) -> None:
     if p.rng is not None:
         buf = io.BytesIO()
         torch.save(p.rng, buf)
-        _atomic_write_bytes(os.path.join(p.tmp, _rng_name(p.rank)), buf.getvalue())
+        atomic_write_bytes(os.path.join(p.tmp, _rng_name(p.rank)), buf.getvalue(), fsync=True)
     if p.rank == 0 and p.meta is not None:
-        _atomic_write_text(os.path.join(p.tmp, META), json.dumps(p.meta, indent=1, sort_keys=True))
+        atomic_write_text(os.path.join(p.tmp, META), json.dumps(p.meta, indent=1, sort_keys=True), fsync=True)
     mine = [n for n in os.listdir(p.tmp)
             if n.startswith(f"__{p.rank}_") or n == _rng_name(p.rank) or (p.rank == 0 and n in (META, DCP_METADATA))]
     for name in mine:  # the data must be on disk before the marker says so
@@ -294,7 +278,7 @@ def _finish(p: _PendingSave) -> None:
             os.fsync(f.fileno())
     marker = {"rank": p.rank, "world_size": p.world, "iteration": p.iteration,
               "files": {n: os.path.getsize(os.path.join(p.tmp, n)) for n in sorted(mine)}}
-    _atomic_write_text(os.path.join(p.tmp, _marker_name(p.rank)), json.dumps(marker, sort_keys=True))
+    atomic_write_text(os.path.join(p.tmp, _marker_name(p.rank)), json.dumps(marker, sort_keys=True), fsync=True)
     _barrier(p.group)
     if p.rank == 0:
         missing = [r for r in range(p.world) if not os.path.isfile(os.path.join(p.tmp, _marker_name(r)))]
@@ -308,7 +292,7 @@ def _finish(p: _PendingSave) -> None:
             os.replace(p.final, old)
         os.replace(p.tmp, p.final)
         _fsync_dir(p.save)
-        _atomic_write_text(os.path.join(p.save, TRACKER), f"{p.iteration}\n")
+        atomic_write_text(os.path.join(p.save, TRACKER), f"{p.iteration}\n", fsync=True)
         if old:
             shutil.rmtree(old, ignore_errors=True)
         _clean_up(p.save, p.iteration, p.keep_last)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from megatrain.atomic_io import atomic_write_text
 from megatrain.training.arguments import LEGACY_FLAG_NOTES, UNSUPPORTED_FLAGS, build_parser
 
 HEADER = """# Megatron-LM flags in megatrain
@@ -54,11 +54,7 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0] if argv else "docs/megatron_flags.md"
-    text = render()
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, out)
+    atomic_write_text(out, render())
     print(f"wrote {out}")
 
 
