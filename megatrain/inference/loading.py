@@ -6,20 +6,39 @@ import argparse
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from megatrain.models.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 
 
-def load_model(load: str, device: torch.device, step: int | None = None) -> tuple[GPTModel, dict[str, Any]]:
-    """Build the model a checkpoint describes and load its weights; returns (model in eval mode, meta)."""
+def load_model(load: str, device: torch.device, step: int | None = None,
+               tp_mesh: DeviceMesh | None = None) -> tuple[GPTModel, dict[str, Any]]:
+    """Build the model a checkpoint describes and load its weights; returns (model in eval mode, meta).
+
+    With ``tp_mesh`` (every rank of a torchrun job calls this) the model is tensor-parallel: each
+    rank loads only its shards, and the logits are gathered so that every rank samples the same
+    tokens.
+    """
     ckpt = checkpointing.find_checkpoint(load, step)
     if ckpt is None:
         raise SystemExit(f"error: --load {load}: no checkpoint found")
     meta = checkpointing.read_meta(ckpt)
     with torch.device("meta"):
         model = GPTModel(GPTConfig(**meta["model_config"]))
+    if tp_mesh is not None:
+        from megatrain.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_mesh)
+        sharded_logits = model.output_logits
+
+        def gathered_logits(hidden: torch.Tensor) -> torch.Tensor:
+            logits = sharded_logits(hidden)
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+        model.output_logits = gathered_logits  # type: ignore[method-assign]
     model.to_empty(device=device)
     checkpointing.load_checkpoint(ckpt, model, None, load_optim=False, load_rng=False)
     model.eval()

@@ -8,11 +8,14 @@ stopping (token sequences) and a cut of the decoded text, and reports why each c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatrain.atomic_io import atomic_write_json
 from megatrain.data.jsonl import iter_jsonl
@@ -20,6 +23,7 @@ from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.generation import generate
 from megatrain.inference.loading import fill_tokenizer_args, load_model
+from megatrain.parallel.distributed import init_distributed
 from megatrain.training.builders import choose_device
 
 
@@ -99,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="prompts generated together (default: all at once)")
     p.add_argument("--output-json", default=None, help='write [{"prompt", "text", "tokens"}, ...] here')
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="generate with the model split over this many processes (launch with torchrun)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
     p.add_argument("--fp16", action="store_true", help="run the model in float16")
@@ -138,16 +144,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.micro_batch_size is not None and args.micro_batch_size <= 0:
         raise SystemExit("error: --micro-batch-size must be positive")
     prompts = read_prompts(args)
-    device = choose_device(args.device)
-    model, meta = load_model(args.load, device, args.ckpt_step)
+    device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    tp_mesh = tensor_parallel_mesh(args, device)
+    model, meta = load_model(args.load, device, args.ckpt_step, tp_mesh=tp_mesh)
     model.to(model_dtype(args))
+    first_rank = tp_mesh is None or dist.get_rank() == 0
     tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))
     params = SamplingParams(args.tokens_to_generate, args.greedy, args.temperature, args.top_k, args.top_p,
                             args.seed, list(args.stop))
     results = []
     for c in complete(model, tokenizer, prompts, params, args.micro_batch_size):
         results.append({"prompt": c.prompt, "text": c.text, "tokens": c.tokens})
-        print(f"--- prompt: {c.prompt!r}\n{c.prompt}{c.text}\n", flush=True)
-    if args.output_json:
+        if first_rank:
+            print(f"--- prompt: {c.prompt!r}\n{c.prompt}{c.text}\n", flush=True)
+    if args.output_json and first_rank:
         atomic_write_json(args.output_json, results)
     sys.stdout.flush()
+    if tp_mesh is not None:
+        dist.destroy_process_group()
+
+
+def tensor_parallel_mesh(args: argparse.Namespace, device: torch.device) -> DeviceMesh | None:
+    """Under torchrun, a 1-D mesh over all processes for --tensor-model-parallel-size; else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tensor_model_parallel_size:
+        raise SystemExit(f"error: --tensor-model-parallel-size {args.tensor_model_parallel_size} must equal the "
+                         f"number of processes ({world}); launch with torchrun --nproc_per_node "
+                         f"{args.tensor_model_parallel_size}")
+    if world == 1:
+        return None
+    init_distributed(device)
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
