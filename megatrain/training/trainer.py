@@ -61,11 +61,17 @@ def print_rank_last(*a: Any) -> None:
 
 
 class ExitRequest:
-    """Collects the reasons to stop early: SIGTERM (with --exit-signal-handler), duration, interval."""
+    """Collects the reasons to stop early: SIGTERM (with --exit-signal-handler), duration, interval.
 
-    def __init__(self, args: argparse.Namespace, start_time: float):
+    SIGTERM may reach only some ranks and clocks differ, so in a multi-process job the signal and
+    duration flags are combined over all ranks every iteration (one tiny all-reduce, only when those
+    flags are used): every rank stops, and saves, at the same iteration.
+    """
+
+    def __init__(self, args: argparse.Namespace, start_time: float, device: torch.device):
         self.args = args
         self.start_time = start_time
+        self.device = device
         self.signal_received = False
         if args.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_signal)
@@ -74,12 +80,17 @@ class ExitRequest:
         self.signal_received = True
 
     def reason(self, iteration: int) -> str | None:
-        if self.signal_received:
+        minutes = (time.time() - self.start_time) / 60.0
+        limit = self.args.exit_duration_in_mins
+        signalled, out_of_time = self.signal_received, limit is not None and minutes > limit
+        if get_world_size() > 1 and (self.args.exit_signal_handler or limit is not None):
+            flags = torch.tensor([float(signalled), float(out_of_time)], device=self.device)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            signalled, out_of_time = (bool(v) for v in flags.tolist())
+        if signalled:
             return "received SIGTERM"
-        if self.args.exit_duration_in_mins is not None:
-            minutes = (time.time() - self.start_time) / 60.0
-            if minutes > self.args.exit_duration_in_mins:
-                return f"exiting after {minutes:.2f} minutes (--exit-duration-in-mins)"
+        if out_of_time:
+            return f"exiting after {minutes:.2f} minutes (--exit-duration-in-mins)"
         if self.args.exit_interval and iteration % self.args.exit_interval == 0:
             return f"exiting at iteration {iteration} (--exit-interval)"
         return None
@@ -272,12 +283,13 @@ class Trainer:
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))
-        for i in range(a.num_micro_batches if self.pipeline is None else 0):
-            # Data-parallel gradient reduction only after the last micro-batch.
-            with gradient_sync(self.model, i == a.num_micro_batches - 1):
-                loss = self._forward_loss(next(self.train_iter))
-                total += loss.detach()
-                (loss * (scale / a.num_micro_batches)).backward()
+        else:
+            for i in range(a.num_micro_batches):
+                # Data-parallel gradient reduction only after the last micro-batch.
+                with gradient_sync(self.model, i == a.num_micro_batches - 1):
+                    loss = self._forward_loss(next(self.train_iter))
+                    total += loss.detach()
+                    (loss * (scale / a.num_micro_batches)).backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         found_inf: torch.Tensor | None = None
         if self.scaler is not None:
@@ -326,8 +338,9 @@ class Trainer:
             if self.pipeline is not None:
                 total += self.pipeline.eval_step(self._micro_batches(data_iter),
                                                  autocast=self.precision.autocast(self.device))
-            for _ in range(a.num_micro_batches if self.pipeline is None else 0):
-                total += self._forward_loss(next(data_iter))
+            else:
+                for _ in range(a.num_micro_batches):
+                    total += self._forward_loss(next(data_iter))
             self.state.consumed_valid_samples += a.global_batch_size
         self.model.train()
         return float(self._dp_mean(total / (eval_iters * a.num_micro_batches)))
@@ -354,7 +367,7 @@ class Trainer:
     def train(self) -> TrainState:
         a = self.args
         train_iters = a.train_iters_derived
-        exits = ExitRequest(a, self.start_time)
+        exits = ExitRequest(a, self.start_time, self.device)
         print_rank0(f" training: {self.module.num_parameters():,} parameters, {train_iters} iterations, "
                     f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
                     f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
@@ -415,6 +428,7 @@ class Trainer:
         tflops = self.flops_per_iteration / (seconds_per_iter * 1e12 * self.world_size)
         tokens_per_gpu = a.global_batch_size * a.seq_length / seconds_per_iter / self.world_size
         mem_gib = (torch.cuda.max_memory_allocated(self.device) / 2**30) if self.device.type == "cuda" else None
+        mfu = tflops / self.peak_tflops if self.peak_tflops else None
         line = format_train_log_line(
             iteration=self.state.iteration, train_iters=train_iters,
             consumed_samples=self.state.consumed_train_samples, elapsed_ms=seconds_per_iter * 1000.0,
@@ -423,12 +437,11 @@ class Trainer:
             loss_scale=float(self.scaler.scale) if self.scaler is not None else 1.0,
             grad_norm=stats.last_grad_norm, skipped_iterations=stats.skipped, nan_iterations=stats.nan,
             tokens_per_sec_per_gpu=tokens_per_gpu,
-            mfu=(tflops / self.peak_tflops) if self.peak_tflops else None, peak_mem_gib=mem_gib)
+            mfu=mfu, peak_mem_gib=mem_gib)
         print_rank_last(line)
         self.writer.log_train(self.state.iteration, consumed_samples=self.state.consumed_train_samples,
                               throughput_tflops=tflops, iteration_time_s=seconds_per_iter,
-                              tokens_per_sec_per_gpu=tokens_per_gpu,
-                              mfu=(tflops / self.peak_tflops) if self.peak_tflops else None,
+                              tokens_per_sec_per_gpu=tokens_per_gpu, mfu=mfu,
                               memory={"mem-max-allocated-bytes": mem_gib * 2**30} if mem_gib is not None else None)
 
     def close(self) -> None:
