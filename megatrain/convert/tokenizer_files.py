@@ -9,7 +9,6 @@ checkpoint and described with the matching megatrain flags.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings

@@ -9,7 +9,6 @@ over micro-batches; the learning-rate schedule advances by the global batch size
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys

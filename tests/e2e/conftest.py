@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -47,3 +49,23 @@ def tiny_corpus(tmp_path_factory) -> dict[str, str]:
     run_cmd([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
              *tok_flags, "--append-eod", "--workers", "1"])
     return {"root": str(root), "data_path": f"{prefix}_text_document", "tok_flags": tok_flags}
+
+
+def cpu_env() -> dict[str, str]:
+    """The environment for launched training processes: one thread each, so several fit on 2 cores."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses_and_validation(stdout: str) -> tuple[list[tuple[float, float]], list[float]]:
+    """(lm loss, grad norm) of every logged iteration, and every validation loss, from a run's output."""
+    from megatrain.training.logging import parse_train_log_line, parse_validation_line
+
+    train = [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
+    valid = [parse_validation_line(l)["lm loss value"] for l in stdout.splitlines() if "validation loss at" in l]
+    return [(d["lm loss"], d["grad norm"]) for d in train], valid

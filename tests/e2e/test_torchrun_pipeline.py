@@ -9,36 +9,21 @@ divide into the stages is refused with a message naming the flags.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 
 import pytest
 
-from megatrain.training.logging import parse_train_log_line, parse_validation_line
+from megatrain.training.logging import parse_train_log_line
 from tests.e2e.conftest import run_cmd
+from tests.e2e.conftest import cpu_env as _env
+from tests.e2e.conftest import free_port as _free_port
+from tests.e2e.conftest import losses_and_validation as _losses
 
 ARGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--train-iters", "4",
         "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "4", "--device", "cpu"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _losses(stdout: str) -> tuple[list[tuple[float, float]], list[float]]:
-    train = [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
-    valid = [parse_validation_line(l)["lm loss value"] for l in stdout.splitlines() if "validation loss at" in l]
-    return [(d["lm loss"], d["grad norm"]) for d in train], valid
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.inference.generation import generate
