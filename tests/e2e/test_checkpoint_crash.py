@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import pytest
 
 from megatrain.training import checkpointing
 from megatrain.training.logging import parse_train_log_line
-from tests.e2e.conftest import REPO, run_cmd
+from tests.e2e.conftest import REPO, cpu_env, free_port, run_cmd
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -24,22 +23,12 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 ITERS = 30
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _train_lines(stdout: str) -> list[dict]:
     return [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
 
 
 def _job(save: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             "pretrain_gpt.py", *ARGS, "--train-iters", str(ITERS), "--save", save, "--save-interval", "2",
             "--load", save]
 
@@ -71,12 +60,12 @@ def _rank_of(pid: int) -> int | None:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the worker processes")
 def test_kill_9_of_one_rank_then_relaunch_reaches_the_same_loss(tmp_path):
-    reference = _train_lines(run_cmd(_job(str(tmp_path / "ref")), env=_env()).stdout)
+    reference = _train_lines(run_cmd(_job(str(tmp_path / "ref")), env=cpu_env()).stdout)
     assert reference[-1]["iteration"] == ITERS
 
     save = str(tmp_path / "ckpt")
     cmd = _job(save)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed_at = None
     try:
         assert proc.stdout is not None
@@ -95,7 +84,7 @@ def test_kill_9_of_one_rank_then_relaunch_reaches_the_same_loss(tmp_path):
     saved = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
     assert 4 <= saved < ITERS
 
-    resumed = run_cmd(cmd, env=_env()).stdout  # the very same command
+    resumed = run_cmd(cmd, env=cpu_env()).stdout  # the very same command
     assert f"loaded checkpoint from {checkpointing.checkpoint_dir(save, saved)}" in resumed
     lines = _train_lines(resumed)
     assert lines[0]["iteration"] == saved + 1 and lines[-1]["iteration"] == ITERS
@@ -110,7 +99,7 @@ def test_sigterm_with_async_save_leaves_a_loadable_checkpoint(tmp_path):
     single = [a for a in ARGS if a != "cpu" and a != "--device"]
     proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *single, "--train-iters", "100000",
                              "--exit-signal-handler", "--async-save", "--save", str(save), "--save-interval", "3"],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         assert proc.stdout is not None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import pytest
 
 from megatrain.training import checkpointing
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, cpu_env, free_port
 
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "100000", "--lr", "1e-3",
@@ -39,12 +38,9 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the worker processes")
 def test_sigterm_to_one_rank_stops_all_ranks_together(tmp_path):
     save = tmp_path / "ckpt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             port, "pretrain_gpt.py", *ARGS, "--save", str(save)], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                             str(free_port()), "pretrain_gpt.py", *ARGS, "--save", str(save)], cwd=REPO,
+                            env=cpu_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
