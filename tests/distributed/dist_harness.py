@@ -164,8 +164,12 @@ def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
 
 def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: int = 0,
                    recompute: tuple = (None, None, None), overlap: bool = False, steps: int = STEPS,
-                   bucket_size: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The run of :func:`train_reference` on this process group's layout (inside a worker)."""
+                   bucket_size: int | None = None,
+                   chunk: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The run of :func:`train_reference` on this process group's layout (inside a worker).
+
+    ``chunk`` asks for the chunked output-layer loss; ``RUN_INFO["chunks"]`` says whether it is used.
+    """
     from megatrain.parallel.data_parallel import DataParallelConfig, gradient_sync, unwrap
     from megatrain.parallel.dims import ParallelDims
     from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
@@ -178,8 +182,9 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
         model = GPTModel(config)
     cfg = ParallelizeConfig(DataParallelConfig(zero_stage=zero, overlap_grad_reduce=overlap,
                                                overlap_param_gather=overlap, bucket_size=bucket_size),
-                            RecomputeConfig(*recompute))
+                            RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk)
     model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
+    RUN_INFO["chunks"] = unwrap(model).chunked_loss is not None
     opt = make_optimizer(unwrap(model))
     n_micro = GLOBAL // MICRO // dims.dp
     dp_rank = dims.dp_rank
