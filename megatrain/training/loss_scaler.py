@@ -39,13 +39,10 @@ def _as_float(x: Any) -> float:
     return float(x)
 
 
-class ConstantLossScaler:
-    """A fixed loss scale (``--loss-scale``); overflowing steps are still skipped."""
+class _LossScaler:
+    """What every scaler exposes: the current scale (an fp32-rounded float) and its inverse."""
 
-    def __init__(self, scale: float) -> None:
-        if not scale > 0.0:
-            raise ValueError(f"--loss-scale must be positive, got {scale}")
-        self._scale = _f32(scale)
+    _scale: float
 
     @property
     def scale(self) -> float:
@@ -54,6 +51,15 @@ class ConstantLossScaler:
     @property
     def inv_scale(self) -> float:
         return 1.0 / self._scale
+
+
+class ConstantLossScaler(_LossScaler):
+    """A fixed loss scale (``--loss-scale``); overflowing steps are still skipped."""
+
+    def __init__(self, scale: float) -> None:
+        if not scale > 0.0:
+            raise ValueError(f"--loss-scale must be positive, got {scale}")
+        self._scale = _f32(scale)
 
     def update(self, found_inf: bool) -> None:
         """Nothing changes: the scale is constant."""
@@ -65,7 +71,7 @@ class ConstantLossScaler:
         """Nothing to restore (Megatron stores nothing for a constant scale)."""
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_LossScaler):
     """Megatron's DynamicGradScaler.
 
     * An overflow resets the growth tracker and uses up one unit of hysteresis; once
@@ -105,14 +111,6 @@ class DynamicLossScaler:
         self.hysteresis = int(hysteresis)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
-
-    @property
-    def scale(self) -> float:
-        return self._scale
-
-    @property
-    def inv_scale(self) -> float:
-        return 1.0 / self._scale
 
     @property
     def growth_tracker(self) -> int:
