@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,24 @@ def losses_and_validation(stdout: str) -> tuple[list[tuple[float, float]], list[
     train = [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
     valid = [parse_validation_line(l)["lm loss value"] for l in stdout.splitlines() if "validation loss at" in l]
     return [(d["lm loss"], d["grad norm"]) for d in train], valid
+
+
+def run_and_signal(argv: list[str], when: str, *, env: dict | None = None, pick=None,
+                   sig: int = signal.SIGTERM, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Start ``argv`` from the repository root, send ``sig`` once a line of its output contains
+    ``when`` (to the process ``pick(proc)`` names, by default the command itself), and wait for it.
+
+    The remaining output is returned; the lines read before the signal are not."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.time() + timeout
+        for line in proc.stdout:
+            if when in line or time.time() > deadline:
+                break
+        os.kill(pick(proc) if pick else proc.pid, sig)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from megatrain.training import checkpointing
 from megatrain.training.logging import parse_train_log_line
-from tests.e2e.conftest import REPO, cpu_env, free_port, run_cmd
+from tests.e2e.conftest import REPO, cpu_env, free_port, run_and_signal, run_cmd
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -97,20 +96,10 @@ def test_kill_9_of_one_rank_then_relaunch_reaches_the_same_loss(tmp_path):
 def test_sigterm_with_async_save_leaves_a_loadable_checkpoint(tmp_path):
     save = tmp_path / "ckpt"
     single = [a for a in ARGS if a != "cpu" and a != "--device"]
-    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *single, "--train-iters", "100000",
-                             "--exit-signal-handler", "--async-save", "--save", str(save), "--save-interval", "3"],
-                            cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        assert proc.stdout is not None
-        for line in proc.stdout:  # wait until an async save has happened
-            if "in the background (training loop blocked" in line or time.time() > deadline:
-                break
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = run_and_signal([sys.executable, "pretrain_gpt.py", *single, "--train-iters", "100000",
+                           "--exit-signal-handler", "--async-save", "--save", str(save), "--save-interval", "3"],
+                          when="in the background (training loop blocked", env=cpu_env())  # an async save began
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, err
     assert "received SIGTERM" in out
     iteration = int((save / "latest_checkpointed_iteration.txt").read_text())

@@ -4,15 +4,12 @@ same iteration with one complete checkpoint, instead of leaving the others hangi
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 from megatrain.training import checkpointing
-from tests.e2e.conftest import REPO, cpu_env, free_port
+from tests.e2e.conftest import cpu_env, free_port, run_and_signal
 
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "100000", "--lr", "1e-3",
@@ -38,23 +35,17 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the worker processes")
 def test_sigterm_to_one_rank_stops_all_ranks_together(tmp_path):
     save = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), "pretrain_gpt.py", *ARGS, "--save", str(save)], cwd=REPO,
-                            env=cpu_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        deadline = time.time() + 180
-        for line in proc.stdout:  # training is under way on every rank
-            if "iteration        3/" in line or time.time() > deadline:
-                break
-        workers = _children(proc.pid)
-        assert len(workers) == 2, workers
-        os.kill(workers[0], signal.SIGTERM)  # one rank only
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    workers: list[int] = []
+
+    def one_rank(launcher) -> int:  # one worker process only, as a scheduler may signal
+        workers.extend(_children(launcher.pid))
+        return workers[0]
+
+    proc = run_and_signal([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "pretrain_gpt.py", *ARGS, "--save", str(save)],
+                          when="iteration        3/", env=cpu_env(), pick=one_rank, timeout=180)
+    assert len(workers) == 2, workers
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, err[-3000:]
     assert "received SIGTERM" in out
     iteration = int((save / "latest_checkpointed_iteration.txt").read_text())

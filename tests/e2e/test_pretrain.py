@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatrain.training.logging import parse_train_log_line, parse_validation_line
-from tests.e2e.conftest import run_cmd
+from tests.e2e.conftest import run_and_signal, run_cmd
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
@@ -98,27 +98,12 @@ def test_nan_iterations_are_counted_and_stop_the_run():
 
 def test_sigterm_with_exit_signal_handler_saves_and_exits_cleanly(tmp_path):
     import os
-    import signal
-    import subprocess
-    import time
-
-    from tests.e2e.conftest import REPO
 
     save = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *MOCK, "--train-iters", "100000", "--lr", "1e-3",
-                             "--log-interval", "1", "--exit-signal-handler", "--save", str(save)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        assert proc.stdout is not None
-        for line in proc.stdout:  # wait until training is under way
-            if "] iteration " in line or time.time() > deadline:
-                break
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = run_and_signal([sys.executable, "pretrain_gpt.py", *MOCK, "--train-iters", "100000", "--lr", "1e-3",
+                           "--log-interval", "1", "--exit-signal-handler", "--save", str(save)],
+                          when="] iteration ")  # training is under way
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, err
     assert "received SIGTERM" in out
     iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
