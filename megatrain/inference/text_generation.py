@@ -23,7 +23,7 @@ from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.generation import generate
 from megatrain.inference.loading import fill_tokenizer_args, load_model
-from megatrain.parallel.distributed import init_distributed
+from megatrain.parallel.distributed import destroy_distributed, init_distributed
 from megatrain.training.builders import choose_device
 
 
@@ -146,6 +146,15 @@ def main(argv: list[str] | None = None) -> None:
     prompts = read_prompts(args)
     device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     tp_mesh = tensor_parallel_mesh(args, device)
+    try:
+        _generate_all(args, prompts, device, tp_mesh)
+    finally:
+        del tp_mesh  # the mesh and model must be unreachable before the process groups go
+        destroy_distributed()
+
+
+def _generate_all(args: argparse.Namespace, prompts: list[str], device: torch.device,
+                  tp_mesh: DeviceMesh | None) -> None:
     model, meta = load_model(args.load, device, args.ckpt_step, tp_mesh=tp_mesh)
     model.to(model_dtype(args))
     first_rank = tp_mesh is None or dist.get_rank() == 0
@@ -160,8 +169,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_json and first_rank:
         atomic_write_json(args.output_json, results)
     sys.stdout.flush()
-    if tp_mesh is not None:
-        dist.destroy_process_group()
 
 
 def tensor_parallel_mesh(args: argparse.Namespace, device: torch.device) -> DeviceMesh | None:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ChunkedCrossEntropy", "chunked_cross_entropy", "compute_dtype"]
+__all__ = ["ChunkedCrossEntropy", "chunk_kernel", "chunked_cross_entropy", "compute_dtype"]
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -75,17 +75,37 @@ def _chunk_grad_(logits_c: torch.Tensor, lse_c: torch.Tensor, target_c: torch.Te
     logits_c.copy_(grad)  # in place: compiled, one kernel reads and writes the chunk
 
 
+def _chunk_shard_stats(logits_c: torch.Tensor, local_target_c: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of a vocabulary shard: (row max, sum of exp(x - max), target logit or 0) in float32.
+
+    ``local_target_c`` is the target's column in this shard, or -1 when the target lies elsewhere.
+    """
+    x = logits_c.to(_stats_dtype(logits_c.dtype))
+    row_max = x.amax(dim=-1)
+    sum_exp = torch.exp(x - row_max.unsqueeze(-1)).sum(dim=-1)
+    in_shard = local_target_c >= 0
+    safe = torch.where(in_shard, local_target_c, torch.zeros_like(local_target_c))
+    target_logit = torch.where(in_shard, x.gather(-1, safe.unsqueeze(-1)).squeeze(-1), torch.zeros_like(row_max))
+    return row_max, sum_exp, target_logit
+
+
 _COMPILED: dict[str, Callable[..., Any]] = {}
+_KERNELS = {"loss": _chunk_loss, "grad": _chunk_grad_, "shard_stats": _chunk_shard_stats}
+
+
+def chunk_kernel(name: str, compile: bool) -> Callable[..., Any]:
+    """A per-chunk function of this module ("loss", "grad", "shard_stats"), compiled on request."""
+    if not compile:
+        return _KERNELS[name]
+    if name not in _COMPILED:
+        # dynamic=False: a chunk has at most two shapes (full chunks and the remainder).
+        _COMPILED[name] = torch.compile(_KERNELS[name], dynamic=False)
+    return _COMPILED[name]
 
 
 def _kernels(compile: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if not compile:
-        return _chunk_loss, _chunk_grad_
-    if not _COMPILED:
-        # dynamic=False: a chunk has at most two shapes (full chunks and the remainder).
-        _COMPILED["loss"] = torch.compile(_chunk_loss, dynamic=False)
-        _COMPILED["grad"] = torch.compile(_chunk_grad_, dynamic=False)
-    return _COMPILED["loss"], _COMPILED["grad"]
+    return chunk_kernel("loss", compile), chunk_kernel("grad", compile)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -167,5 +187,6 @@ class ChunkedCrossEntropy:
             raise ValueError(f"--cross-entropy-chunk-size must be positive (0 turns the chunked loss off), "
                              f"got {self.chunk_size}")
 
+    @torch.compiler.disable  # a whole-model compile stops here: the chunks run their own kernels
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile)

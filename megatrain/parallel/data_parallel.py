@@ -89,6 +89,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    # ZeRO-1/2 keep the gathered (compute-dtype) parameters between the micro-batches of an
+    # iteration, as Megatron's distributed optimizer does; ZeRO-3 regathers them per use.
+    model.keep_unsharded_between_micro_batches = not reshard  # type: ignore[attr-defined]
     if cfg.overlap_param_gather and len(layers) > 1:
         for i, layer in enumerate(layers):
             if i + 1 < len(layers) and hasattr(layer, "set_modules_to_forward_prefetch"):
@@ -128,10 +131,15 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         with contextlib.nullcontext() if enabled else model.no_sync():
             yield
     elif isinstance(model, FSDPModule):
+        keep = getattr(model, "keep_unsharded_between_micro_batches", False)
         model.set_requires_gradient_sync(enabled)
+        if keep:
+            model.set_reshard_after_backward(enabled)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            if keep:
+                model.set_reshard_after_backward(True)
     else:
         yield

@@ -8,6 +8,7 @@ one set of variables. The backend is nccl on CUDA and gloo on CPU.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -103,9 +104,23 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> Dis
     return env
 
 
+def init_single_process_group(device: torch.device) -> None:
+    """A process group of this one process (for FSDP2 on one device); no launcher variables needed."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+
+
 def destroy_distributed() -> None:
+    """Destroy every process group while the interpreter is still fully alive.
+
+    Process groups that only unreachable objects still hold (a model's hooks, a mesh) would
+    otherwise be freed by the garbage collection inside interpreter shutdown; gloo's worker
+    threads then need the GIL to drop their last tensors and the process aborts with
+    "terminate called without an active exception". Collecting here frees them in time.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def get_rank() -> int:

@@ -43,6 +43,12 @@ class ParallelizeConfig:
     cross_entropy_chunk_size: int = 0  # 0: logits, then the plain loss
     compute_dtype: torch.dtype = torch.float32  # for the attention-kernel probe on CUDA
     attention_mask: bool = False  # explicit masks (--reset-attention-mask), for the same probe
+    compile_mode: str = "default"  # --torch-compile-mode
+    compile_scope: str = "layer"  # --torch-compile-scope: "layer" or "model"
+
+    def __post_init__(self) -> None:
+        if self.compile_scope not in ("layer", "model"):
+            raise ValueError(f"--torch-compile-scope must be layer or model, got {self.compile_scope!r}")
 
     @classmethod
     def from_args(cls, args: Any) -> "ParallelizeConfig":
@@ -51,7 +57,9 @@ class ParallelizeConfig:
         return cls(DataParallelConfig.from_args(args), RecomputeConfig.from_args(args),
                    bool(getattr(args, "use_torch_compile", False)),
                    int(getattr(args, "cross_entropy_chunk_size", 0) or 0), dtype,
-                   bool(getattr(args, "reset_attention_mask", False)))
+                   bool(getattr(args, "reset_attention_mask", False)),
+                   str(getattr(args, "torch_compile_mode", "default") or "default"),
+                   str(getattr(args, "torch_compile_scope", "layer") or "layer"))
 
 
 def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
@@ -74,19 +82,34 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     distributed = dims.world_size > 1
     if dims.tp_enabled:
         dims.validate_model(config)
-        apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel)
+        apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel,
+                              loss_chunk_size=cfg.cross_entropy_chunk_size,
+                              compile_loss=cfg.compile_layers and device.type == "cuda")
     apply_activation_checkpointing(model, cfg.recompute)
-    if compile_fn is None and cfg.compile_layers:
-        compile_fn = _compile_in_place
+    # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
+    # fit DDP's reducer with several stages per rank. One process with --use-distributed-optimizer /
+    # --zero-stage: FSDP2 over a mesh of one rank, for its mixed precision (bf16 compute weights
+    # cast once per iteration, fp32 gradient accumulation).
+    single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
+    fsdp = (single or (distributed and dims.dp_enabled)) and uses_fsdp(cfg.data_parallel,
+                                                                        dims.tp_enabled or dims.pp > 1)
+    compile_model = cfg.compile_layers and cfg.compile_scope == "model" and compile_fn is None
+    if compile_model and (dims.tp_enabled or dims.pp > 1 or fsdp):
+        raise ValueError("--torch-compile-scope model compiles the whole model of one process or of a "
+                         "replicated (DDP) data-parallel run; with --tensor-model-parallel-size, "
+                         "--pipeline-model-parallel-size, --use-distributed-optimizer or --zero-stage use "
+                         "--torch-compile-scope layer")
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    if compile_fn is None and cfg.compile_layers and not compile_model:
+        compile_fn = lambda module: module.compile(mode=mode)  # noqa: E731
     if compile_fn is not None:
         for layer in model.layers.values():
             compile_fn(layer)
+    if compile_model:  # one region from the embedding to the final norm; the chunked loss stays outside
+        model.compile(mode=mode)
     if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and hasattr(model, "chunked_loss"):
         model.chunked_loss = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
                                                  compile=cfg.compile_layers and device.type == "cuda")
-    # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
-    # fit DDP's reducer with several stages per rank.
-    fsdp = distributed and dims.dp_enabled and uses_fsdp(cfg.data_parallel, dims.tp_enabled or dims.pp > 1)
     if fsdp:
         apply_fsdp(model, dims.submesh("dp"), cfg.data_parallel)
     if any(p.is_meta for p in model.parameters()):
@@ -111,10 +134,6 @@ def optimizer_kernel_kwargs(model: nn.Module) -> dict[str, bool]:
     if None in meshes and len(meshes) > 1:
         return {"fused": False, "foreach": False}
     return {"fused": False, "foreach": True} if len(meshes) > 1 else {}
-
-
-def _compile_in_place(module: nn.Module) -> None:
-    module.compile()
 
 
 @torch.no_grad()

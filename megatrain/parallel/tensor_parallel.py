@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from megatrain.models.fused_loss import chunk_kernel
 from megatrain.parallel.random import TensorParallelRNG
 
 __all__ = ["layer_plan", "apply_tensor_parallel", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
@@ -73,12 +74,14 @@ def layer_plan(sequence_parallel: bool) -> dict[str, Any]:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                          rng: TensorParallelRNG | None = None) -> nn.Module:
+                          rng: TensorParallelRNG | None = None, loss_chunk_size: int = 0,
+                          compile_loss: bool = False) -> nn.Module:
     """Shard ``model`` (a GPTModel, possibly a pipeline stage without embedding or head) in place.
 
     After this, ``model(..., labels=...)`` returns the per-token loss as a plain tensor computed
-    with the vocab-parallel cross entropy; ``model(...)`` without labels returns the logits as a
-    DTensor sharded on the vocabulary (``.full_tensor()`` gathers them).
+    with the vocab-parallel cross entropy (float32 statistics ``loss_chunk_size`` tokens at a time
+    when that is > 0, see ``--cross-entropy-chunk-size``); ``model(...)`` without labels returns
+    the logits as a DTensor sharded on the vocabulary (``.full_tensor()`` gathers them).
     """
     tp = tp_mesh.size()
     residual = Shard(1) if sequence_parallel else Replicate()
@@ -117,7 +120,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         if getattr(model, "output_layer", None) is not None:
             parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(
                 input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
-        model.loss = VocabParallelLoss(tp_mesh)  # instance attribute: replaces GPTModel.loss
+        # instance attribute: replaces GPTModel.loss
+        model.loss = VocabParallelLoss(tp_mesh, chunk_size=loss_chunk_size, compile=compile_loss)
         if getattr(model, "chunked_loss", None) is not None:
             model.chunked_loss = None  # the vocab-parallel loss never gathers the logits either
     del tp
@@ -162,13 +166,67 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss with float32 only ``chunk_size`` tokens at a time.
+
+    The logits' own buffer (compute dtype, [N, V/tp]) is the only tensor of that size: the forward
+    reads it chunk by chunk for each row's shard maximum, sum of exponentials and target logit,
+    two all-reduces of [N]-sized vectors combine the shards (max, then the rescaled sums), and the
+    backward overwrites the buffer with the gradient chunk by chunk (so it runs once).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any,
+                ignore_index: int, chunk_size: int, compile: bool) -> torch.Tensor:
+        stats = chunk_kernel("shard_stats", compile)
+        n, local_vocab = logits.shape
+        in_shard = (target >= vocab_start) & (target < vocab_start + local_vocab)
+        local_target = torch.where(in_shard, target - vocab_start, torch.full_like(target, -1))
+        f32 = torch.promote_types(logits.dtype, torch.float32)
+        row_max, sum_exp, target_logit = (torch.empty(n, dtype=f32, device=logits.device) for _ in range(3))
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            row_max[start:end], sum_exp[start:end], target_logit[start:end] = stats(
+                logits[start:end], local_target[start:end])
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        both = torch.stack((sum_exp * torch.exp(row_max - global_max), target_logit))
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        lse = global_max + both[0].log()
+        keep = target != ignore_index
+        loss = torch.where(keep, lse - both[1], torch.zeros_like(lse))
+        ctx.save_for_backward(logits, lse, local_target, keep)
+        ctx.config = (chunk_size, compile)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+        if ctx.used:
+            raise RuntimeError("the chunked vocab-parallel cross entropy overwrites its saved logits in the backward: "
+                               "its graph cannot be back-propagated twice; use --cross-entropy-chunk-size 0")
+        ctx.used = True
+        logits, lse, local_target, keep = ctx.saved_tensors
+        chunk_size, compile = ctx.config
+        grad_fn = chunk_kernel("grad", compile)
+        g = torch.where(keep, grad_loss.to(lse.dtype), torch.zeros_like(lse))  # ignored tokens: no gradient
+        for start in range(0, logits.shape[0], chunk_size):
+            end = min(start + chunk_size, logits.shape[0])
+            # Targets in other shards are -1 (no column matches); -2 is an ignore index no target has.
+            grad_fn(logits[start:end], lse[start:end], local_target[start:end], g[start:end], -2)
+        return logits, None, None, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, group: Any = None,
-                                 vocab_start: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+                                 vocab_start: int | None = None, ignore_index: int = -100,
+                                 chunk_size: int = 0, compile: bool = False) -> torch.Tensor:
     """Per-token cross entropy (float32, shape of ``target``) of vocab-sharded ``logits``.
 
     ``logits`` [..., V/tp] is this rank's contiguous slice of the vocabulary starting at
     ``vocab_start`` (default ``rank_in_group * V/tp``), or a DTensor sharded on its last dim.
-    Tokens labelled ``ignore_index`` get 0, as with ``F.cross_entropy``.
+    Tokens labelled ``ignore_index`` get 0, as with ``F.cross_entropy``. ``chunk_size`` > 0 keeps
+    float32 to that many tokens at a time (the logits' gradient then overwrites their buffer);
+    ``compile`` runs the per-chunk work as torch.compile kernels.
     """
     if isinstance(logits, DTensor):
         (placement,) = logits.placements
@@ -180,19 +238,25 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         logits = local
     if vocab_start is None:
         vocab_start = dist.get_rank(group) * logits.shape[-1]
-    flat = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), vocab_start, group,
-                                            ignore_index)
+    if chunk_size > 0:
+        flat = _ChunkedVocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), vocab_start, group,
+                                                       ignore_index, int(chunk_size), bool(compile))
+    else:
+        flat = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), vocab_start, group,
+                                                ignore_index)
     return flat.view(target.shape)
 
 
 class VocabParallelLoss:
     """Drop-in for ``GPTModel.loss`` under tensor parallelism (logits sharded on the vocabulary)."""
 
-    def __init__(self, tp_mesh: DeviceMesh) -> None:
+    def __init__(self, tp_mesh: DeviceMesh, *, chunk_size: int = 0, compile: bool = False) -> None:
         self.tp_mesh = tp_mesh
+        self.chunk_size, self.compile = chunk_size, compile
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        kwargs = {"chunk_size": self.chunk_size, "compile": self.compile}
         if isinstance(logits, DTensor):
-            return vocab_parallel_cross_entropy(logits, labels)
+            return vocab_parallel_cross_entropy(logits, labels, **kwargs)
         return vocab_parallel_cross_entropy(logits, labels, group=self.tp_mesh.get_group(),
-                                            vocab_start=self.tp_mesh.get_local_rank() * logits.shape[-1])
+                                            vocab_start=self.tp_mesh.get_local_rank() * logits.shape[-1], **kwargs)

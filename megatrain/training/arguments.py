@@ -155,10 +155,16 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-torch-compile", action="store_true", default=None,
                    help="compile each transformer layer (default: on with CUDA, off on CPU)")
     g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile", default=None)
+    g.add_argument("--torch-compile-scope", default="layer", choices=["layer", "model"],
+                   help="compile each transformer layer (default), or the whole model as one region "
+                        "(one process or replicated data parallel, not with TP, PP or ZeRO)")
+    g.add_argument("--torch-compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode of the compiled layers (reduce-overhead adds CUDA graphs)")
     g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
-                        "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; tensor parallel runs "
-                        "use the vocab-parallel loss)")
+                        "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; under tensor parallelism "
+                        "it chunks the vocab-parallel loss)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -496,6 +502,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.train_iters_derived = args.train_iters
     if args.use_distributed_optimizer and args.zero_stage == 0:
         args.zero_stage = 1
+    if args.torch_compile_scope == "model" and (tp > 1 or pp > 1 or args.zero_stage > 0):
+        _fail("--torch-compile-scope model compiles the whole model of one process or of a replicated (DDP) "
+              f"data-parallel run; with --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp}"
+              f"{', --use-distributed-optimizer / --zero-stage' if args.zero_stage else ''} use "
+              "--torch-compile-scope layer")
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive, got {args.eval_interval}")
     if args.log_interval <= 0:

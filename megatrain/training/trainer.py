@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatrain.data.batch import make_batch
 from megatrain.data.config import DataConfig
@@ -26,7 +27,8 @@ from megatrain.data.tokenizers import build_tokenizer
 from megatrain.models.gpt import GPTModel
 from megatrain.parallel.data_parallel import gradient_sync, unwrap
 from megatrain.parallel.dims import ParallelDims
-from megatrain.parallel.distributed import destroy_distributed, get_rank, get_world_size, init_distributed
+from megatrain.parallel.distributed import (destroy_distributed, get_rank, get_world_size, init_distributed,
+                                            init_single_process_group)
 from megatrain.parallel.parallelize import optimizer_kernel_kwargs, parallelize_gpt
 from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
@@ -120,7 +122,9 @@ class Trainer:
             self.dims = ParallelDims.from_args(args, self.world_size)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        if self.world_size > 1:
+        if self.world_size == 1 and args.zero_stage > 0:  # FSDP2 over one rank needs a mesh
+            init_single_process_group(self.device)
+        if dist.is_initialized():
             self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
         seed_everything(args.seed, pp_rank=self.dims.pp_rank, dp_rank=self.dp_rank,
@@ -495,5 +499,7 @@ def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -
             trainer.evaluate_and_print(f"iteration {it} on test set", test_iter, it)
     finally:
         trainer.close()
+        state = trainer.state
+        del trainer  # the model and its process groups must be unreachable before they are destroyed
         destroy_distributed()
-    return trainer.state
+    return state

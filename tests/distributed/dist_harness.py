@@ -10,6 +10,7 @@ mean loss per micro-batch, gradient clipping, AdamW) on one process and on a par
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -19,9 +20,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from megatrain.models.config import GPTConfig
 from megatrain.models.gpt import GPTModel, canonical_parameter_name
+from megatrain.parallel.distributed import destroy_distributed
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
 
 
@@ -34,6 +37,7 @@ def _free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    faulthandler.enable(all_threads=True)  # a C++ abort in a worker shows where Python was
     torch.set_num_threads(1)
     out: dict[str, Any]
     try:
@@ -42,8 +46,7 @@ def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable,
     except BaseException:  # noqa: BLE001 - reported to the parent
         out = {"ok": False, "error": traceback.format_exc()}
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_distributed()
     torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
@@ -152,11 +155,12 @@ RUN_INFO: dict[str, Any] = {}
 
 
 def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
-    """After a micro-batch without gradient sync: FSDP2 has no sharded gradient yet; DDP's differ per rank."""
-    grads = [p.grad for p in module.parameters()]
-    if any(hasattr(p, "device_mesh") for p in module.parameters()):
-        return all(g is None for g in grads)
-    local = torch.cat([g.flatten() for g in grads if g is not None])
+    """After a micro-batch without gradient sync: no gradient yet (FSDP2 resharded), or local ones
+    (DDP, or FSDP2 keeping the gathered parameters) that differ between the dp ranks."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    local = torch.cat([(g.to_local() if isinstance(g, DTensor) else g).flatten() for g in grads])
     gathered = [torch.empty_like(local) for _ in range(dims.dp)]
     dist.all_gather(gathered, local, group=dims.submesh("dp").get_group())
     return not torch.equal(gathered[0], gathered[1])
@@ -184,7 +188,8 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
                                                overlap_param_gather=overlap, bucket_size=bucket_size),
                             RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk)
     model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
-    RUN_INFO["chunks"] = unwrap(model).chunked_loss is not None
+    head = unwrap(model)  # the chunked head loss, or under TP the chunked vocab-parallel loss
+    RUN_INFO["chunks"] = head.chunked_loss is not None or getattr(head.loss, "chunk_size", 0) > 0
     opt = make_optimizer(unwrap(model))
     n_micro = GLOBAL // MICRO // dims.dp
     dp_rank = dims.dp_rank
@@ -202,6 +207,10 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
             total += loss.detach()
             if step == 0 and m == 0 and n_micro > 1 and dims.dp > 1:
                 RUN_INFO["unsynced"] = _gradients_unsynced(unwrap(model), dims)
+            if step == 0 and m == 0 and n_micro > 1 and zero in (1, 2):
+                # ZeRO-1/2 keep the gathered parameters until the iteration's last micro-batch.
+                layer = next(iter(unwrap(model).layers.values()))
+                RUN_INFO["kept_unsharded"] = not any(isinstance(p, DTensor) for p in layer.parameters())
         RUN_INFO.setdefault("grad_norms", []).append(
             float(clip_grad_norm_(list(unwrap(model).parameters()), CLIP)))
         opt.step()

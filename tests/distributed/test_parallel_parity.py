@@ -29,6 +29,11 @@ WORLD2 = {
     "tp2_recompute_selective": ("llama", dict(tp=2, recompute=("selective", None, None))),
     "dp2_zero3_recompute_full": ("gpt2", dict(zero=3, recompute=("full", "uniform", 1))),
 }
+# One process with --use-distributed-optimizer / --zero-stage: FSDP2 over a mesh of one rank.
+WORLD1 = {
+    "one_process_zero1": ("llama", dict(zero=1)),
+    "one_process_zero3": ("gpt2", dict(zero=3)),
+}
 WORLD4 = {
     "tp2_dp2": ("gpt2", dict(tp=2)),
     "tp2_sp_dp2_zero3_selective": ("llama", dict(tp=2, sp=True, zero=3, recompute=("selective", None, None))),
@@ -45,6 +50,11 @@ def world2_results():
 
 
 @pytest.fixture(scope="module")
+def world1_results():
+    return run_workers(_run_all, 1, WORLD1)
+
+
+@pytest.fixture(scope="module")
 def world4_results():
     return run_workers(_run_all, 4, WORLD4)
 
@@ -57,12 +67,20 @@ def _check(results: list[dict], name: str, layout: dict) -> None:
         assert max(r["grad_norms"]) > 0.5, "gradient clipping was not active; the check would be weaker"
         if "unsynced" in r:
             assert r["unsynced"], "gradients were reduced on a micro-batch that should not synchronise"
+        if "kept_unsharded" in r:
+            assert r["kept_unsharded"], "ZeRO-1/2 resharded the parameters between micro-batches"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_world2_layout_matches_one_process(world2_results, name):
     _check(world2_results, name, WORLD2[name][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD1))
+def test_one_process_sharded_optimizer_matches_plain_process(world1_results, name):
+    _check(world1_results, name, WORLD1[name][1])
 
 
 @pytest.mark.slow

@@ -108,9 +108,17 @@ def _loss_checks(tp_mesh) -> dict[str, float]:
     (loss * weights).sum().backward()
     as_dtensor = distribute_tensor(logits, tp_mesh, [Shard(2)])
     loss_dt = vocab_parallel_cross_entropy(as_dtensor, labels)
-    return {"loss": (loss - ref).abs().max().item(), "dtensor_loss": (loss_dt - ref).abs().max().item(),
-            "grad": (local.grad - full.grad.chunk(tp, dim=-1)[rank]).abs().max().item(),
-            "ignored_are_zero": float(loss[0, :2].abs().max().item())}
+    out = {"loss": (loss - ref).abs().max().item(), "dtensor_loss": (loss_dt - ref).abs().max().item(),
+           "grad": (local.grad - full.grad.chunk(tp, dim=-1)[rank]).abs().max().item(),
+           "ignored_are_zero": float(loss[0, :2].abs().max().item())}
+    # Chunked: 15 tokens in chunks of 4 (a remainder chunk), targets in both shards and ignored ones.
+    local = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
+    chunked = vocab_parallel_cross_entropy(local * 1.0, labels, group=tp_mesh.get_group(), chunk_size=4)
+    (chunked * weights).sum().backward()
+    out.update(chunked_loss=(chunked - ref).abs().max().item(),
+               chunked_grad=(local.grad - full.grad.chunk(tp, dim=-1)[rank]).abs().max().item(),
+               chunked_ignored_are_zero=float(chunked[0, :2].abs().max().item()))
+    return out
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -230,6 +238,7 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(results):
         r = per_rank["loss"]
         assert r["loss"] < 1e-5 and r["dtensor_loss"] < 1e-5 and r["grad"] < 1e-6, r
         assert r["ignored_are_zero"] == 0.0
+        assert r["chunked_loss"] < 1e-5 and r["chunked_grad"] < 1e-6 and r["chunked_ignored_are_zero"] == 0.0, r
 
 
 @pytest.mark.slow

@@ -53,6 +53,35 @@ def test_parallelize_sets_the_chunked_loss_from_the_flag():
             assert model.chunked_loss.compile is False  # per-chunk kernels are compiled only on CUDA
 
 
+def test_compile_scope_and_mode_reach_the_model(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, hidden_dropout=0.0,
+                       attention_dropout=0.0)
+    for extra, expected in (([], [("TransformerLayer", {"mode": None})] * 2),
+                            (["--torch-compile-mode", "max-autotune-no-cudagraphs"],
+                             [("TransformerLayer", {"mode": "max-autotune-no-cudagraphs"})] * 2),
+                            (["--torch-compile-scope", "model"], [("GPTModel", {"mode": None})])):
+        calls.clear()
+        args = _args("--device", "cpu", "--use-torch-compile", *extra)
+        with torch.device("meta"):
+            model = GPTModel(config)
+        parallelize_gpt(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1)
+        assert calls == expected, extra
+
+
+def test_whole_model_compile_is_refused_with_sharded_layouts():
+    with pytest.raises(SystemExit, match="--torch-compile-scope layer"):
+        _args("--device", "cpu", "--torch-compile-scope", "model", "--use-distributed-optimizer")
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    cfg = ParallelizeConfig(compile_layers=True, compile_scope="model")
+    cfg.data_parallel.zero_stage = 1
+    with pytest.raises(ValueError, match="--torch-compile-scope layer"):
+        parallelize_gpt(model, ParallelDims(1), cfg, device=torch.device("cpu"), seed=1)
+
+
 def test_hints_name_the_flags_that_cause_a_fallback():
     assert static_hints(AttentionCase(128, 1, torch.bfloat16)) == []
     hints = " ".join(static_hints(AttentionCase(320, 4, torch.float32, explicit_mask=True)))
