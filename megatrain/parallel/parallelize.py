@@ -122,20 +122,6 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     return model
 
 
-def optimizer_kernel_kwargs(model: nn.Module) -> dict[str, bool]:
-    """Optimizer kernel choice for a parallelized model.
-
-    Fused and multi-tensor (foreach) kernels refuse a list that mixes DTensors and plain tensors
-    (tensor parallel without FSDP: norms and position embeddings stay plain), so such a model
-    uses the per-parameter loop; DTensors on several meshes (TP x FSDP) use foreach, which
-    handles them; everything else keeps the optimizer's default.
-    """
-    meshes = {id(p.device_mesh) if isinstance(p, DTensor) else None for p in model.parameters()}
-    if None in meshes and len(meshes) > 1:
-        return {"fused": False, "foreach": False}
-    return {"fused": False, "foreach": True} if len(meshes) > 1 else {}
-
-
 @torch.no_grad()
 def init_parameters(model: nn.Module, config: GPTConfig, seed: int) -> None:
     """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``."""

@@ -73,11 +73,21 @@ def _model_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
+def _kernel_key(p: torch.Tensor) -> int | None:
+    """Which multi-tensor kernel call a parameter can share: plain tensors, or DTensors of one mesh."""
+    mesh = getattr(p, "device_mesh", None)
+    return None if mesh is None else id(mesh)
+
+
 def build_param_groups(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig) -> list[dict[str, Any]]:
-    """The two parameter groups (decay, no decay) over all trainable parameters.
+    """The parameter groups (decay, no decay) over all trainable parameters.
 
     ``model`` may be a list of model chunks (virtual pipeline stages); a parameter
-    shared between chunks is listed once.
+    shared between chunks is listed once. When a model mixes plain tensors and
+    DTensors (tensor parallel without FSDP: norms stay plain) or DTensors of
+    several meshes, each of the two groups is split by kind, in order of first
+    appearance, so that every group can run as one fused (or foreach) kernel call;
+    the split groups carry the same hyper-parameters.
     """
     decay: list[torch.Tensor] = []
     no_decay: list[torch.Tensor] = []
@@ -103,7 +113,13 @@ def build_param_groups(model: nn.Module | Sequence[nn.Module], cfg: OptimizerCon
             "weight_decay": cfg.weight_decay * wd_mult,
         }
 
-    return [group(decay, 1.0), group(no_decay, 0.0)]
+    def split(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        parts: dict[int | None, list[torch.Tensor]] = {}
+        for p in params:
+            parts.setdefault(_kernel_key(p), []).append(p)
+        return list(parts.values()) or [[]]
+
+    return ([group(part, 1.0) for part in split(decay)] + [group(part, 0.0) for part in split(no_decay)])
 
 
 def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig) -> dict[str, bool]:

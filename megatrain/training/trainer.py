@@ -29,7 +29,7 @@ from megatrain.parallel.data_parallel import gradient_sync, unwrap
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.distributed import (destroy_distributed, get_rank, get_world_size, init_distributed,
                                             init_single_process_group)
-from megatrain.parallel.parallelize import optimizer_kernel_kwargs, parallelize_gpt
+from megatrain.parallel.parallelize import parallelize_gpt
 from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
@@ -146,8 +146,7 @@ class Trainer:
         self.module = unwrap(self.model)  # the GPTModel, for its methods and state dicts
         self.optimizer = build_optimizer(self.module, OptimizerConfig(
             optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
-            **optimizer_kernel_kwargs(self.module)))
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum))
         self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(args))
         if args.fp16:
             self.scaler: Any = (ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(

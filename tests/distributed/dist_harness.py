@@ -91,12 +91,9 @@ def micro_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tenso
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW with the kernel choice the trainer makes for this (possibly parallel) model."""
-    from megatrain.parallel.parallelize import optimizer_kernel_kwargs
-
-    return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4,
-                                                  **optimizer_kernel_kwargs(model)))
+def make_optimizer(model: torch.nn.Module, fused: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW with the trainer's kernel choice for this (possibly parallel) model, or ``fused``."""
+    return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4, fused=fused))
 
 
 CLIP = 0.5  # small enough that clipping is active on these runs
@@ -168,8 +165,8 @@ def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
 
 def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: int = 0,
                    recompute: tuple = (None, None, None), overlap: bool = False, steps: int = STEPS,
-                   bucket_size: int | None = None,
-                   chunk: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+                   bucket_size: int | None = None, chunk: int = 0,
+                   fused: bool | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The run of :func:`train_reference` on this process group's layout (inside a worker).
 
     ``chunk`` asks for the chunked output-layer loss; ``RUN_INFO["chunks"]`` says whether it is used.
@@ -190,7 +187,10 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
     model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
     head = unwrap(model)  # the chunked head loss, or under TP the chunked vocab-parallel loss
     RUN_INFO["chunks"] = head.chunked_loss is not None or getattr(head.loss, "chunk_size", 0) > 0
-    opt = make_optimizer(unwrap(model))
+    opt = make_optimizer(unwrap(model), fused)
+    # Every parameter group holds one kind of tensor (plain, or DTensors of one mesh): one kernel call each.
+    RUN_INFO["homogeneous_groups"] = all(len({getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None)
+                                              for p in g["params"]}) <= 1 for g in opt.param_groups)
     n_micro = GLOBAL // MICRO // dims.dp
     dp_rank = dims.dp_rank
     losses = []

@@ -19,6 +19,7 @@ WORLD2 = {
     "tp2": ("gpt2", dict(tp=2)),
     "tp2_sp": ("gpt2", dict(tp=2, sp=True)),
     "tp2_llama_gqa_swiglu_untied": ("llama", dict(tp=2)),
+    "tp2_llama_fused_adamw": ("llama", dict(tp=2, fused=True)),
     "tp2_sp_llama_gqa_swiglu_untied": ("llama", dict(tp=2, sp=True)),
     "dp2_ddp": ("gpt2", dict(overlap=True, bucket_size=10_000)),
     "dp2_zero1": ("llama", dict(zero=1)),
@@ -36,6 +37,7 @@ WORLD1 = {
 }
 WORLD4 = {
     "tp2_dp2": ("gpt2", dict(tp=2)),
+    "tp2_dp2_fused_adamw": ("llama", dict(tp=2, fused=True)),
     "tp2_sp_dp2_zero3_selective": ("llama", dict(tp=2, sp=True, zero=3, recompute=("selective", None, None))),
 }
 
@@ -67,6 +69,7 @@ def _check(results: list[dict], name: str, layout: dict) -> None:
         assert max(r["grad_norms"]) > 0.5, "gradient clipping was not active; the check would be weaker"
         if "unsynced" in r:
             assert r["unsynced"], "gradients were reduced on a micro-batch that should not synchronise"
+        assert r["homogeneous_groups"], "an optimizer group mixes plain tensors and DTensors"
         if "kept_unsharded" in r:
             assert r["kept_unsharded"], "ZeRO-1/2 resharded the parameters between micro-batches"
 
