@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ChunkedCrossEntropy", "chunk_kernel", "chunked_cross_entropy", "compute_dtype"]
+__all__ = ["ChunkedCrossEntropy", "backward_once", "chunk_kernel", "chunked_cross_entropy", "compute_dtype"]
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -108,6 +108,14 @@ def _kernels(compile: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return chunk_kernel("loss", compile), chunk_kernel("grad", compile)
 
 
+def backward_once(ctx: Any, what: str) -> None:
+    """Refuse a second backward through a loss whose backward overwrites its saved logits."""
+    if getattr(ctx, "used", False):
+        raise RuntimeError(f"{what} overwrites its saved logits in the backward: its graph cannot be "
+                           "back-propagated twice (retain_graph); use --cross-entropy-chunk-size 0")
+    ctx.used = True
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """hidden [N, h], weight [V, h], target [N] -> per-token loss [N] float32 (see the module doc)."""
 
@@ -127,15 +135,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
         ctx.save_for_backward(h, w, logits, lse, target)
         ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype)
-        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
-        if ctx.used:
-            raise RuntimeError("the chunked cross entropy overwrites its saved logits in the backward: its graph "
-                               "cannot be back-propagated twice (retain_graph); use --cross-entropy-chunk-size 0")
-        ctx.used = True
+        backward_once(ctx, "the chunked cross entropy")
         chunk_size, ignore_index, compile, hidden_dtype, weight_dtype = ctx.config
         h, w, logits, lse, target = ctx.saved_tensors
         _, grad_fn = _kernels(compile)

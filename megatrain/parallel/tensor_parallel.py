@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from megatrain.models.fused_loss import chunk_kernel
+from megatrain.models.fused_loss import backward_once, chunk_kernel
 from megatrain.parallel.random import TensorParallelRNG
 
 __all__ = ["layer_plan", "apply_tensor_parallel", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
@@ -197,15 +197,11 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.where(keep, lse - both[1], torch.zeros_like(lse))
         ctx.save_for_backward(logits, lse, local_target, keep)
         ctx.config = (chunk_size, compile)
-        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
-        if ctx.used:
-            raise RuntimeError("the chunked vocab-parallel cross entropy overwrites its saved logits in the backward: "
-                               "its graph cannot be back-propagated twice; use --cross-entropy-chunk-size 0")
-        ctx.used = True
+        backward_once(ctx, "the chunked vocab-parallel cross entropy")
         logits, lse, local_target, keep = ctx.saved_tensors
         chunk_size, compile = ctx.config
         grad_fn = chunk_kernel("grad", compile)
