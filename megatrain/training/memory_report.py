@@ -19,8 +19,8 @@ Activations per transformer layer, in bytes, for sequence s, micro-batch b, hidd
 "Reducing Activation Recomputation" accounting with the attention-score terms removed); with full
 recomputation only each layer's input, ``2*s*b*h/t_sp``, plus one layer's full activations.
 The output layer and loss hold the logits: ``s*b*V/t`` values in half precision plus their fp32
-copy and gradient (10 bytes each); the chunked loss (``--cross-entropy-chunk-size``) keeps only the
-half-precision logits (2 bytes each). Replicated data parallelism (DDP) adds its gradient buckets
+copy and gradient (10 bytes each); the chunked loss (``--cross-entropy-chunk-size``, also the
+vocab-parallel one under TP) keeps only the half-precision logits (2 bytes each). Replicated data parallelism (DDP) adds its gradient buckets
 (4 bytes per parameter). Under 1F1B pipeline parallelism the first stage holds the activations of
 up to P micro-batches at once.
 """
@@ -114,7 +114,7 @@ def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, t
         activations *= min(pp, num_micro_batches)  # 1F1B: micro-batches in flight on the first stage
         logits = 0.0  # on the last stage
     else:
-        logits = (2.0 if loss_chunked and tp == 1 else 10.0) * s * b * cfg.vocab_size / tp
+        logits = (2.0 if loss_chunked else 10.0) * s * b * cfg.vocab_size / tp
     ddp = dp > 1 and zero_stage == 0 and tp == 1 and pp == 1
     ddp_buckets = 4.0 * rank_params if ddp else 0.0
     return MemoryEstimate(total, rank_params, weights_and_grads, optimizer_mem, gathered, activations, logits,
