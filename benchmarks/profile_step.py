@@ -64,7 +64,7 @@ def category(name: str) -> str:
 def build_args(shape: str, extra: list[str], steps: int, device: str | None):
     from megatrain.training.arguments import parse_args
 
-    flags = [*SHAPES[shape], *COMMON, "--train-iters", str(steps + 100), "--num-workers", "2", *extra]
+    flags = [*SHAPES[shape], *COMMON, "--mock-data", "--train-iters", str(steps + 100), "--num-workers", "2", *extra]
     if device:
         flags += ["--device", device]
     if device == "cpu":

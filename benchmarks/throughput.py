@@ -5,9 +5,19 @@ peak memory and time to the first iteration for the shapes we are measured by.
     python benchmarks/throughput.py gpt2-124m 1.7b     # some of them
     python benchmarks/throughput.py --output results.md --iters 30 --extra "--no-torch-compile"
 
-Each run is a separate `pretrain_gpt.py` process on synthetic tokens (`--mock-data`), bf16, with
-`--log-interval 1`; TFLOP/s/GPU is the median over the iterations after the warm-up, read from
-Megatron's log line (guide §3.4's formula). Several GPUs: `--nproc N` launches torchrun.
+Each run is a separate `pretrain_gpt.py` process, bf16, with `--log-interval 1`; TFLOP/s/GPU is
+the median over the iterations after the warm-up, read from Megatron's log line (guide §3.4's
+formula). Several GPUs: `--nproc N` launches torchrun.
+
+Data: `--data mock` (default) trains on `--mock-data`; `--data real` first writes a preprocessed
+dataset (`.bin/.idx` as `tools/preprocess_data.py` writes them: documents of random length and
+random tokens, each ending with the end-of-document token) and trains on it through `--data-path`,
+so the indexed dataset, the sample index and the pinned-memory loader are timed too.
+
+Columns: MFU against the device's datasheet peak (from the log line) and against the bf16 matmul
+peak measured on this GPU at start-up (`--matmul-peak` to give it instead). `--results FILE`
+appends the table, under a heading with date, GPU, torch version and git commit, to FILE (e.g.
+`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -20,12 +30,14 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatrain.atomic_io import atomic_write_text  # noqa: E402
 from megatrain.training.logging import parse_train_log_line  # noqa: E402
 
 # name -> pretrain_gpt.py flags (model shape and batch); the vocabulary comes from NullTokenizer.
@@ -45,13 +57,62 @@ SHAPES: dict[str, list[str]] = {
                   "--vocab-size 128255".split(),
 }
 
-COMMON = ("--mock-data --tokenizer-type NullTokenizer --bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine "
+COMMON = ("--tokenizer-type NullTokenizer --bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine "
           "--lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 "
           "--log-interval 1 --eval-iters 0 --eval-interval 100000 --num-workers 2").split()
 
 
-def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, timeout: int) -> dict:
-    flags = [*SHAPES[name], *COMMON, "--train-iters", str(iters), *extra]
+def _flag(flags: list[str], name: str) -> int:
+    return int(flags[flags.index(name) + 1])
+
+
+def make_real_dataset(folder: Path, shape_flags: list[str], iters: int, nproc: int, seed: int = 0) -> str:
+    """A preprocessed dataset big enough for ``iters`` global batches of the shape; returns its prefix."""
+    import numpy as np
+
+    from megatrain.data.indexed_dataset import IndexedDatasetWriter, best_dtype
+
+    vocab = _flag(shape_flags, "--vocab-size")  # NullTokenizer: ids 0..vocab-1, eod = vocab
+    seq = _flag(shape_flags, "--seq-length")
+    batch = _flag(shape_flags, "--global-batch-size")
+    tokens = (iters + 2) * batch * (seq + 1) * 2  # the train split and some slack
+    prefix = folder / f"bench_v{vocab}_s{seq}_text_document"
+    rng = np.random.default_rng(seed)
+    written = 0
+    with IndexedDatasetWriter(prefix, best_dtype(vocab + 1)) as w:
+        while written < tokens:
+            n = int(rng.integers(64, 4 * seq))
+            w.add_document(np.append(rng.integers(0, vocab, n - 1), vocab))
+            written += n
+    return str(prefix)
+
+
+def measure_matmul_peak(size: int = 8192, repeats: int = 20) -> float | None:
+    """Best bf16 matmul TFLOP/s of this GPU (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * size**3 / best / 1e12
+
+
+def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, timeout: int,
+            data_path: str | None = None, matmul_peak: float | None = None) -> dict:
+    data = ["--data-path", data_path, "--split", "100,0,0"] if data_path else ["--mock-data"]
+    flags = [*SHAPES[name], *COMMON, *data, "--train-iters", str(iters), *extra]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "pretrain_gpt.py", *flags]
@@ -76,7 +137,8 @@ def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, ti
     finally:
         if proc.poll() is None:
             proc.kill()
-    row = {"shape": name, "flags": " ".join(extra) or "(defaults)", "nproc": nproc}
+    row = {"shape": name, "flags": " ".join(extra) or "(defaults)", "data": "real" if data_path else "mock",
+           "nproc": nproc}
     steady = [d for d in lines if d["iteration"] > warmup]
     if proc.returncode != 0 or not steady:
         row["error"] = f"exit {proc.returncode}: " + "".join(tail)[-1500:]
@@ -85,6 +147,7 @@ def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, ti
     row["ms/iter"] = statistics.median(d["elapsed time per iteration (ms)"] for d in steady)
     row["tokens/s/GPU"] = statistics.median(d.get("tokens/s/GPU", 0.0) for d in steady)
     row["MFU %"] = statistics.median(d["MFU"] for d in steady) if "MFU" in steady[0] else None
+    row["% of matmul peak"] = 100 * row["TFLOP/s/GPU"] / matmul_peak if matmul_peak else None
     row["peak GiB"] = max(d.get("peak mem (GiB)", 0.0) for d in steady)
     row["first iter s"] = first
     row["final loss"] = steady[-1].get("lm loss")
@@ -104,8 +167,8 @@ def environment() -> str:
             f"Python {platform.python_version()} | commit {commit}")
 
 
-COLUMNS = ["shape", "flags", "nproc", "TFLOP/s/GPU", "MFU %", "tokens/s/GPU", "ms/iter", "peak GiB",
-           "first iter s", "final loss"]
+COLUMNS = ["shape", "flags", "data", "nproc", "TFLOP/s/GPU", "MFU %", "% of matmul peak", "tokens/s/GPU", "ms/iter",
+           "peak GiB", "first iter s", "final loss"]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -117,7 +180,7 @@ def markdown(rows: list[dict]) -> str:
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['shape']} | {r['flags']} | {r['nproc']} | failed: "
+            out.append(f"| {r['shape']} | {r['flags']} | {r['data']} | {r['nproc']} | failed: "
                        f"{r['error'].splitlines()[-1] if r['error'].strip() else r['error']} |")
         else:
             out.append("| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |")
@@ -134,22 +197,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per run")
     ap.add_argument("--output", default=None, help="also write the table (markdown) here")
+    ap.add_argument("--data", choices=["mock", "real"], default="mock",
+                    help="mock: --mock-data; real: a preprocessed .bin/.idx dataset written first")
+    ap.add_argument("--matmul-peak", type=float, default=None,
+                    help="bf16 matmul TFLOP/s to compare against (default: measured on this GPU)")
+    ap.add_argument("--results", default=None, help="append the table with its environment to this file")
+    ap.add_argument("--title", default="Throughput", help="heading of the section --results appends")
     a = ap.parse_args(argv)
     unknown = [s for s in a.shapes if s not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    peak = a.matmul_peak or measure_matmul_peak()
     rows = []
-    for extra in a.extra or [""]:
-        for name in a.shapes or [s for s in SHAPES if s != "tiny"]:
-            row = run_one(name, a.iters, a.warmup, shlex.split(extra), a.nproc, a.timeout)
-            rows.append(row)
-            print({k: v for k, v in row.items() if k != "error"}, row.get("error", "")[-800:], flush=True)
-    table = f"{environment()}\n\n{markdown(rows)}\n"
+    with tempfile.TemporaryDirectory(prefix="megatrain-bench-") as tmp_dir:
+        for extra in a.extra or [""]:
+            for name in a.shapes or [s for s in SHAPES if s != "tiny"]:
+                data_path = (make_real_dataset(Path(tmp_dir), SHAPES[name], a.iters, a.nproc)
+                             if a.data == "real" else None)
+                row = run_one(name, a.iters, a.warmup, shlex.split(extra), a.nproc, a.timeout, data_path, peak)
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "error"}, row.get("error", "")[-800:], flush=True)
+    env = environment() + (f" | bf16 matmul peak {peak:.0f} TFLOP/s" if peak else "")
+    table = f"{env}\n\n{markdown(rows)}\n"
     print(table)
     if a.output:
-        tmp = a.output + ".tmp"
-        Path(tmp).write_text(table, encoding="utf-8")
-        os.replace(tmp, a.output)
+        atomic_write_text(a.output, table)
+    if a.results:
+        previous = Path(a.results).read_text(encoding="utf-8") if os.path.exists(a.results) else ""
+        section = f"## {a.title}\n\n{table}"
+        atomic_write_text(a.results, f"{previous.rstrip()}\n\n{section}" if previous.strip() else section)
 
 
 if __name__ == "__main__":

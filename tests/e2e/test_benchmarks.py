@@ -1,0 +1,32 @@
+"""The benchmark scripts run end to end (tiny shape, CPU): the throughput table on mock and on real
+preprocessed data, appended to a results file, and the step profiler's outputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.e2e.conftest import run_cmd
+
+
+def test_throughput_table_on_mock_and_real_data(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nearlier figures\n", encoding="utf-8")
+    for data in ("mock", "real"):
+        run_cmd([sys.executable, "benchmarks/throughput.py", "tiny", "--iters", "4", "--warmup", "1", "--data", data,
+                 "--extra", "--device cpu", "--results", str(results), "--title", f"tiny {data}"], timeout=300)
+    text = results.read_text(encoding="utf-8")
+    assert text.startswith("# Results\n\nearlier figures\n")  # appended, nothing lost
+    rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and "## tiny mock" in text and "## tiny real" in text and "commit" in text
+    for row, data in zip(rows, ("mock", "real")):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == data and "failed" not in row
+        assert float(cells[7].replace(",", "")) > 0  # tokens/s/GPU
+
+
+def test_profile_step_writes_kernel_table_and_summary(tmp_path):
+    run_cmd([sys.executable, "benchmarks/profile_step.py", "--shape", "tiny", "--device", "cpu", "--warmup", "1",
+             "--steps", "1", "--out", str(tmp_path)], timeout=300)
+    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
+    assert summary and (tmp_path / "kernels.txt").read_text(encoding="utf-8").strip()
