@@ -30,8 +30,12 @@ def generate(
     eod: int | None = None,
     stop_token_sequences: Sequence[Sequence[int]] | None = None,
     seed: int | None = None,
+    on_tokens: Callable[[list[int | None]], None] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; return only the new tokens.
+
+    ``on_tokens``, if given, is called after every decoding step with one entry per prompt: the
+    token just added to its output, or None when that prompt had already stopped (for streaming).
 
     A sequence stops early after producing ``eod`` or after its output ends with one of
     ``stop_token_sequences``; the stop token(s) are kept at the end of its output.
@@ -66,7 +70,7 @@ def generate(
             def choose(logits: torch.Tensor) -> torch.Tensor:
                 return sample_next_tokens(logits, greedy, temperature, top_k, top_p, generator)
 
-            return _generate(model, prompt_ids, max_new_tokens, device, stop_sequences, choose)
+            return _generate(model, prompt_ids, max_new_tokens, device, stop_sequences, choose, on_tokens)
     finally:
         model.train(was_training)
 
@@ -78,6 +82,7 @@ def _generate(
     device: torch.device,
     stop_sequences: list[list[int]],
     choose: Callable[[torch.Tensor], torch.Tensor],
+    on_tokens: Callable[[list[int | None]], None] | None = None,
 ) -> list[list[int]]:
     batch, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
 
@@ -106,10 +111,14 @@ def _generate(
     finished = [False] * batch
     for step in range(max_new_tokens):
         next_tokens = choose(logits)  # [b]
+        added: list[int | None] = [None] * batch
         for i, token in enumerate(next_tokens.tolist()):
             if not finished[i]:
                 outputs[i].append(token)
+                added[i] = token
                 finished[i] = any(outputs[i][-len(seq) :] == seq for seq in stop_sequences)
+        if on_tokens is not None:
+            on_tokens(added)
         if all(finished) or step == max_new_tokens - 1:
             break
         mask = None

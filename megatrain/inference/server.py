@@ -20,7 +20,11 @@ As in Megatron, the default is sampling at temperature 1; ``top_k: 1`` is greedy
     -> {"id", "object": "text_completion", "created", "model", "choices": [{"text", "index",
         "logprobs": null, "finish_reason": "stop" | "length"}], "usage": {...}}
 
-``temperature: 0`` is greedy. ``GET /health`` answers ``{"status": "ok"}``.
+``temperature: 0`` is greedy. With ``"stream": true`` the answer is server-sent events
+(``text/event-stream``): ``data: {... "choices": [{"text": <new text>, "index", "finish_reason"}]}``
+chunks as tokens are generated, the last chunk of each choice with its finish reason, a usage
+chunk with ``"stream_options": {"include_usage": true}``, then ``data: [DONE]``.
+``GET /health`` answers ``{"status": "ok"}``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -117,10 +121,11 @@ class TextGenerationService:
             raise RequestError(f"{name} is {value}; the limit is {self.limits.max_tokens_to_generate}")
         return value
 
-    def _run(self, prompts: list[str], ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _run(self, prompts: list[str], ids: list[list[int]], params: SamplingParams,
+             on_tokens: Callable[[int, list[int | None]], None] | None = None) -> list[Completion]:
         with self.lock:
             try:
-                return complete(self.model, self.tokenizer, prompts, params, prompt_ids=ids)
+                return complete(self.model, self.tokenizer, prompts, params, prompt_ids=ids, on_tokens=on_tokens)
             except ValueError as e:
                 raise RequestError(str(e)) from None
 
@@ -186,7 +191,8 @@ class TextGenerationService:
         return response
 
     # ---- OpenAI POST /v1/completions ------------------------------------------------------------
-    def openai_completions(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _completion_request(self, req: dict[str, Any]) -> _CompletionRequest:
+        """Validate an OpenAI completions request (before anything is generated or sent)."""
         if "prompt" not in req:
             raise RequestError("prompt is required")
         prompts = self._prompts(req["prompt"], "prompt")
@@ -213,8 +219,13 @@ class TextGenerationService:
         echo = req.get("echo", False)
         if not isinstance(echo, bool):
             raise RequestError("echo must be a boolean")
-        if req.get("stream", False):
-            raise RequestError("streaming is not supported; send \"stream\": false")
+        stream = req.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be a boolean")
+        options = req.get("stream_options", None)
+        if options is not None and (not isinstance(options, dict)
+                                    or not isinstance(options.get("include_usage", False), bool)):
+            raise RequestError("stream_options must be an object like {\"include_usage\": true}")
         if req.get("n", 1) != 1 or req.get("best_of", 1) != 1:
             raise RequestError("only n = 1 (and best_of = 1) is supported")
         if req.get("logprobs") not in (None, 0, False):
@@ -224,19 +235,109 @@ class TextGenerationService:
         params = SamplingParams(n, greedy=greedy, temperature=1.0 if greedy else float(temperature),
                                 top_k=0 if greedy else top_k, top_p=0.0 if greedy or top_p == 1.0 else float(top_p),
                                 seed=seed, stop=stop)
-        completions = self._run(prompts, ids, params)
+        model = req.get("model") if isinstance(req.get("model"), str) else self.model_name
+        return _CompletionRequest(prompts, ids, params, echo, model, stream,
+                                  bool((options or {}).get("include_usage", False)))
+
+    @staticmethod
+    def _usage(completions: list[Completion]) -> dict[str, int]:
         prompt_tokens = sum(len(c.prompt_tokens) for c in completions)
         completion_tokens = sum(len(c.tokens) for c in completions)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def openai_completions(self, req: dict[str, Any]) -> dict[str, Any]:
+        r = self._completion_request(req)
+        completions = self._run(r.prompts, r.ids, r.params)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": req.get("model") if isinstance(req.get("model"), str) else self.model_name,
-            "choices": [{"text": (c.prompt if echo else "") + c.text, "index": i, "logprobs": None,
+            "model": r.model,
+            "choices": [{"text": (c.prompt if r.echo else "") + c.text, "index": i, "logprobs": None,
                          "finish_reason": c.finish_reason} for i, c in enumerate(completions)],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "usage": self._usage(completions),
         }
+
+    def stream_completions(self, req: dict[str, Any], send: Callable[[dict[str, Any] | str], None]) -> None:
+        """``"stream": true``: server-sent events, one chunk of new text per choice as it is generated.
+
+        The chunks of a choice add up to the text the same request gives without streaming: text is
+        sent only once its tokens decode to whole characters, and text that could still become the
+        start of a stop string is held back until it cannot. The last chunk of a choice carries its
+        ``finish_reason``; with ``stream_options.include_usage`` a final chunk carries the usage;
+        then ``[DONE]``.
+        """
+        r = self._completion_request(req)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": r.model}
+
+        def chunk(index: int, text: str, finish_reason: str | None = None) -> None:
+            send({**head, "choices": [{"text": text, "index": index, "logprobs": None,
+                                       "finish_reason": finish_reason}]})
+
+        texts = [_StreamedText(self.tokenizer, r.params.stop) for _ in r.prompts]
+        if r.echo:
+            for i, prompt in enumerate(r.prompts):
+                chunk(i, prompt)
+
+        def on_tokens(first: int, tokens: list[int | None]) -> None:
+            for j, token in enumerate(tokens):
+                if token is not None and token != self.tokenizer.eod:
+                    delta = texts[first + j].add(token)
+                    if delta:
+                        chunk(first + j, delta)
+
+        completions = self._run(r.prompts, r.ids, r.params, on_tokens)
+        for i, c in enumerate(completions):
+            chunk(i, texts[i].rest(c.text), c.finish_reason)
+        if r.include_usage:
+            send({**head, "choices": [], "usage": self._usage(completions)})
+        send("[DONE]")
+
+
+@dataclass
+class _CompletionRequest:
+    prompts: list[str]
+    ids: list[list[int]]
+    params: SamplingParams
+    echo: bool
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+class _StreamedText:
+    """One choice's generated text while it streams: what has been sent, and what may be sent next."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """Take one generated token; return the text that can be sent now ("" if none)."""
+        if self.stopped:
+            return ""
+        self.tokens.append(token)
+        text = self.tokenizer.detokenize(self.tokens)
+        cuts = [text.index(s) for s in self.stops if s in text]
+        if cuts:  # the completion ends before its first stop string
+            self.stopped = True
+            safe = text[:min(cuts)]
+        else:
+            safe = text.rstrip("\ufffd")  # a character whose bytes are not all generated yet
+            held = max((k for s in self.stops for k in range(1, len(s)) if safe.endswith(s[:k])), default=0)
+            safe = safe[:len(safe) - held]
+        if not safe.startswith(self.sent):
+            return ""  # decoding changed earlier text: wait for the final text
+        delta, self.sent = safe[len(self.sent):], max(safe, self.sent, key=len)
+        return delta
+
+    def rest(self, final: str) -> str:
+        """What is left to send of the finished choice's text."""
+        return final[len(self.sent):] if final.startswith(self.sent) else ""
 
 
 ROUTES = {("PUT", "/api"): "megatron_api", ("POST", "/api"): "megatron_api",
@@ -273,6 +374,9 @@ class _Handler(BaseHTTPRequestHandler):
                                    "; endpoints: PUT /api, POST /v1/completions, GET /health"),
                                    HTTPStatus.METHOD_NOT_ALLOWED if known else HTTPStatus.NOT_FOUND)
             req = self._read_json()
+            if route == "openai_completions" and req.get("stream") is True:
+                self._stream(req)
+                return
             self._send(200, getattr(self.service, route)(req))
         except RequestError as e:
             self.close_connection = True
@@ -280,6 +384,33 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - the server must answer and keep running
             self.close_connection = True
             self._send(500, {"message": f"internal error: {type(e).__name__}: {e}"})
+
+    def _stream(self, req: dict[str, Any]) -> None:
+        """Answer with server-sent events; a bad request still gets its 4xx before any event."""
+        started = False
+        self.close_connection = True  # the stream's end is the connection's end (no Content-Length)
+
+        def send(event: dict[str, Any] | str) -> None:
+            nonlocal started
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                started = True
+            data = event if isinstance(event, str) else json.dumps(event)
+            self.wfile.write(f"data: {data}\n\n".encode("utf-8"))
+            self.wfile.flush()
+
+        try:
+            self.service.stream_completions(req, send)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away; generation stopped with the failed write
+        except Exception as e:  # noqa: BLE001
+            if not started:
+                raise
+            send({"error": {"message": f"{type(e).__name__}: {e}"}})
 
     def _read_json(self) -> dict[str, Any]:
         length_header = self.headers.get("Content-Length")

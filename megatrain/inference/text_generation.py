@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,10 +53,13 @@ class Completion:
 
 
 def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingParams,
-             micro_batch_size: int | None = None, prompt_ids: list[list[int]] | None = None) -> list[Completion]:
+             micro_batch_size: int | None = None, prompt_ids: list[list[int]] | None = None,
+             on_tokens: Callable[[int, list[int | None]], None] | None = None) -> list[Completion]:
     """Complete every prompt; ``micro_batch_size`` prompts go through the model at once (all by default).
 
     With a seed, sampling is reproducible for the same prompts and micro-batch size.
+    ``on_tokens(first, tokens)`` is called after every decoding step of the micro-batch whose
+    first prompt is number ``first``, with each of its prompts' new token (None once stopped).
     """
     if prompt_ids is None:
         prompt_ids = [tokenizer.tokenize(p) for p in prompts]
@@ -71,7 +76,8 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
             with torch.no_grad():
                 generated = generate(model, chunk, params.tokens_to_generate, greedy=params.greedy,
                                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                     eod=eod, stop_token_sequences=stop_seqs, seed=seed)
+                                     eod=eod, stop_token_sequences=stop_seqs, seed=seed,
+                                     on_tokens=None if on_tokens is None else partial(on_tokens, start))
         for prompt, ids, new in zip(prompts[start:start + size], chunk, generated):
             text = tokenizer.detokenize(new) if new else ""
             reason = "length"

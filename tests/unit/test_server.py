@@ -95,6 +95,65 @@ def test_openai_completions(server):
         assert out["choices"][0]["text"].startswith("1 2 3") and stop not in out["choices"][0]["text"][5:]
 
 
+def stream(srv, body: dict) -> tuple[str, list]:
+    """POST a streaming completions request; (content type, decoded events, "[DONE]" kept as a string)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    raw = resp.read().decode("utf-8")
+    conn.close()
+    events = [e[len("data: "):] for e in raw.split("\n\n") if e]
+    return resp.getheader("Content-Type"), [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def streamed_texts(events: list, n: int) -> tuple[list[str], list[str | None], int]:
+    """Concatenated text and final finish_reason per choice, and the number of text chunks."""
+    texts, reasons, chunks = [""] * n, [None] * n, 0
+    for e in events[:-1]:
+        for c in e["choices"]:
+            assert reasons[c["index"]] is None, "no chunk after a choice's finish_reason"
+            texts[c["index"]] += c["text"]
+            reasons[c["index"]] = c["finish_reason"]
+            chunks += bool(c["text"])
+    return texts, reasons, chunks
+
+
+@pytest.mark.parametrize("extra", [{}, {"stop": "5"}, {"stop": ["2 1", "7"], "echo": True}],
+                         ids=["plain", "stop", "stops_echo"])
+def test_streamed_completion_adds_up_to_the_plain_answer(server, extra):
+    srv, _ = server
+    body = {"prompt": ["1 2 3", "4 5", "9"], "max_tokens": 8, "temperature": 0, **extra}
+    status, plain = request(srv, "POST", "/v1/completions", body)
+    assert status == 200
+    content_type, events = stream(srv, {**body, "stream_options": {"include_usage": True}})
+    assert content_type == "text/event-stream" and events[-1] == "[DONE]"
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == plain["usage"]
+    texts, reasons, chunks = streamed_texts(events[:-1], 3)
+    assert texts == [c["text"] for c in plain["choices"]]
+    assert reasons == [c["finish_reason"] for c in plain["choices"]]
+    assert chunks > 3, "text should arrive in pieces, not all at the end"
+    assert len({e["id"] for e in events[:-1]}) == 1
+
+
+def test_streamed_text_holds_back_partial_characters_and_stop_prefixes():
+    from megatrain.inference.server import _StreamedText
+
+    tok = build_tokenizer({"tokenizer_type": "GPT2BPETokenizer",
+                           "vocab_file": str(REPO.parent / "shared/data/gpt2/gpt2-vocab.json"),
+                           "merge_file": str(REPO.parent / "shared/data/gpt2/gpt2-merges.txt")})
+    text = "Grüße aus Köln 😀 und 日本語, then STOP here"
+    ids = tok.tokenize(text)
+    for stops, expected in (([], text), (["STOP"], text[:text.index("STOP")]), (["Köln 😀 und"], "Grüße aus ")):
+        streamed = _StreamedText(tok, stops)
+        deltas = [streamed.add(t) for t in ids]
+        assert all("\ufffd" not in d for d in deltas), "a partial UTF-8 character was sent"
+        assert "".join(deltas) + streamed.rest(expected) == expected
+        if stops:
+            assert not any(s in "".join(deltas) for s in stops)
+
+
 def test_concurrent_requests(server):
     srv, model = server
     prompts = [[i % 29, (3 * i) % 29] for i in range(12)]
@@ -131,7 +190,9 @@ def test_concurrent_requests(server):
     ("POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt is required"),
     ("POST", "/v1/completions", {"prompt": "1", "max_tokens": -1}, 400, "non-negative integer"),
     ("POST", "/v1/completions", {"prompt": "1", "stop": [1]}, 400, "stop must be"),
-    ("POST", "/v1/completions", {"prompt": "1", "stream": True}, 400, "streaming is not supported"),
+    ("POST", "/v1/completions", {"prompt": "1", "stream": "yes"}, 400, "stream must be a boolean"),
+    ("POST", "/v1/completions", {"prompt": [""], "stream": True}, 400, "prompt[0] is empty"),
+    ("POST", "/v1/completions", {"prompt": "1", "stream": True, "stream_options": 3}, 400, "stream_options"),
     ("POST", "/v1/completions", {"prompt": "1", "n": 2}, 400, "only n = 1"),
     ("POST", "/v1/completions", {"prompt": "1", "temperature": "hot"}, 400, "temperature must be"),
     ("GET", "/api", None, 405, "is not served"),
