@@ -2,6 +2,7 @@
 
 The steps always run in this order:
 
+0. with ``--fp8-format``, the transformer layers' linear layers become fp8 (:mod:`megatrain.models.fp8`);
 1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`);
 2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
 3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``), and the head's
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from megatrain.models.attention_backends import warn_if_attention_falls_back
 from megatrain.models.config import GPTConfig
+from megatrain.models.fp8 import Fp8Config, convert_to_fp8
 from megatrain.models.fused_loss import ChunkedCrossEntropy
 from megatrain.models.gpt import canonical_parameter_name, initial_value
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
@@ -45,6 +47,7 @@ class ParallelizeConfig:
     attention_mask: bool = False  # explicit masks (--reset-attention-mask), for the same probe
     compile_mode: str = "default"  # --torch-compile-mode
     compile_scope: str = "layer"  # --torch-compile-scope: "layer" or "model"
+    fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers (torchao)
 
     def __post_init__(self) -> None:
         if self.compile_scope not in ("layer", "model"):
@@ -59,7 +62,8 @@ class ParallelizeConfig:
                    int(getattr(args, "cross_entropy_chunk_size", 0) or 0), dtype,
                    bool(getattr(args, "reset_attention_mask", False)),
                    str(getattr(args, "torch_compile_mode", "default") or "default"),
-                   str(getattr(args, "torch_compile_scope", "layer") or "layer"))
+                   str(getattr(args, "torch_compile_scope", "layer") or "layer"),
+                   getattr(args, "fp8_format", None))
 
 
 def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
@@ -80,6 +84,11 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
                          "megatrain.parallel.pipeline.PipelineParallel.build (context parallel "
                          f"--context-parallel-size {dims.cp} is not supported)")
     distributed = dims.world_size > 1
+    if cfg.fp8_format is not None:
+        if dims.tp_enabled:
+            raise ValueError("--fp8-format with --tensor-model-parallel-size > 1 is not supported yet")
+        converted, left = convert_to_fp8(model, Fp8Config(cfg.fp8_format))
+        model.fp8_report = (converted, left)  # type: ignore[attr-defined]
     if dims.tp_enabled:
         dims.validate_model(config)
         apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel,

@@ -52,7 +52,7 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--num-experts": "mixture-of-experts models are not supported yet",
     "--moe-router-topk": "mixture-of-experts models are not supported yet",
     "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
-    "--fp8-format": "fp8 training is not supported yet",
+    "--fp8-param-gather": "fp8 parameters are not all-gathered in fp8; FSDP2 gathers bf16 compute weights",
     "--context-parallel-size": None,  # accepted (reserved, must be 1) — handled in validation
     "--encoder-num-layers": "encoder-decoder models are not supported",
     "--decoder-num-layers": "use --num-layers",
@@ -235,6 +235,16 @@ def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
+                   help="fp8 matmuls in the transformer layers through torchao (needs --bf16): hybrid = e4m3 "
+                        "forward, e5m2 gradients; e4m3 = e4m3 everywhere")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+                   help="fp8 scaling: tensorwise (dynamic per-tensor scales, the one implemented; Megatron's "
+                        "default is delayed)")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling only; must stay 0")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed scaling only; must stay 1")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="delayed scaling only; must stay most_recent")
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -403,6 +413,32 @@ def _resolve_speed_defaults(args: argparse.Namespace) -> None:
         _fail(f"--cross-entropy-chunk-size must be >= 0 (0 turns chunking off), got {chunk}")
 
 
+def _validate_fp8(args: argparse.Namespace) -> None:
+    """--fp8-*: dynamic tensorwise scaling through torchao, with --bf16, without tensor parallelism."""
+    delayed = [f"{flag} {value}" for flag, value, default in (
+        ("--fp8-margin", args.fp8_margin, 0), ("--fp8-amax-history-len", args.fp8_amax_history_len, 1),
+        ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo, "most_recent")) if value != default]
+    if args.fp8_format is None:
+        if delayed or args.fp8_recipe != "tensorwise":
+            _fail(f"{', '.join(delayed) or '--fp8-recipe ' + args.fp8_recipe} has no effect without --fp8-format")
+        return
+    if args.fp8_recipe != "tensorwise":
+        _fail(f"--fp8-recipe {args.fp8_recipe} is not supported: megatrain's fp8 (torchao) scales each tensor "
+              "from its current absolute maximum; use --fp8-recipe tensorwise (the default here)")
+    if delayed:
+        _fail(f"{', '.join(delayed)}: these set delayed scaling, which megatrain's fp8 does not use "
+              "(dynamic tensorwise scaling has no margin or amax history)")
+    if not args.bf16:
+        _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
+    if args.tensor_model_parallel_size > 1:
+        _fail("--fp8-format with --tensor-model-parallel-size > 1 is not supported yet; use data or pipeline "
+              "parallelism")
+    from megatrain.models.fp8 import fp8_available
+
+    if not fp8_available():
+        _fail("--fp8-format needs torchao (float8 training), which is not installed: pip install 'megatrain[fp8]'")
+
+
 def _validate_pipeline(args: argparse.Namespace) -> None:
     """Pipeline flags: the layer split divides, the schedule exists, enough micro-batches for it."""
     pipeline_flags = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -467,6 +503,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
 
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 cannot be used together")
+    _validate_fp8(args)
     _resolve_speed_defaults(args)
     if (args.train_iters is None) == (args.train_samples is None):
         _fail("give exactly one of --train-iters and --train-samples")

@@ -99,11 +99,16 @@ def make_optimizer(model: torch.nn.Module, fused: bool | None = None) -> torch.o
 CLIP = 0.5  # small enough that clipping is active on these runs
 
 
-def train_reference(config: GPTConfig, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_reference(config: GPTConfig, steps: int = STEPS,
+                    fp8: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, all micro-batches of every global batch: (losses, final parameters)."""
     torch.manual_seed(SEED)
     with torch.device("meta"):
         model = GPTModel(config)
+    if fp8 is not None:
+        from megatrain.models.fp8 import Fp8Config, convert_to_fp8
+
+        convert_to_fp8(model, Fp8Config(fp8))
     model.to_empty(device="cpu")
     model.init_weights(SEED)
     opt = make_optimizer(model)
@@ -165,8 +170,8 @@ def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
 
 def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: int = 0,
                    recompute: tuple = (None, None, None), overlap: bool = False, steps: int = STEPS,
-                   bucket_size: int | None = None, chunk: int = 0,
-                   fused: bool | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                   bucket_size: int | None = None, chunk: int = 0, fused: bool | None = None,
+                   fp8: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The run of :func:`train_reference` on this process group's layout (inside a worker).
 
     ``chunk`` asks for the chunked output-layer loss; ``RUN_INFO["chunks"]`` says whether it is used.
@@ -183,8 +188,9 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
         model = GPTModel(config)
     cfg = ParallelizeConfig(DataParallelConfig(zero_stage=zero, overlap_grad_reduce=overlap,
                                                overlap_param_gather=overlap, bucket_size=bucket_size),
-                            RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk)
+                            RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk, fp8_format=fp8)
     model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
+    RUN_INFO["fp8_layers"] = sum(type(m).__name__ == "Float8Linear" for m in unwrap(model).modules())
     head = unwrap(model)  # the chunked head loss, or under TP the chunked vocab-parallel loss
     RUN_INFO["chunks"] = head.chunked_loss is not None or getattr(head.loss, "chunk_size", 0) > 0
     opt = make_optimizer(unwrap(model), fused)
@@ -224,7 +230,7 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
 
 def compare_to_reference(config: GPTConfig, **layout: Any) -> dict[str, float]:
     """Max relative errors of per-step losses and final full parameters against one process."""
-    ref_losses, ref_params = train_reference(config)
+    ref_losses, ref_params = train_reference(config, layout.get("steps", STEPS), fp8=layout.get("fp8"))
     RUN_INFO.clear()
     losses, params = train_parallel(config, **layout)
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -29,6 +29,11 @@ WORLD2 = {
     "tp2_recompute_full_block": ("gpt2", dict(tp=2, recompute=("full", "block", 1))),
     "tp2_recompute_selective": ("llama", dict(tp=2, recompute=("selective", None, None))),
     "dp2_zero3_recompute_full": ("gpt2", dict(zero=3, recompute=("full", "uniform", 1))),
+    # fp8: one step (two micro-batches per rank, the update, the gathered result). Over more steps
+    # the last-bit differences of another reduction order flip some fp8 roundings, and AdamW's
+    # normalised updates carry those differences on, as they would between any two fp8 runs.
+    "dp2_ddp_fp8_hybrid": ("gpt2", dict(fp8="hybrid", steps=1)),
+    "dp2_zero2_fp8_e4m3": ("llama", dict(zero=2, fp8="e4m3", steps=1)),
 }
 # One process with --use-distributed-optimizer / --zero-stage: FSDP2 over a mesh of one rank.
 WORLD1 = {
@@ -70,6 +75,7 @@ def _check(results: list[dict], name: str, layout: dict) -> None:
         if "unsynced" in r:
             assert r["unsynced"], "gradients were reduced on a micro-batch that should not synchronise"
         assert r["homogeneous_groups"], "an optimizer group mixes plain tensors and DTensors"
+        assert r["fp8_layers"] == (8 if layout.get("fp8") else 0), "fp8 linear layers"
         if "kept_unsharded" in r:
             assert r["kept_unsharded"], "ZeRO-1/2 resharded the parameters between micro-batches"
 

@@ -4,6 +4,7 @@ printed digits; bf16 autocast: within bf16 tolerance)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -21,6 +22,7 @@ RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--no-torch-compile"]
 
 
+@functools.lru_cache(maxsize=None)  # the same command gives the same log: run it once per session
 def _losses(*extra: str, iters: int = ITERS) -> list[tuple[float, float]]:
     out = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, *extra, "--train-iters", str(iters)]).stdout
     lines = [parse_train_log_line(line) for line in out.splitlines() if "] iteration " in line]
@@ -50,6 +52,18 @@ def test_whole_model_compile_trains_like_eager_on_cpu():
         assert abs(gc - ge) <= 2e-3 * abs(ge), (step, ge, gc)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_fp8_trains_like_bf16(fmt):
+    """--fp8-format (torchao, on CPU through torch._scaled_mm): the loss curve follows bf16's closely."""
+    pytest.importorskip("torchao.float8")
+    bf16 = _losses("--bf16")
+    fp8 = _losses("--bf16", "--fp8-format", fmt)
+    assert bf16[-1][0] < bf16[0][0] - 0.3
+    for step, ((lb, _), (lf, _)) in enumerate(zip(bf16, fp8), start=1):
+        assert abs(lf - lb) <= 5e-3 * abs(lb), (step, lb, lf)
+
+
 GPU_ITERS = 100
 GPU_RUN = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
            "--max-position-embeddings", "256", "--micro-batch-size", "4", "--global-batch-size", "16",
@@ -59,6 +73,7 @@ GPU_RUN = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
            "--bf16", "--clip-grad", "1.0"]
 
 
+@functools.lru_cache(maxsize=None)
 def _gpu_losses(*extra: str) -> list[float]:
     out = run_cmd([sys.executable, "pretrain_gpt.py", *GPU_RUN, *extra], timeout=900).stdout
     lines = [parse_train_log_line(line) for line in out.splitlines() if "] iteration " in line]
@@ -69,7 +84,8 @@ def _gpu_losses(*extra: str) -> list[float]:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fast", [[], ["--use-distributed-optimizer"]], ids=["compiled_chunked", "one_gpu_fsdp"])
+@pytest.mark.parametrize("fast", [[], ["--use-distributed-optimizer"], ["--fp8-format", "hybrid"]],
+                         ids=["compiled_chunked", "one_gpu_fsdp", "fp8_hybrid"])
 def test_fast_path_trains_like_the_eager_path_on_gpu(fast):
     """100 bf16 steps: compiled layers, chunked loss, fused AdamW (and FSDP2 mixed precision on one
     GPU) against eager layers with the plain head; same data, seed and schedule."""

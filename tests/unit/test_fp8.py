@@ -1,0 +1,87 @@
+"""fp8 matmuls through torchao: which layers convert, names and initial weights unchanged, the flags' checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+
+from megatrain.models.config import GPTConfig  # noqa: E402
+from megatrain.models.fp8 import Fp8Config, convert_to_fp8  # noqa: E402
+from megatrain.models.gpt import GPTModel  # noqa: E402
+from megatrain.parallel.dims import ParallelDims  # noqa: E402
+from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt  # noqa: E402
+from megatrain.training.arguments import parse_args  # noqa: E402
+
+LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
+             max_position_embeddings=32, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             ffn_hidden_size=96, add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _model(**fields) -> GPTModel:
+    with torch.device("meta"):
+        return GPTModel(GPTConfig(**fields))
+
+
+@pytest.mark.parametrize("fmt, grad_dtype", [("hybrid", torch.float8_e5m2), ("e4m3", torch.float8_e4m3fn)])
+def test_transformer_linears_convert_and_the_output_layer_stays(fmt, grad_dtype):
+    model = _model(**LLAMA)
+    names = [n for n, _ in model.named_parameters()]
+    converted, kept = convert_to_fp8(model, Fp8Config(fmt))
+    assert converted == [f"layers.{i}.{m}" for i in range(2) for m in
+                         ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert kept == []
+    assert [n for n, _ in model.named_parameters()] == names  # checkpoints and conversion see the same names
+    assert type(model.output_layer) is torch.nn.Linear
+    qkv = model.layers["0"].self_attention.linear_qkv
+    assert type(qkv).__name__ == "Float8Linear"
+    assert qkv.config.cast_config_input.target_dtype == torch.float8_e4m3fn
+    assert qkv.config.cast_config_grad_output.target_dtype == grad_dtype
+
+
+def test_sizes_the_fp8_kernels_refuse_stay_in_higher_precision():
+    model = _model(num_layers=1, hidden_size=40, num_attention_heads=4, vocab_size=64, ffn_hidden_size=64)
+    converted, kept = convert_to_fp8(model, Fp8Config("hybrid"))
+    assert converted == [] and kept == ["layers.0.self_attention.linear_qkv", "layers.0.self_attention.linear_proj",
+                                        "layers.0.mlp.linear_fc1", "layers.0.mlp.linear_fc2"]
+
+
+def test_parallelize_converts_before_initialising_so_the_weights_are_the_same():
+    plain = parallelize_gpt(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(), device=torch.device("cpu"), seed=3)
+    fp8 = parallelize_gpt(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(fp8_format="hybrid"),
+                          device=torch.device("cpu"), seed=3)
+    assert len(fp8.fp8_report[0]) == 8
+    for (n, p), (m, q) in zip(plain.named_parameters(), fp8.named_parameters()):
+        assert n == m and torch.equal(p, q), n
+    x = torch.randint(0, 128, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = plain(x, labels=x).mean(), fp8(x, labels=x).mean()
+    assert abs(a.item() - b.item()) < 0.05 * abs(a.item())  # fp8 rounding, same model
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fp8-format", "hybrid"], "--fp8-format needs --bf16"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "delayed"], "--fp8-recipe delayed is not supported"),
+    (["--fp8-format", "e4m3", "--bf16", "--fp8-amax-history-len", "16"], "--fp8-amax-history-len 16"),
+    (["--fp8-margin", "1"], "has no effect without --fp8-format"),
+])
+def test_fp8_flag_mistakes_name_the_flag(extra, message):
+    with pytest.raises(SystemExit, match=message):
+        parse_args([*BASE, *extra], validate=True)
+
+
+def test_fp8_param_gather_is_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--bf16", "--fp8-format", "hybrid", "--fp8-param-gather"], validate=True)
+    assert "--fp8-param-gather: fp8 parameters are not all-gathered in fp8" in capsys.readouterr().err
+
+
+def test_fp8_flags_parse():
+    args = parse_args([*BASE, "--bf16", "--fp8-format", "e4m3"], validate=True)
+    assert args.fp8_format == "e4m3" and args.fp8_recipe == "tensorwise"
+    assert ParallelizeConfig.from_args(args).fp8_format == "e4m3"
