@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call that measures everything benchmarks/NOTES.md §7-8 predicts, on one H200:
+#   the default fast path, FSDP2 mixed precision on one GPU, whole-model compile and CUDA graphs
+#   for GPT-2, fp8, real preprocessed data, a profile of the GPT-2 step, and the GPU-only tests.
+# Every table and profile goes under $OUT (the device tool brings it back); append the tables to
+# benchmarks/RESULTS.md afterwards. fp8 needs torchao: if the machine lacks it, put the wheel in
+# .whl/ here first (`pip download torchao --no-deps -d .whl`) and carry .whl.
+#
+#   bash benchmarks/device_round.sh 1   # ~8 min: one-GPU table (default vs FSDP2 mixed precision), GPT-2 variants
+#   bash benchmarks/device_round.sh 2   # ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
+set -u
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+python -c "import torchao" 2>/dev/null || { ls .whl/torchao-*.whl >/dev/null 2>&1 && pip install -q --no-deps .whl/torchao-*.whl; }
+B="python benchmarks/throughput.py --iters 14 --warmup 5 --timeout 170"
+case "${1:-1}" in
+  1)
+    $B 1.7b llama-1.2b gpt2-124m --extra "" --extra "--use-distributed-optimizer" --output "$OUT/one_gpu.md"
+    $B gpt2-124m --extra "--torch-compile-scope model" --extra "--torch-compile-mode reduce-overhead" \
+       --output "$OUT/gpt2.md"
+    ;;
+  2)
+    $B 1.7b llama-1.2b --extra "--fp8-format hybrid" --output "$OUT/fp8.md"
+    $B 1.7b --data real --output "$OUT/real_data.md"
+    python benchmarks/profile_step.py --shape gpt2-124m --warmup 4 --steps 3 --top 40 --out "$OUT/prof_gpt2"
+    python -m pytest -q -m gpu tests 2>&1 | tail -20 > "$OUT/gpu_tests.txt"
+    ;;
+  *) echo "usage: $0 [1|2]" >&2; exit 2 ;;
+esac
+cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
