@@ -137,6 +137,19 @@ def test_streamed_completion_adds_up_to_the_plain_answer(server, extra):
     assert len({e["id"] for e in events[:-1]}) == 1
 
 
+def test_client_leaving_a_stream_does_not_stop_the_server(server):
+    import socket
+
+    srv, _ = server
+    body = json.dumps({"prompt": ["1 2"] * 4, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    status, out = request(srv, "POST", "/v1/completions", {"prompt": "3", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and out["choices"][0]["text"]
+
+
 def test_streamed_text_holds_back_partial_characters_and_stop_prefixes():
     from megatrain.inference.server import _StreamedText
 
