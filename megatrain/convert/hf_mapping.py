@@ -48,6 +48,7 @@ def hf_architecture(cfg: GPTConfig) -> str:
     }
     llama_needs = {
         "rotary positions (--position-embedding-type rope)": cfg.position_embedding_type == "rope",
+        "every head dim rotated (--rotary-percent 1.0)": cfg.rotary_percent == 1.0,
         "RMSNorm (--normalization RMSNorm)": cfg.normalization == "RMSNorm",
         "a SwiGLU MLP (--swiglu)": cfg.swiglu,
     }
@@ -235,6 +236,8 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
     written (``tie_word_embeddings`` restores them). Biases we lack are written as zeros for GPT-2.
     """
     vocab_size = vocab_size or cfg.vocab_size
+    if cfg.apply_layernorm_1p:  # Hugging Face stores the scale itself
+        sd = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in sd.items()}
     out: dict[str, torch.Tensor] = {}
     h = cfg.hidden_size
     tied = not cfg.untie_embeddings_and_output_weights

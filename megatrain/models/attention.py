@@ -78,7 +78,8 @@ class SelfAttention(nn.Module):
         # and recompute it (selective activation recomputation) by module path.
         self.core_attention = CoreAttention(config)
         self.rotary = (
-            RotaryEmbedding(d, config.rotary_base) if config.position_embedding_type == "rope" else None
+            RotaryEmbedding(config.rotary_dim, config.rotary_base) if config.position_embedding_type == "rope"
+            else None
         )
 
     def forward(
@@ -107,7 +108,7 @@ class SelfAttention(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(past, past + s, device=x_bsh.device).unsqueeze(0)
             cos, sin = self.rotary(position_ids)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the first rotary_dim dims
 
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)  # now [b, groups, past + s, d]

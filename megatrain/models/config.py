@@ -23,8 +23,10 @@ class GPTConfig:
     num_query_groups: int | None = None  # None means n (no grouped-query attention)
     position_embedding_type: str = "learned_absolute"  # or "rope"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # fraction of each head's dims that rotate (the rest pass through)
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False  # norm weights stored zero-centred: the scale is 1 + weight
     swiglu: bool = False
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
@@ -71,13 +73,22 @@ class GPTConfig:
                 f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}"
                 + (" (the SwiGLU default needs --hidden-size >= 24)" if self.swiglu else "")
             )
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ValueError(f"rotary embeddings need an even head dim (--kv-channels), got {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ValueError(f"rotary embeddings need an even number of rotated dims: --kv-channels "
+                             f"({self.kv_channels}) x --rotary-percent ({self.rotary_percent}) = {self.rotary_dim}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
+        assert self.kv_channels is not None
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def head_dim(self) -> int:

@@ -217,7 +217,7 @@ def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int)
 
     Megatron's scheme: weights of linear layers and embeddings ~ N(0, std); the two projections
     that add into the residual stream (linear_proj, linear_fc2) ~ N(0, std / sqrt(2 L)); biases 0;
-    norm weights 1 and LayerNorm biases 0. Random values come from a generator seeded by
+    norm weights 1 (0 with ``--apply-layernorm-1p``) and LayerNorm biases 0. Random values come from a generator seeded by
     (seed, crc32 of the canonical name), so they do not depend on the device, the parallel
     layout or the order parameters are visited in.
     """
@@ -229,7 +229,7 @@ def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int)
     shape = tuple(shape)
 
     if module.endswith("layernorm"):
-        if leaf == "weight":
+        if leaf == "weight" and not config.apply_layernorm_1p:  # 1p: the zero weight means a scale of 1
             return torch.ones(shape, device="cpu")
         return torch.zeros(shape, device="cpu")
     if leaf == "bias":

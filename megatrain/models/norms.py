@@ -1,10 +1,31 @@
-"""Normalisation layers: LayerNorm (GPT-2 style) or RMSNorm (LLaMA style), chosen by --normalization."""
+"""Normalisation layers: LayerNorm (GPT-2 style) or RMSNorm (LLaMA style), chosen by --normalization.
+
+With ``--apply-layernorm-1p`` the weight is stored centred on zero and the layer scales by
+``1 + weight`` (Megatron's zero-centred gamma): the same function, a weight that weight decay and
+low precision treat more kindly. Its parameters keep the names of the plain layers.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.config import GPTConfig
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """LayerNorm whose scale is ``1 + weight``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class RMSNorm1P(nn.RMSNorm):
+    """RMSNorm whose scale is ``1 + weight``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
 def build_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
@@ -14,7 +35,7 @@ def build_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
     """
     width = config.hidden_size if width is None else width
     if config.normalization == "LayerNorm":
-        return nn.LayerNorm(width, eps=config.norm_epsilon)
+        return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(width, eps=config.norm_epsilon)
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(width, eps=config.norm_epsilon)
+        return (RMSNorm1P if config.apply_layernorm_1p else nn.RMSNorm)(width, eps=config.norm_epsilon)
     raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {config.normalization!r}")

@@ -28,9 +28,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x_bnsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys [b, heads, s, d] by cos/sin [b or 1, s, d] (broadcast over heads)."""
+    """Rotate queries or keys [b, heads, s, d] by cos/sin [b or 1, s, r] (broadcast over heads).
+
+    With r < d (``--rotary-percent`` below 1) only the first r dims rotate; the rest pass through.
+    """
     cos = cos_bsd.unsqueeze(1).to(x_bnsd.dtype)
     sin = sin_bsd.unsqueeze(1).to(x_bnsd.dtype)
+    r = cos.shape[-1]
+    if r < x_bnsd.shape[-1]:
+        rot, rest = x_bnsd[..., :r], x_bnsd[..., r:]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
     return x_bnsd * cos + rotate_half(x_bnsd) * sin
 
 

@@ -29,6 +29,7 @@ accumulation only the last micro-batch communicates (:func:`gradient_sync`).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -79,6 +80,9 @@ def uses_fsdp(cfg: DataParallelConfig, tensor_parallel: bool) -> bool:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -> nn.Module:
     """``fully_shard`` every transformer layer, then the root (embeddings, final norm, head)."""
+    # The model's per-token loss is a view of the loss kernel's output; nothing modifies it in place,
+    # which is what FSDP2's warning about returned views guards against.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     reshard = cfg.zero_stage == 3
     if cfg.param_dtype is not None:
         reduce_dtype = torch.bfloat16 if cfg.grad_reduce_in_bf16 else torch.float32

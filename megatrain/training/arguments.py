@@ -31,6 +31,18 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--no-bias-dropout-fusion": "fusion is left to torch.compile",
     "--no-gradient-accumulation-fusion": "gradient accumulation is handled by PyTorch autograd",
     "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
+    "--attention-backend": "attention runs through PyTorch SDPA, which picks the flash / cuDNN / memory-efficient "
+                           "kernel itself (a start-up probe warns when only the slow math fallback fits)",
+    "--cross-entropy-loss-fusion": "the output layer's cross entropy is fused and chunked by "
+                                   "--cross-entropy-chunk-size (on by default with CUDA)",
+    "--cross-entropy-fusion-impl": "the output layer's cross entropy is fused and chunked by "
+                                   "--cross-entropy-chunk-size (on by default with CUDA)",
+    "--no-create-attention-mask-in-dataloader": "masks are built only with --reset-attention-mask; causal "
+                                                "attention needs none",
+    "--ckpt-format": "checkpoints are PyTorch DCP shards in Megatron's directory layout (like torch_dist), "
+                     "whatever the value",
+    "--fp8-param-gather": "weights are gathered in bf16 (FSDP2 mixed precision) and cast to fp8 at each matmul: "
+                          "the same matmuls, twice the bytes gathered",
     "--local_rank": "taken from the LOCAL_RANK environment variable",
     "--local-rank": "taken from the LOCAL_RANK environment variable",
     "--no-async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
@@ -52,7 +64,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--num-experts": "mixture-of-experts models are not supported yet",
     "--moe-router-topk": "mixture-of-experts models are not supported yet",
     "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
-    "--fp8-param-gather": "fp8 parameters are not all-gathered in fp8; FSDP2 gathers bf16 compute weights",
     "--context-parallel-size": None,  # accepted (reserved, must be 1) — handled in validation
     "--encoder-num-layers": "encoder-decoder models are not supported",
     "--decoder-num-layers": "use --num-layers",
@@ -107,6 +118,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="maximum sequence length for learned positions (default --seq-length)")
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's dims that RoPE rotates (the rest pass through)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="store norm weights centred on zero; the layers scale by 1 + weight")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this (times TP)")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -146,6 +161,27 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None, help="exit when iteration %% N == 0")
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM save and exit cleanly")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="average the loss over all loss tokens of the global batch (default: over each "
+                        "micro-batch's tokens, then over micro-batches)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn off Python's automatic garbage collection during training; collect every "
+                        "--manual-gc-interval iterations and around evaluation instead")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations "
+                                                                       "(0: only at start and around evaluation)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: do not collect around evaluation")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="release cached CUDA memory: 1 after each step's forward/backward and each evaluation, "
+                        "2 also after the optimizer step")
+    g.add_argument("--profile", action="store_true",
+                   help="record a torch.profiler trace of iterations --profile-step-start to --profile-step-end")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks to profile")
+    g.add_argument("--use-pytorch-profiler", action="store_true", help="the profiler used by --profile (always)")
+    g.add_argument("--profile-dir", default=None,
+                   help="where --profile writes its trace (default --tensorboard-dir, else ./profile)")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
@@ -192,6 +228,10 @@ def _add_lr_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak LR of the input embedding and output layer (their own schedule)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum LR of the input embedding and output layer (default --min-lr)")
     g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on --load, take the LR schedule from the flags instead of the checkpoint")
@@ -239,12 +279,12 @@ def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
                    help="fp8 matmuls in the transformer layers through torchao (needs --bf16): hybrid = e4m3 "
                         "forward, e5m2 gradients; e4m3 = e4m3 everywhere")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
-                   help="fp8 scaling: tensorwise (dynamic per-tensor scales, the one implemented; Megatron's "
-                        "default is delayed)")
-    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling only; must stay 0")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed scaling only; must stay 1")
+                   help="fp8 scaling: tensorwise (dynamic per-tensor scales). delayed (Megatron's default) runs "
+                        "as tensorwise with a note; mxfp8 and blockwise are refused")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling only (noted, not used)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed scaling only (noted, not used)")
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
-                   help="delayed scaling only; must stay most_recent")
+                   help="delayed scaling only (noted, not used)")
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -312,6 +352,12 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"])
     g.add_argument("--DDP-impl", default=None, choices=["local", "torch"])
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"])
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    g.add_argument("--cross-entropy-fusion-impl", default=None, choices=["native", "te"])
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true")
+    g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> MegatronArgumentParser:
@@ -422,12 +468,14 @@ def _validate_fp8(args: argparse.Namespace) -> None:
         if delayed or args.fp8_recipe != "tensorwise":
             _fail(f"{', '.join(delayed) or '--fp8-recipe ' + args.fp8_recipe} has no effect without --fp8-format")
         return
-    if args.fp8_recipe != "tensorwise":
-        _fail(f"--fp8-recipe {args.fp8_recipe} is not supported: megatrain's fp8 (torchao) scales each tensor "
-              "from its current absolute maximum; use --fp8-recipe tensorwise (the default here)")
-    if delayed:
-        _fail(f"{', '.join(delayed)}: these set delayed scaling, which megatrain's fp8 does not use "
-              "(dynamic tensorwise scaling has no margin or amax history)")
+    if args.fp8_recipe in ("mxfp8", "blockwise"):
+        _fail(f"--fp8-recipe {args.fp8_recipe} is not supported: megatrain's fp8 (torchao) scales per tensor; "
+              "use --fp8-recipe tensorwise (the default here)")
+    if args.fp8_recipe == "delayed" or delayed:
+        args.legacy_notes = getattr(args, "legacy_notes", []) + [
+            f"note: {', '.join((['--fp8-recipe delayed'] if args.fp8_recipe == 'delayed' else []) + delayed)}: "
+            "megatrain's fp8 scales every tensor from its own current absolute maximum (dynamic tensorwise "
+            "scaling), so delayed scaling's amax history and margin are not used"]
     if not args.bf16:
         _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
     if args.tensor_model_parallel_size > 1:
@@ -533,6 +581,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
               f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     _validate_pipeline(args)
+    if args.calculate_per_token_loss and pp > 1:
+        _fail("--calculate-per-token-loss with --pipeline-model-parallel-size > 1 is not supported yet")
     if args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
     else:

@@ -30,6 +30,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConf
         num_query_groups=args.num_query_groups,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
         normalization=args.normalization,
         norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu,

@@ -660,6 +660,11 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     if getattr(model, "is_pipeline_stage", False):
         diff["unexpected"] = []  # the other pipeline stages' tensors
     cfg_diff = config_differences(meta.get("model_config", {}), model_config) if model_config is not None else []
+    saved_1p = bool(meta.get("model_config", {}).get("apply_layernorm_1p", False))
+    if model_config is not None and saved_1p != bool(getattr(model_config, "apply_layernorm_1p", False)):
+        raise CheckpointError(f"checkpoint {ckpt} was saved {'with' if saved_1p else 'without'} --apply-layernorm-1p "
+                              f"and the flags say {'without' if saved_1p else 'with'} it: its norm weights would "
+                              f"mean a different scale; {'add' if saved_1p else 'drop'} --apply-layernorm-1p")
     fatal = diff["shape"] or (not finetune and (diff["missing"] or diff["unexpected"]))
     if fatal:
         lines = cfg_diff + [f"shape differs: {s}" for s in diff["shape"]]

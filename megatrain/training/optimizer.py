@@ -49,6 +49,8 @@ class OptimizerConfig:
     decoupled_weight_decay: bool = True
     fused: bool | None = None
     foreach: bool | None = None
+    decoupled_lr: float | None = None  # --decoupled-lr: the input embedding and output layer
+    decoupled_min_lr: float | None = None  # --decoupled-min-lr (default min_lr)
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -62,6 +64,12 @@ class OptimizerConfig:
                 raise ValueError(f"{flag} must be in [0, 1), got {beta}")
         if self.adam_eps <= 0.0:
             raise ValueError(f"--adam-eps must be positive, got {self.adam_eps}")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_lr is not None:
+            low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            if not 0.0 <= low <= self.decoupled_lr:
+                raise ValueError(f"--decoupled-lr ({self.decoupled_lr}) must be >= --decoupled-min-lr ({low}) >= 0")
 
 
 def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -71,6 +79,11 @@ def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 def _model_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
+
+
+# Parameters that --decoupled-lr schedules on their own (Megatron: the input embedding and output layer;
+# with tied embeddings they are one tensor).
+_DECOUPLED_LR_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _kernel_key(p: torch.Tensor) -> int | None:
@@ -89,27 +102,32 @@ def build_param_groups(model: nn.Module | Sequence[nn.Module], cfg: OptimizerCon
     appearance, so that every group can run as one fused (or foreach) kernel call;
     the split groups carry the same hyper-parameters.
     """
-    decay: list[torch.Tensor] = []
-    no_decay: list[torch.Tensor] = []
+    from megatrain.models.gpt import canonical_parameter_name
+
+    # (decoupled, no weight decay) -> parameters; decoupled: --decoupled-lr's embedding and output layer
+    lists: dict[tuple[bool, bool], list[torch.Tensor]] = {(d, n): [] for d in (False, True) for n in (False, True)}
     seen: set[int] = set()
     for chunk in _model_chunks(model):
         for name, p in chunk.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            (no_decay if is_no_weight_decay(name, p) else decay).append(p)
+            decoupled = cfg.decoupled_lr is not None and canonical_parameter_name(name) in _DECOUPLED_LR_PARAMS
+            lists[(decoupled, is_no_weight_decay(name, p))].append(p)
 
-    def group(params: list[torch.Tensor], wd_mult: float) -> dict[str, Any]:
+    def group(params: list[torch.Tensor], wd_mult: float, decoupled: bool = False) -> dict[str, Any]:
+        max_lr = cfg.decoupled_lr if decoupled else cfg.lr
+        min_lr = cfg.decoupled_min_lr if decoupled and cfg.decoupled_min_lr is not None else cfg.min_lr
         return {
             "params": params,
             "wd_mult": wd_mult,
             "lr_mult": 1.0,
-            "max_lr": cfg.lr,
-            "min_lr": cfg.min_lr,
-            "default_config": True,
+            "max_lr": max_lr,
+            "min_lr": min_lr,
+            "default_config": not decoupled,
             "is_expert_parallel": False,
-            "is_decoupled_lr": False,
-            "lr": cfg.lr,
+            "is_decoupled_lr": decoupled,
+            "lr": max_lr,
             "weight_decay": cfg.weight_decay * wd_mult,
         }
 
@@ -119,7 +137,11 @@ def build_param_groups(model: nn.Module | Sequence[nn.Module], cfg: OptimizerCon
             parts.setdefault(_kernel_key(p), []).append(p)
         return list(parts.values()) or [[]]
 
-    return ([group(part, 1.0) for part in split(decay)] + [group(part, 0.0) for part in split(no_decay)])
+    groups = [group(part, 1.0) for part in split(lists[(False, False)])]
+    groups += [group(part, 0.0) for part in split(lists[(False, True)])]
+    for no_wd in (False, True):  # only with --decoupled-lr, and only groups that hold parameters
+        groups += [group(part, 0.0 if no_wd else 1.0, True) for part in split(lists[(True, no_wd)]) if part]
+    return groups
 
 
 def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig) -> dict[str, bool]:
@@ -227,9 +249,8 @@ def get_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *, red
     return total
 
 
-def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor,
-                          *, foreach: bool | None = None) -> None:
-    """Scale gradients by ``min(1, max_norm / (total_norm + 1e-6))`` in place (Megatron's coefficient).
+def scale_grads_(params: Iterable[torch.Tensor], factor: torch.Tensor, *, foreach: bool | None = None) -> None:
+    """Multiply every gradient by the 0-dim tensor ``factor`` in place (no host synchronisation).
 
     DTensor gradients are scaled through their local shards.
     """
@@ -238,16 +259,23 @@ def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total
         if p.grad is not None:
             g = _local(p.grad)
             by_key[(g.device, g.dtype)].append(g)
-    if not by_key:
-        return
-    coef = torch.clamp(max_norm / (total_norm.float() + 1.0e-6), max=1.0)
     for (device, _dtype), grads in by_key.items():
-        c = coef.to(device)
+        c = factor.to(device)
         if foreach is False:
             for g in grads:
                 g.mul_(c)
         else:
             torch._foreach_mul_(grads, c)
+
+
+def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor,
+                          *, foreach: bool | None = None) -> None:
+    """Scale gradients by ``min(1, max_norm / (total_norm + 1e-6))`` in place (Megatron's coefficient).
+
+    DTensor gradients are scaled through their local shards.
+    """
+    coef = torch.clamp(max_norm / (total_norm.float() + 1.0e-6), max=1.0)
+    scale_grads_(params, coef, foreach=foreach)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,

@@ -34,6 +34,7 @@ from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
+from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
 from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
                                         format_validation_line)
@@ -41,7 +42,7 @@ from megatrain.training.loss_scaler import (ConstantLossScaler, DynamicLossScale
                                             reduce_found_inf, unscale_grads_)
 from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
 from megatrain.training.memory_report import MemoryEstimate, estimate_memory
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
+from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_, scale_grads_
 
 
 def _print_line(*a: Any) -> None:
@@ -113,6 +114,8 @@ class Trainer:
         self.start_time = time.time()
         self.device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.precision = Precision.from_args(args)
+        self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
+        self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
         if self.world_size != getattr(args, "world_size_actual", self.world_size):
             raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "
@@ -146,7 +149,8 @@ class Trainer:
         self.module = unwrap(self.model)  # the GPTModel, for its methods and state dicts
         self.optimizer = build_optimizer(self.module, OptimizerConfig(
             optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum))
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+            decoupled_lr=getattr(args, "decoupled_lr", None), decoupled_min_lr=getattr(args, "decoupled_min_lr", None)))
         self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(args))
         if args.fp16:
             self.scaler: Any = (ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
@@ -262,13 +266,19 @@ class Trainer:
                         f"({report.blocked_s * 1000:.1f} ms)")
 
     # ------------------------------------------------------------------ one step
-    def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
+    def _forward_loss_sum(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the per-token losses where the loss mask is set, number of such tokens)."""
         b = self.make_batch(samples.to(self.device, non_blocking=True))
         with self.precision.autocast(self.device):
             per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
                                    labels=b["labels"])
         mask = b["loss_mask"].to(per_token.dtype)
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return (per_token * mask).sum(), mask.sum()
+
+    def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss over its loss tokens."""
+        loss_sum, tokens = self._forward_loss_sum(samples)
+        return loss_sum / tokens.clamp(min=1.0)
 
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
@@ -285,6 +295,14 @@ class Trainer:
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))
+        elif self.per_token_loss:
+            tokens = torch.zeros((), device=self.device)
+            for i in range(a.num_micro_batches):
+                with gradient_sync(self.model, i == a.num_micro_batches - 1):
+                    loss_sum, n = self._forward_loss_sum(next(self.train_iter))
+                    total += loss_sum.detach()
+                    tokens += n.detach()
+                    (loss_sum * scale).backward()
         else:
             for i in range(a.num_micro_batches):
                 # Data-parallel gradient reduction only after the last micro-batch.
@@ -292,7 +310,16 @@ class Trainer:
                     loss = self._forward_loss(next(self.train_iter))
                     total += loss.detach()
                     (loss * (scale / a.num_micro_batches)).backward()
+        self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
+        per_token_mean = None
+        if self.per_token_loss and self.pipeline is None:
+            # --calculate-per-token-loss: the gradients hold the loss sums (averaged over dp by the
+            # reduction); divide by the global batch's number of loss tokens.
+            loss_sum, global_tokens = self._dp_sum(torch.stack([total, tokens])).unbind()
+            global_tokens = global_tokens.clamp(min=1.0)
+            scale_grads_(params, self.dp_size / global_tokens)
+            per_token_mean = loss_sum / global_tokens
         found_inf: torch.Tensor | None = None
         if self.scaler is not None:
             found_inf = unscale_grads_(params, 1.0 / scale)
@@ -305,7 +332,7 @@ class Trainer:
             found_inf = (~torch.isfinite(grad_norm_t)).float()
         if self.world_size > 1:
             reduce_found_inf(found_inf)  # MAX over all ranks: every rank skips the same steps
-        mean_loss = self._dp_mean(total / a.num_micro_batches)
+        mean_loss = per_token_mean if per_token_mean is not None else self._dp_mean(total / a.num_micro_batches)
         # The one host synchronisation of an iteration, before the optimizer step is queued.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         found, loss_finite, norm = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
@@ -319,6 +346,14 @@ class Trainer:
             self.scheduler.step(a.global_batch_size)
         grad_norm = norm if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank value over the data-parallel ranks."""
+        if self.dp_size == 1:
+            return value
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=self.dims.submesh("dp").get_group())
+        return value
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average a per-rank loss over the data-parallel ranks (the global batch's mean)."""
@@ -336,19 +371,29 @@ class Trainer:
         a = self.args
         self.model.eval()
         total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
         for _ in range(eval_iters):
             if self.pipeline is not None:
                 total += self.pipeline.eval_step(self._micro_batches(data_iter),
                                                  autocast=self.precision.autocast(self.device))
+            elif self.per_token_loss:
+                for _ in range(a.num_micro_batches):
+                    loss_sum, n = self._forward_loss_sum(next(data_iter))
+                    total += loss_sum
+                    tokens += n
             else:
                 for _ in range(a.num_micro_batches):
                     total += self._forward_loss(next(data_iter))
             self.state.consumed_valid_samples += a.global_batch_size
         self.model.train()
+        if self.per_token_loss and self.pipeline is None:
+            loss_sum, n = self._dp_sum(torch.stack([total, tokens])).unbind()
+            return float(loss_sum / n.clamp(min=1.0))
         return float(self._dp_mean(total / (eval_iters * a.num_micro_batches)))
 
     def evaluate_and_print(self, prefix: str, data_iter: Any, iteration: int) -> float | None:
-        loss = self.evaluate(data_iter, self.args.eval_iters)
+        with self.housekeeping.around_evaluation():
+            loss = self.evaluate(data_iter, self.args.eval_iters)
         if loss is None:
             return None
         print_rank_last(format_validation_block(format_validation_line(iteration, loss, prefix=prefix)))
@@ -387,9 +432,12 @@ class Trainer:
         t_last = time.time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.housekeeping.start()
         while self.state.iteration < train_iters:
+            self.housekeeping.before_iteration(self.state.iteration)
             result = self.train_step()
             self.state.iteration += 1
+            self.housekeeping.after_optimizer_step(self.state.iteration)
             self.state.consumed_train_samples += a.global_batch_size
             interval.add(result)
             if result.skipped and self.scaler is not None:
@@ -455,6 +503,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish a background checkpoint save (it must complete before exit), close the writers."""
+        self.housekeeping.close()
         self.checkpointer.close()
         self.writer.close()
 

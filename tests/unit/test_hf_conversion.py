@@ -42,6 +42,13 @@ STYLES = {
                   untie_embeddings_and_output_weights=True, max_position_embeddings=128),
     "llama_tied_bias": dict(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=VOCAB, ffn_hidden_size=24,
                             position_embedding_type="rope", normalization="RMSNorm", swiglu=True),
+    # --apply-layernorm-1p: the exported norm weights are 1 + ours
+    "gpt2_layernorm_1p": dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                              max_position_embeddings=64, apply_layernorm_1p=True),
+    "llama_layernorm_1p": dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               vocab_size=VOCAB, ffn_hidden_size=48, position_embedding_type="rope",
+                               normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                               untie_embeddings_and_output_weights=True, apply_layernorm_1p=True),
 }
 
 
@@ -162,6 +169,9 @@ def test_refusals(tmp_path):
         hf_architecture(GPTConfig(position_embedding_type="rope", normalization="LayerNorm"))
     with pytest.raises(UnsupportedModelError, match="grouped-query"):
         hf_architecture(GPTConfig(num_query_groups=2))
+    with pytest.raises(UnsupportedModelError, match="--rotary-percent 1.0"):
+        hf_architecture(GPTConfig(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                                  rotary_percent=0.5))
     llama = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": 32,
              "num_attention_heads": 4, "intermediate_size": 40, "vocab_size": 100}
     with pytest.raises(UnsupportedModelError, match="rope scaling 'llama3'"):

@@ -344,3 +344,41 @@ def test_split_into_pipeline_stages():
     assert hidden.shape == (2, 9, config.hidden_size)
     torch.testing.assert_close(last(hidden), model(tokens))
     assert {k.split(".")[1] for k in last.state_dict() if k.startswith("layers.")} == {"2", "3"}
+
+
+# ---- --apply-layernorm-1p and --rotary-percent ---------------------------------------------------
+
+@pytest.mark.parametrize("style", STYLES)
+def test_layernorm_1p_is_the_same_function_with_weights_centred_on_zero(style):
+    plain, one_p = STYLES[style](), STYLES[style](apply_layernorm_1p=True)
+    a, b = GPTModel(plain), GPTModel(one_p)
+    a.init_weights(3)
+    b.init_weights(3)
+    norms = [n for n, _ in b.named_parameters() if n.endswith("layernorm.weight")]
+    assert norms and all(bool((dict(b.named_parameters())[n] == 0).all()) for n in norms)  # 1p init: zeros
+    with torch.no_grad():
+        for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            p.add_(torch.randn_like(p) * 0.1)
+            q.copy_(p - 1 if n.endswith("layernorm.weight") else p)
+    tokens = torch.randint(0, 96, (2, 12))
+    torch.testing.assert_close(a(tokens), b(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_partial_rotary_rotates_only_the_first_dims():
+    x = torch.randn(2, 3, 5, 16)
+    cos, sin = rotary_cos_sin(torch.arange(5).unsqueeze(0), 8, 10000.0)  # 8 of 16 dims
+    out = apply_rotary(x, cos, sin)
+    assert torch.equal(out[..., 8:], x[..., 8:])
+    torch.testing.assert_close(out[..., :8], apply_rotary(x[..., :8].contiguous(), cos, sin))
+    config = llama_config(rotary_percent=0.5)
+    assert config.rotary_dim == config.kv_channels // 2
+    model = GPTModel(config)
+    model.init_weights(0)
+    assert model(torch.randint(0, 96, (1, 7))).shape == (1, 7, 96)
+
+
+@pytest.mark.parametrize("fields, message", [(dict(rotary_percent=0.0), "--rotary-percent must be in"),
+                                             (dict(rotary_percent=0.4), "even number of rotated dims")])
+def test_bad_rotary_percent(fields, message):
+    with pytest.raises(ValueError, match=message):
+        llama_config(**fields)

@@ -184,3 +184,27 @@ def test_clip_grad_norm_with_dtensor(tmp_path):
         assert len(decay["params"]) == 1 and not no_decay["params"]   # DTensor ndim is the global ndim
     finally:
         dist.destroy_process_group()
+
+
+def test_decoupled_lr_gives_embedding_and_output_layer_their_own_schedule():
+    from megatrain.models.config import GPTConfig
+    from megatrain.models.gpt import GPTModel
+
+    model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                               untie_embeddings_and_output_weights=True))
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, min_lr=1e-5, decoupled_lr=5e-3, decoupled_min_lr=4e-4))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decoupled = [g for g in opt.param_groups if g["is_decoupled_lr"]]
+    assert sorted(names[id(p)] for g in decoupled for p in g["params"]) == [
+        "embedding.word_embeddings.weight", "output_layer.weight"]
+    assert all(g["max_lr"] == 5e-3 and g["min_lr"] == 4e-4 and g["wd_mult"] == 1.0 for g in decoupled)
+    sched = LRScheduler(opt, LRScheduleConfig(lr=1e-3, min_lr=1e-5, lr_decay_style="linear", lr_decay_steps=10))
+    for _ in range(5):
+        sched.step(1)
+    lrs = {g["is_decoupled_lr"]: g["lr"] for g in opt.param_groups}
+    assert lrs[False] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert lrs[True] == pytest.approx(4e-4 + 0.5 * (5e-3 - 4e-4))
+    with pytest.raises(ValueError, match="--decoupled-min-lr needs --decoupled-lr"):
+        OptimizerConfig(decoupled_min_lr=1e-4)
+    plain = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    assert not any(g["is_decoupled_lr"] for g in plain.param_groups)
