@@ -155,6 +155,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step (default micro-batch * data-parallel size)")
     g.add_argument("--batch-size", type=int, default=None, help="old name of --micro-batch-size")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over the first SAMPLES samples "
+                        "(needs --train-samples)")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=100)
@@ -583,7 +586,21 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _validate_pipeline(args)
     if args.calculate_per_token_loss and pp > 1:
         _fail("--calculate-per-token-loss with --pipeline-model-parallel-size > 1 is not supported yet")
-    if args.train_samples is not None:
+    if args.rampup_batch_size is not None:
+        if args.train_samples is None:
+            _fail("--rampup-batch-size needs sample-based training: give --train-samples instead of --train-iters "
+                  "(as Megatron-LM requires)")
+        if pp > 1:
+            _fail("--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported yet")
+        from megatrain.training.batch_rampup import BatchRampup
+
+        try:
+            rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
+                                 args.micro_batch_size * args.data_parallel_size)
+        except ValueError as e:
+            _fail(str(e))
+        args.train_iters_derived = rampup.iterations_for(args.train_samples)
+    elif args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
     else:
         args.train_iters_derived = args.train_iters

@@ -34,6 +34,7 @@ from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
+from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
 from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
@@ -116,6 +117,8 @@ class Trainer:
         self.precision = Precision.from_args(args)
         self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
         self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
+        self.rampup: BatchRampup | None = None
+        self.num_micro_batches = args.num_micro_batches  # of the current iteration (--rampup-batch-size)
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
         if self.world_size != getattr(args, "world_size_actual", self.world_size):
             raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "
@@ -130,6 +133,9 @@ class Trainer:
         if dist.is_initialized():
             self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
+        if getattr(args, "rampup_batch_size", None):
+            self.rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
+                                      args.micro_batch_size * self.dp_size)
         seed_everything(args.seed, pp_rank=self.dims.pp_rank, dp_rank=self.dp_rank,
                         data_parallel_random_init=bool(getattr(args, "data_parallel_random_init", False)))
 
@@ -283,7 +289,7 @@ class Trainer:
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
         return [self.make_batch(next(data_iter).to(self.device, non_blocking=True))
-                for _ in range(self.args.num_micro_batches)]
+                for _ in range(self.num_micro_batches)]
 
     def train_step(self) -> StepResult:
         a = self.args
@@ -297,19 +303,19 @@ class Trainer:
                                              autocast=self.precision.autocast(self.device))
         elif self.per_token_loss:
             tokens = torch.zeros((), device=self.device)
-            for i in range(a.num_micro_batches):
-                with gradient_sync(self.model, i == a.num_micro_batches - 1):
+            for i in range(self.num_micro_batches):
+                with gradient_sync(self.model, i == self.num_micro_batches - 1):
                     loss_sum, n = self._forward_loss_sum(next(self.train_iter))
                     total += loss_sum.detach()
                     tokens += n.detach()
                     (loss_sum * scale).backward()
         else:
-            for i in range(a.num_micro_batches):
+            for i in range(self.num_micro_batches):
                 # Data-parallel gradient reduction only after the last micro-batch.
-                with gradient_sync(self.model, i == a.num_micro_batches - 1):
+                with gradient_sync(self.model, i == self.num_micro_batches - 1):
                     loss = self._forward_loss(next(self.train_iter))
                     total += loss.detach()
-                    (loss * (scale / a.num_micro_batches)).backward()
+                    (loss * (scale / self.num_micro_batches)).backward()
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None
@@ -332,7 +338,7 @@ class Trainer:
             found_inf = (~torch.isfinite(grad_norm_t)).float()
         if self.world_size > 1:
             reduce_found_inf(found_inf)  # MAX over all ranks: every rank skips the same steps
-        mean_loss = per_token_mean if per_token_mean is not None else self._dp_mean(total / a.num_micro_batches)
+        mean_loss = per_token_mean if per_token_mean is not None else self._dp_mean(total / self.num_micro_batches)
         # The one host synchronisation of an iteration, before the optimizer step is queued.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         found, loss_finite, norm = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
@@ -343,7 +349,7 @@ class Trainer:
         skipped = bad
         if not skipped:
             self.optimizer.step()
-            self.scheduler.step(a.global_batch_size)
+            self.scheduler.step(self.num_micro_batches * a.micro_batch_size * self.dp_size)
         grad_norm = norm if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
 
@@ -419,6 +425,11 @@ class Trainer:
                     f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
                     f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
                     f"on {self.device}" + (f"; {self.dims.describe()}" if self.world_size > 1 else ""))
+        if self.rampup is not None:
+            r = self.rampup
+            print_rank0(f" batch size ramp-up: global batch {r.start} growing by {r.increment} over the first "
+                        f"{r.samples:,} samples to {a.global_batch_size} ({train_iters} iterations for "
+                        f"{a.train_samples:,} samples)")
         estimate = self._memory_estimate()
         print_rank0(f" {estimate.line()}")
         fp8 = [m.fp8_report for m in self.module.modules() if hasattr(m, "fp8_report")]
@@ -435,10 +446,12 @@ class Trainer:
         self.housekeeping.start()
         while self.state.iteration < train_iters:
             self.housekeeping.before_iteration(self.state.iteration)
+            if self.rampup is not None:
+                self.num_micro_batches = self.rampup.micro_batches_at(self.state.consumed_train_samples)
             result = self.train_step()
             self.state.iteration += 1
             self.housekeeping.after_optimizer_step(self.state.iteration)
-            self.state.consumed_train_samples += a.global_batch_size
+            self.state.consumed_train_samples += self.current_global_batch_size
             interval.add(result)
             if result.skipped and self.scaler is not None:
                 self.state.skipped_iterations += 1
@@ -448,7 +461,7 @@ class Trainer:
             if self.writer.active and it % a.tensorboard_log_interval == 0:
                 self.writer.log_train(it, consumed_samples=self.state.consumed_train_samples,
                                       losses={"lm loss": float(result.loss)}, learning_rate=self.scheduler.current_lr(),
-                                      batch_size=a.global_batch_size, grad_norm=result.grad_norm,
+                                      batch_size=self.current_global_batch_size, grad_norm=result.grad_norm,
                                       loss_scale=float(self.scaler.scale) if self.scaler is not None else None)
             if it % a.log_interval == 0:
                 if self.device.type == "cuda":
@@ -480,17 +493,23 @@ class Trainer:
                 sys.exit(0)
         return self.state
 
+    @property
+    def current_global_batch_size(self) -> int:
+        """The global batch of the current iteration (below --global-batch-size during a ramp-up)."""
+        return self.num_micro_batches * self.args.micro_batch_size * self.dp_size
+
     def _log(self, stats: "_IntervalStats", seconds_per_iter: float, train_iters: int) -> None:
         a = self.args
-        tflops = self.flops_per_iteration / (seconds_per_iter * 1e12 * self.world_size)
-        tokens_per_gpu = a.global_batch_size * a.seq_length / seconds_per_iter / self.world_size
+        batch = self.current_global_batch_size
+        tflops = self.flops_per_iteration * batch / a.global_batch_size / (seconds_per_iter * 1e12 * self.world_size)
+        tokens_per_gpu = batch * a.seq_length / seconds_per_iter / self.world_size
         mem_gib = (torch.cuda.max_memory_allocated(self.device) / 2**30) if self.device.type == "cuda" else None
         mfu = tflops / self.peak_tflops if self.peak_tflops else None
         line = format_train_log_line(
             iteration=self.state.iteration, train_iters=train_iters,
             consumed_samples=self.state.consumed_train_samples, elapsed_ms=seconds_per_iter * 1000.0,
             throughput_tflops=tflops, learning_rate=self.scheduler.current_lr(),
-            global_batch_size=a.global_batch_size, losses={"lm loss": stats.mean_loss()},
+            global_batch_size=batch, losses={"lm loss": stats.mean_loss()},
             loss_scale=float(self.scaler.scale) if self.scaler is not None else 1.0,
             grad_norm=stats.last_grad_norm, skipped_iterations=stats.skipped, nan_iterations=stats.nan,
             tokens_per_sec_per_gpu=tokens_per_gpu,

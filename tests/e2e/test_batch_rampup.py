@@ -1,0 +1,41 @@
+"""--rampup-batch-size end to end: the logged batch grows on Megatron's schedule, DP=2 (ZeRO-1) logs
+the same losses as one process, and a run stopped in the middle of the ramp resumes exactly."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from megatrain.training.logging import parse_train_log_line
+from tests.e2e.conftest import cpu_env, free_port, run_cmd
+
+RUN = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size",
+       "16", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--mock-data",
+       "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--lr", "1e-3", "--lr-warmup-samples", "8",
+       "--train-samples", "120", "--rampup-batch-size", "4", "4", "48", "--log-interval", "1", "--eval-iters", "0",
+       "--device", "cpu"]
+
+
+def _lines(stdout: str) -> list[dict]:
+    return [parse_train_log_line(line) for line in stdout.splitlines() if "] iteration " in line]
+
+
+@pytest.mark.slow
+def test_rampup_schedule_data_parallel_and_resume(tmp_path):
+    full = _lines(run_cmd([sys.executable, *RUN], env=cpu_env()).stdout)
+    assert [d["global batch size"] for d in full] == [4, 4, 4, 4, 8, 8, 12, 12, 16, 16, 16, 16]
+    assert [d["consumed samples"] for d in full][-1] == 120
+    dp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), *RUN, "--use-distributed-optimizer"], env=cpu_env()).stdout)
+    for a, b in zip(full, dp2, strict=True):
+        assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)
+        assert b["global batch size"] == a["global batch size"]
+    save = tmp_path / "ckpt"
+    first = _lines(run_cmd([sys.executable, *RUN, "--save", str(save), "--exit-interval", "6"], env=cpu_env()).stdout)
+    second = _lines(run_cmd([sys.executable, *RUN, "--load", str(save)], env=cpu_env()).stdout)
+    assert [d["iteration"] for d in first + second] == list(range(1, 13))
+    for a, b in zip(full, first + second):
+        assert (a["lm loss"], a["learning rate"], a["global batch size"]) == \
+               (b["lm loss"], b["learning rate"], b["global batch size"]), (a, b)
