@@ -13,13 +13,19 @@ import torch
 from megatrain.training.logging import parse_train_log_line
 from tests.e2e.conftest import run_cmd
 
+def _run_flags(layers: int, hidden: int, seq: int, micro: int, global_batch: int, vocab: int, device: str,
+               iters: int, lr: str, warmup: int) -> list[str]:
+    """A mock-data run of the given shape, logging every iteration, without dropout or evaluation."""
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(micro),
+            "--global-batch-size", str(global_batch), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--num-workers", "0", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
+            "--eval-iters", "0", "--device", device, "--train-iters", str(iters), "--lr", lr,
+            "--lr-warmup-iters", str(warmup), "--log-interval", "1"]
+
+
 ITERS = 30
-RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-       "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-       "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--mock-data",
-       "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--eval-iters", "0", "--device", "cpu",
-       "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "3", "--log-interval", "1",
-       "--no-torch-compile"]
+RUN = [*_run_flags(2, 64, 64, 4, 8, 1000, "cpu", ITERS, "3e-3", 3), "--no-torch-compile"]
 
 
 @functools.lru_cache(maxsize=None)  # the same command gives the same log: run it once per session
@@ -65,12 +71,7 @@ def test_fp8_trains_like_bf16(fmt):
 
 
 GPU_ITERS = 100
-GPU_RUN = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
-           "--max-position-embeddings", "256", "--micro-batch-size", "4", "--global-batch-size", "16",
-           "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--mock-data",
-           "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000", "--eval-iters", "0", "--device", "cuda",
-           "--train-iters", str(GPU_ITERS), "--lr", "1e-3", "--lr-warmup-iters", "10", "--log-interval", "1",
-           "--bf16", "--clip-grad", "1.0"]
+GPU_RUN = [*_run_flags(4, 256, 256, 4, 16, 8000, "cuda", GPU_ITERS, "1e-3", 10), "--bf16", "--clip-grad", "1.0"]
 
 
 @functools.lru_cache(maxsize=None)
