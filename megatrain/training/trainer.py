@@ -437,7 +437,9 @@ class Trainer:
             kept = [name for _, left in fp8 for name in left]
             print_rank0(f" fp8 ({a.fp8_format}: e4m3 forward, {'e5m2' if a.fp8_format == 'hybrid' else 'e4m3'} "
                         f"gradients; dynamic per-tensor scales; torchao): {sum(len(c) for c, _ in fp8)} linear "
-                        "layers of the transformer layers run fp8 matmuls; the output layer stays bf16"
+                        "layers of the transformer layers run fp8 matmuls"
+                        + (" (on this rank's pipeline stages)" if self.dims.pp > 1 else "")
+                        + "; the output layer stays bf16"
                         + (f"; kept in bf16 (sizes not multiples of 16): {', '.join(kept)}" if kept else ""))
         interval = _IntervalStats()
         t_last = time.time()
