@@ -87,3 +87,18 @@ def test_pipeline_fp16_overflow_is_agreed_across_stages():
         assert ("lm loss" in a) == ("lm loss" in b)
         if "lm loss" in a:
             assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_fp8_under_pipeline_parallelism_trains_like_one_fp8_process():
+    """--fp8-format converts each pipeline stage's layers; PP=2 logs the losses of one fp8 process."""
+    pytest.importorskip("torchao.float8")
+    fp8 = [*ARGS, "--bf16", "--fp8-format", "hybrid"]
+    ref_train, _ = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *fp8], env=_env()).stdout)
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(_free_port()), "pretrain_gpt.py", *fp8, "--pipeline-model-parallel-size", "2"], env=_env())
+    assert "(on this rank's pipeline stages)" in proc.stdout
+    train, _ = _losses(proc.stdout)
+    assert len(train) == len(ref_train) == 4
+    for (loss, _), (ref_loss, _) in zip(train, ref_train):
+        assert loss == pytest.approx(ref_loss, rel=1e-3)  # bf16 activations: summation order differs
