@@ -32,11 +32,11 @@ from megatrain.parallel.distributed import (destroy_distributed, get_rank, get_w
 from megatrain.parallel.parallelize import parallelize_gpt
 from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
+from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
-from megatrain.training.batch_rampup import BatchRampup
-from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
+from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
                                         format_validation_line)
 from megatrain.training.loss_scaler import (ConstantLossScaler, DynamicLossScaler, found_inf_in_grads,
