@@ -43,6 +43,15 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
                      "whatever the value",
     "--fp8-param-gather": "weights are gathered in bf16 (FSDP2 mixed precision) and cast to fp8 at each matmul: "
                           "the same matmuls, twice the bytes gathered",
+    "--no-rope-fusion": "RoPE is fused by torch.compile with the rest of the layer",
+    "--use-contiguous-parameters-in-local-ddp": "data parallelism is PyTorch DDP / FSDP2, which lays out its own "
+                                                "buckets",
+    "--keep_fp8_weight_transpose_cache": "fp8 weights are cast per matmul by torchao; there is no transpose cache",
+    "--fp8-interval": "delayed-scaling setting: megatrain's fp8 recomputes every scale at every step",
+    "--use-torch-fsdp2": "means --zero-stage 3 here (FSDP2 with parameters, gradients and optimizer state "
+                         "sharded), unless --zero-stage / --use-distributed-optimizer say otherwise",
+    "--dataloader-type": "samples are read in the GPT dataset's order (already shuffled, as Megatron's 'single' "
+                         "sampler reads it); 'cyclic's per-epoch reshuffle of that order is not applied",
     "--local_rank": "taken from the LOCAL_RANK environment variable",
     "--local-rank": "taken from the LOCAL_RANK environment variable",
     "--no-async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
@@ -117,6 +126,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="maximum sequence length for learned positions (default --seq-length)")
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="no learned absolute positions (with --position-embedding-type rope there are none anyway)")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dims that RoPE rotates (the rest pass through)")
@@ -261,6 +272,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with an error when no checkpoint is found (default: start fresh)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape (layers, sizes, heads, positions, norms, ...) from the --load "
+                        "checkpoint instead of the flags")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background; the loop waits only for a copy to host memory")
     g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",
@@ -360,6 +376,13 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", default=None, choices=["native", "te"])
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true")
     g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--no-rope-fusion", action="store_true")
+    g.add_argument("--use-contiguous-parameters-in-local-ddp", action="store_true")
+    g.add_argument("--keep_fp8_weight_transpose_cache", "--keep-fp8-weight-transpose-cache", action="store_true",
+                   dest="keep_fp8_weight_transpose_cache")
+    g.add_argument("--fp8-interval", type=int, default=None)
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"])
     g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])
 
 
@@ -428,6 +451,8 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
     args = parser.parse_args(argv)
     args.legacy_notes = [f"note: {flag} {note}" for flag, note in LEGACY_FLAG_NOTES.items()
                          if any(a == flag or a.startswith(flag + "=") for a in argv)]
+    if getattr(args, "use_checkpoint_args", False):
+        _apply_checkpoint_args(args)
     if validate:
         validate_args(args)
     return args
@@ -435,6 +460,38 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
 
 def _fail(message: str) -> None:
     raise SystemExit(f"error: {message}")
+
+
+# GPTConfig fields that --use-checkpoint-args takes from the checkpoint (same names as the flags' dests).
+_CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                          "ffn_hidden_size", "kv_channels", "num_query_groups", "position_embedding_type",
+                          "rotary_base", "rotary_percent", "normalization", "norm_epsilon", "swiglu",
+                          "add_bias_linear", "untie_embeddings_and_output_weights", "apply_layernorm_1p")
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
+    from megatrain.training.checkpointing import find_checkpoint, read_meta
+
+    if not args.load:
+        _fail("--use-checkpoint-args needs --load")
+    ckpt = find_checkpoint(args.load, args.ckpt_step)
+    if ckpt is None:
+        _fail(f"--use-checkpoint-args: no checkpoint found in --load {args.load}")
+    meta = read_meta(ckpt)
+    config = meta.get("model_config", {})
+    taken = []
+    for name in _CHECKPOINT_MODEL_ARGS:
+        if name in config and getattr(args, name, None) != config[name]:
+            taken.append(f"--{name.replace('_', '-')} {config[name]}")
+            setattr(args, name, config[name])
+    args.group_query_attention = config.get("num_query_groups") != config.get("num_attention_heads")
+    saved = meta.get("args", {})
+    if args.seq_length is None and saved.get("seq_length"):
+        args.seq_length = saved["seq_length"]
+        taken.append(f"--seq-length {args.seq_length}")
+    args.legacy_notes.append(f"note: --use-checkpoint-args took the model shape from {ckpt}"
+                             + (f": {', '.join(taken)}" if taken else " (the flags already matched)"))
 
 
 def world_size_from_env() -> int:
@@ -606,6 +663,14 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.train_iters_derived = args.train_iters
     if args.use_distributed_optimizer and args.zero_stage == 0:
         args.zero_stage = 1
+    if args.use_torch_fsdp2 and args.zero_stage == 0:
+        args.zero_stage = 3
+    if args.dataloader_type == "external":
+        _fail("--dataloader-type external (a loader the script supplies) is not supported; megatrain reads "
+              "--data-path / --mock-data itself")
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        _fail("--no-position-embedding without --position-embedding-type rope would leave the model without "
+              "positions, which is not supported; use --position-embedding-type rope")
     if args.torch_compile_scope == "model" and (tp > 1 or pp > 1 or args.zero_stage > 0):
         _fail("--torch-compile-scope model compiles the whole model of one process or of a replicated (DDP) "
               f"data-parallel run; with --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp}"

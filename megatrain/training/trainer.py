@@ -143,6 +143,9 @@ class Trainer:
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
         self._found_checkpoint = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None
+        if args.load and self._found_checkpoint is None and getattr(args, "exit_on_missing_checkpoint", False):
+            raise SystemExit(f"error: --load {args.load}: no complete checkpoint found "
+                             "(--exit-on-missing-checkpoint)")
         if self._found_checkpoint:  # a checkpoint saved under another TP size may be padded differently
             self.vocab_size = checkpointing.resume_vocab_size(self._found_checkpoint, self.vocab_size,
                                                               self.tokenizer.vocab_size, args.tensor_model_parallel_size)

@@ -117,3 +117,27 @@ def test_exit_duration_saves_before_exiting(tmp_path):
                     "--log-interval", "1", "--exit-duration-in-mins", "0", "--save", str(save)])
     assert "--exit-duration-in-mins" in proc.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_use_checkpoint_args_and_exit_on_missing_checkpoint(tmp_path):
+    """--use-checkpoint-args builds the checkpoint's model whatever the shape flags say (and without
+    them); --exit-on-missing-checkpoint refuses an empty --load instead of starting fresh."""
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--lr", "1e-3",
+            "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--micro-batch-size", "2"]
+    shape = ["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--seq-length", "32",
+             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--apply-layernorm-1p"]
+    ckpt = tmp_path / "ckpt"
+    run_cmd([sys.executable, "pretrain_gpt.py", *shape, *data, "--train-iters", "2", "--save", str(ckpt)])
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "3", "--load", str(ckpt),
+                    "--use-checkpoint-args", "--exit-on-missing-checkpoint"])
+    assert "note: --use-checkpoint-args took the model shape from" in proc.stdout
+    assert "--num-layers 3" in proc.stdout and "--apply-layernorm-1p True" in proc.stdout
+    assert "loaded checkpoint" in proc.stdout and "] iteration        3/       3 |" in proc.stdout
+    wrong = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--num-layers", "2", "--hidden-size", "64",
+                     "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "3", "--load", str(ckpt),
+                     "--use-checkpoint-args"])
+    assert "--hidden-size 48" in wrong.stdout and "] iteration        3/       3 |" in wrong.stdout
+    (tmp_path / "empty").mkdir()
+    missing = run_cmd([sys.executable, "pretrain_gpt.py", *shape, *data, "--train-iters", "2", "--load",
+                       str(tmp_path / "empty"), "--exit-on-missing-checkpoint"], check=False)
+    assert missing.returncode != 0 and "no complete checkpoint found (--exit-on-missing-checkpoint)" in missing.stderr

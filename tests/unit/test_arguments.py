@@ -143,3 +143,42 @@ def test_flag_table_doc_is_current():
     doc = Path(__file__).resolve().parents[2] / "docs" / "megatron_flags.md"
     assert doc.read_text(encoding="utf-8") == render(), (
         "docs/megatron_flags.md is stale: run python -m megatrain.training.flag_table docs/megatron_flags.md")
+
+
+# Megatron-LM's examples/llama/train_llama2.sh, every flag it can pass (shapes shrunk).
+LLAMA2_EXAMPLE = ("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1 "
+                  "--ffn-hidden-size 128 --max-position-embeddings 32000 --untie-embeddings-and-output-weights "
+                  "--position-embedding-type rope --no-position-embedding --swiglu --disable-bias-linear "
+                  "--init-method-std 0.02 --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm "
+                  "--micro-batch-size 1 --global-batch-size 8 --no-async-tensor-model-parallel-allreduce --bf16 "
+                  "--no-masked-softmax-fusion --recompute-num-layers 2 --recompute-granularity full "
+                  "--recompute-method block --no-rope-fusion --lr 1e-4 --min-lr 1e-5 --lr-decay-iters 320000 "
+                  "--lr-decay-style cosine --weight-decay 1.0e-1 --clip-grad 1.0 --optimizer adam --adam-beta1 0.9 "
+                  "--adam-beta2 0.95 --split 99990,8,2 --dataloader-type cyclic --save-interval 200000 "
+                  "--log-interval 1 --eval-interval 320000 --num-workers 8 --log-throughput --no-save-optim "
+                  "--no-save-rng --eval-iters 10 --ckpt-format torch --no-load-optim --no-load-rng "
+                  "--group-query-attention --num-query-groups 2 --no-gradient-accumulation-fusion "
+                  "--distributed-backend nccl --distributed-timeout-minutes 120 --overlap-grad-reduce "
+                  "--use-torch-fsdp2 --profile --use-pytorch-profiler --use-flash-attn --sequence-parallel "
+                  "--use-contiguous-parameters-in-local-ddp --use-mcore-models --transformer-impl=transformer_engine "
+                  "--fp8-margin=0 --fp8-format=hybrid --fp8-interval=1 --fp8-amax-history-len=1024 "
+                  "--fp8-amax-compute-algo=max --attention-softmax-in-fp32 --keep_fp8_weight_transpose_cache "
+                  "--wandb-project=LLama --wandb-exp-name=LLama_7B --wandb-save-dir logs/wandb").split()
+
+
+def test_megatron_llama2_example_flags_are_accepted():
+    pytest.importorskip("torchao.float8")
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                       "64", "--train-iters", "12", "--mock-data", "--device", "cpu", *LLAMA2_EXAMPLE])
+    assert args.zero_stage == 3 and args.fp8_format == "hybrid" and args.position_embedding_type == "rope"
+    notes = "\n".join(args.legacy_notes)
+    for flag in ("--use-torch-fsdp2", "--dataloader-type", "--no-rope-fusion", "--fp8-interval", "--ckpt-format"):
+        assert f"note: {flag}" in notes, flag
+
+
+def test_megatron_flags_that_cannot_work_here_raise_with_the_flag():
+    for extra, expected in ((["--no-position-embedding"], "--no-position-embedding without"),
+                            (["--dataloader-type", "external"], "--dataloader-type external"),
+                            (["--use-checkpoint-args"], "--use-checkpoint-args needs --load")):
+        with pytest.raises(SystemExit, match=expected):
+            parse_args([*BASE, *extra])
