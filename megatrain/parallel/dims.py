@@ -34,6 +34,7 @@ class ParallelDims:
     dp: int = -1
     sequence_parallel: bool = False
     _mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _replica_mesh: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -109,6 +110,19 @@ class ParallelDims:
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters: data x context parallel (their gradients are reduced together)."""
+        return self.dp * self.cp
+
+    def replica_mesh(self) -> "DeviceMesh":
+        """The 1-D mesh gradients are reduced over: ``dp``, or ``dp`` and ``cp`` flattened into one axis."""
+        if self.cp == 1:
+            return self.submesh("dp")
+        if self._replica_mesh is None:
+            self._replica_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        return self._replica_mesh
 
     def build_mesh(self, device_type: str) -> "DeviceMesh":
         """Build (once) the 4-D DeviceMesh over all ranks; the process group must be initialised."""

@@ -3,12 +3,14 @@
 The steps always run in this order:
 
 0. with ``--fp8-format``, the transformer layers' linear layers become fp8 (:mod:`megatrain.models.fp8`);
-1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`);
+1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`),
+   then the context-parallel key/value gather (:mod:`megatrain.parallel.context_parallel`);
 2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
 3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``), and the head's
    loss: chunked float32 cross entropy (``--cross-entropy-chunk-size``) unless tensor parallel
    already made it vocab-parallel;
-4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs);
+4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs), over the
+   data x context parallel ranks;
 5. materialise (``to_empty``) and fill every parameter from ``initial_value`` -- each rank writes
    only its shard of the full tensor, so the weights are identical for every layout;
 6. DDP wrapping (replicated data parallel), which needs materialised weights.
@@ -31,6 +33,7 @@ from megatrain.models.config import GPTConfig
 from megatrain.models.fp8 import Fp8Config, convert_to_fp8
 from megatrain.models.fused_loss import ChunkedCrossEntropy
 from megatrain.models.gpt import canonical_parameter_name, initial_value
+from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
@@ -78,11 +81,12 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     if not isinstance(cfg, ParallelizeConfig):
         cfg = ParallelizeConfig.from_args(cfg)
     config = config or model.config
-    if (dims.pp > 1 and not getattr(model, "is_pipeline_stage", False)) or dims.cp > 1:
-        raise ValueError("parallelize_gpt applies tensor, sequence and data parallelism to one model or one "
-                         f"pipeline stage; with --pipeline-model-parallel-size {dims.pp} build the stages with "
-                         "megatrain.parallel.pipeline.PipelineParallel.build (context parallel "
-                         f"--context-parallel-size {dims.cp} is not supported)")
+    if dims.pp > 1 and not getattr(model, "is_pipeline_stage", False):
+        raise ValueError("parallelize_gpt applies tensor, sequence, context and data parallelism to one model or "
+                         f"one pipeline stage; with --pipeline-model-parallel-size {dims.pp} build the stages "
+                         "with megatrain.parallel.pipeline.PipelineParallel.build")
+    if dims.cp > 1 and dims.pp > 1:
+        raise ValueError("--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet")
     distributed = dims.world_size > 1
     if cfg.fp8_format is not None:
         if dims.tp_enabled:
@@ -94,13 +98,15 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
         apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel,
                               loss_chunk_size=cfg.cross_entropy_chunk_size,
                               compile_loss=cfg.compile_layers and device.type == "cuda")
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.submesh("cp"))
     apply_activation_checkpointing(model, cfg.recompute)
     # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
     # fit DDP's reducer with several stages per rank. One process with --use-distributed-optimizer /
     # --zero-stage: FSDP2 over a mesh of one rank, for its mixed precision (bf16 compute weights
     # cast once per iteration, fp32 gradient accumulation).
     single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
-    fsdp = (single or (distributed and dims.dp_enabled)) and uses_fsdp(cfg.data_parallel,
+    fsdp = (single or (distributed and dims.replicas > 1)) and uses_fsdp(cfg.data_parallel,
                                                                         dims.tp_enabled or dims.pp > 1)
     compile_model = cfg.compile_layers and cfg.compile_scope == "model" and compile_fn is None
     if compile_model and (dims.tp_enabled or dims.pp > 1 or fsdp):
@@ -120,14 +126,14 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
         model.chunked_loss = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
                                                  compile=cfg.compile_layers and device.type == "cuda")
     if fsdp:
-        apply_fsdp(model, dims.submesh("dp"), cfg.data_parallel)
+        apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     init_parameters(model, config, seed)
     if device.type == "cuda":
         warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)
-    if distributed and dims.dp_enabled and not fsdp:
-        return apply_ddp(model, dims.submesh("dp"), cfg.data_parallel, device)
+    if distributed and dims.replicas > 1 and not fsdp:
+        return apply_ddp(model, dims.replica_mesh(), cfg.data_parallel, device)
     return model
 
 

@@ -73,7 +73,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--num-experts": "mixture-of-experts models are not supported yet",
     "--moe-router-topk": "mixture-of-experts models are not supported yet",
     "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
-    "--context-parallel-size": None,  # accepted (reserved, must be 1) — handled in validation
     "--encoder-num-layers": "encoder-decoder models are not supported",
     "--decoder-num-layers": "use --num-layers",
     "--use-cpu-initialization": None,
@@ -321,7 +320,9 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-schedule", default=None,
                    help="1f1b (default), interleaved-1f1b (default with virtual stages), "
                         "interleaved-zero-bubble or gpipe")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="reserved; must be 1")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split every sequence over this many ranks (load-balanced chunks; attention gathers "
+                        "keys and values)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
@@ -621,8 +622,16 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters")
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    if cp != 1:
-        _fail("--context-parallel-size is reserved and must be 1")
+    if cp < 1:
+        _fail(f"--context-parallel-size must be at least 1, got {cp}")
+    if cp > 1:
+        if args.seq_length % (2 * cp):
+            _fail(f"--context-parallel-size {cp} cuts each sequence into {2 * cp} chunks: --seq-length "
+                  f"({args.seq_length}) must be divisible by {2 * cp}")
+        if pp > 1:
+            _fail("--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet")
+        if args.reset_attention_mask:
+            _fail("--context-parallel-size > 1 with --reset-attention-mask (document masks) is not supported yet")
     for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
         if size < 1:
             _fail(f"{name} must be at least 1, got {size}")

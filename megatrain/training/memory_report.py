@@ -83,12 +83,13 @@ def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, t
                     dp: int = 1, zero_stage: int = 0, sequence_parallel: bool = False,
                     recompute_granularity: str | None = None, half_precision: bool = True,
                     optimizer: str = "adam", loss_chunked: bool = False,
-                    num_micro_batches: int = 1) -> MemoryEstimate:
+                    num_micro_batches: int = 1, cp: int = 1) -> MemoryEstimate:
     """Estimate the memory of the rank holding the first pipeline stage (the embedding)."""
     layers, extra, total = parameter_counts(cfg)
     layers_per_stage = cfg.num_layers // pp
     rank_params = int(layers / cfg.num_layers * layers_per_stage / tp + extra / tp)
-    shard = dp if zero_stage >= 1 else 1
+    shard = dp * cp if zero_stage >= 1 else 1  # ZeRO shards over the data x context parallel ranks
+    seq_length = seq_length // cp  # context parallel: each rank holds 1/cp of every sequence
     weights_and_grads = 8.0 * rank_params / shard
     opt_bytes = {"adam": 8.0, "sgd": 4.0}.get(optimizer, 8.0)
     optimizer_mem = opt_bytes * rank_params / shard
@@ -115,7 +116,7 @@ def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, t
         logits = 0.0  # on the last stage
     else:
         logits = (2.0 if loss_chunked else 10.0) * s * b * cfg.vocab_size / tp
-    ddp = dp > 1 and zero_stage == 0 and tp == 1 and pp == 1
+    ddp = dp * cp > 1 and zero_stage == 0 and tp == 1 and pp == 1
     ddp_buckets = 4.0 * rank_params if ddp else 0.0
     return MemoryEstimate(total, rank_params, weights_and_grads, optimizer_mem, gathered, activations, logits,
                           ddp_buckets)

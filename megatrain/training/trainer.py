@@ -25,6 +25,7 @@ from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samp
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.models.gpt import GPTModel
+from megatrain.parallel.context_parallel import split_batch
 from megatrain.parallel.data_parallel import gradient_sync, unwrap
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.distributed import (destroy_distributed, get_rank, get_world_size, init_distributed,
@@ -133,6 +134,7 @@ class Trainer:
         if dist.is_initialized():
             self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
+        self.cp_rank, self.cp_size = self.dims.local_rank_on("cp"), self.dims.cp
         if getattr(args, "rampup_batch_size", None):
             self.rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
                                       args.micro_batch_size * self.dp_size)
@@ -276,8 +278,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_loss_sum(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the per-token losses where the loss mask is set, number of such tokens)."""
+        """(sum of the per-token losses where the loss mask is set, number of such tokens), over this
+        rank's tokens (with context parallelism, its part of each sequence)."""
         b = self.make_batch(samples.to(self.device, non_blocking=True))
+        if self.cp_size > 1:
+            b = split_batch(b, self.cp_size, self.cp_rank)
         with self.precision.autocast(self.device):
             per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
                                    labels=b["labels"])
@@ -285,9 +290,10 @@ class Trainer:
         return (per_token * mask).sum(), mask.sum()
 
     def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's mean loss over its loss tokens."""
+        """The micro-batch's mean loss over its loss tokens (with context parallelism, this rank's
+        share of it: its tokens' loss over the whole sequence's token count; the shares sum to it)."""
         loss_sum, tokens = self._forward_loss_sum(samples)
-        return loss_sum / tokens.clamp(min=1.0)
+        return loss_sum / self._cp_sum(tokens.detach()).clamp(min=1.0)
 
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
@@ -318,7 +324,8 @@ class Trainer:
                 with gradient_sync(self.model, i == self.num_micro_batches - 1):
                     loss = self._forward_loss(next(self.train_iter))
                     total += loss.detach()
-                    (loss * (scale / self.num_micro_batches)).backward()
+                    # x cp: the gradient reduction averages over data x context parallel ranks.
+                    (loss * (scale * self.cp_size / self.num_micro_batches)).backward()
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None
@@ -327,7 +334,7 @@ class Trainer:
             # reduction); divide by the global batch's number of loss tokens.
             loss_sum, global_tokens = self._dp_sum(torch.stack([total, tokens])).unbind()
             global_tokens = global_tokens.clamp(min=1.0)
-            scale_grads_(params, self.dp_size / global_tokens)
+            scale_grads_(params, self.dims.replicas / global_tokens)
             per_token_mean = loss_sum / global_tokens
         found_inf: torch.Tensor | None = None
         if self.scaler is not None:
@@ -341,7 +348,10 @@ class Trainer:
             found_inf = (~torch.isfinite(grad_norm_t)).float()
         if self.world_size > 1:
             reduce_found_inf(found_inf)  # MAX over all ranks: every rank skips the same steps
-        mean_loss = per_token_mean if per_token_mean is not None else self._dp_mean(total / self.num_micro_batches)
+        if per_token_mean is not None:
+            mean_loss = per_token_mean
+        else:
+            mean_loss = self._dp_mean(self._cp_sum(total) / self.num_micro_batches)
         # The one host synchronisation of an iteration, before the optimizer step is queued.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         found, loss_finite, norm = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
@@ -357,11 +367,19 @@ class Trainer:
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a per-rank value over the data-parallel ranks."""
-        if self.dp_size == 1:
+        """Sum a per-rank value over the data x context parallel ranks (every token of the global batch)."""
+        if self.dims.replicas == 1:
             return value
         value = value.clone()
-        torch.distributed.all_reduce(value, group=self.dims.submesh("dp").get_group())
+        torch.distributed.all_reduce(value, group=self.dims.replica_mesh().get_group())
+        return value
+
+    def _cp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank value over the context-parallel ranks (the parts of each sequence)."""
+        if self.cp_size == 1:
+            return value
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=self.dims.submesh("cp").get_group())
         return value
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -398,7 +416,7 @@ class Trainer:
         if self.per_token_loss and self.pipeline is None:
             loss_sum, n = self._dp_sum(torch.stack([total, tokens])).unbind()
             return float(loss_sum / n.clamp(min=1.0))
-        return float(self._dp_mean(total / (eval_iters * a.num_micro_batches)))
+        return float(self._dp_mean(self._cp_sum(total) / (eval_iters * a.num_micro_batches)))
 
     def evaluate_and_print(self, prefix: str, data_iter: Any, iteration: int) -> float | None:
         with self.housekeeping.around_evaluation():
@@ -418,7 +436,7 @@ class Trainer:
             pp=self.dims.pp, dp=self.dims.dp, zero_stage=a.zero_stage, sequence_parallel=a.sequence_parallel,
             recompute_granularity=a.recompute_granularity, half_precision=self.precision.dtype != torch.float32,
             optimizer=a.optimizer, loss_chunked=bool(getattr(a, "cross_entropy_chunk_size", 0)),
-            num_micro_batches=a.num_micro_batches)
+            num_micro_batches=a.num_micro_batches, cp=self.dims.cp)
 
     def train(self) -> TrainState:
         a = self.args

@@ -78,6 +78,9 @@ def test_per_token_loss_dp2_matches_one_process(tmp_path):
     proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                     str(_free_port()), "pretrain_gpt.py", *data, "--use-distributed-optimizer"], env=_env())
     _assert_close(_losses(proc.stdout), ref)
+    cp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(_free_port()), "pretrain_gpt.py", *data, "--context-parallel-size", "2"], env=_env())
+    _assert_close(_losses(cp.stdout), ref)  # each rank counts its part of every sequence
     assert abs(ref[0][0][0] - default[0][0][0]) > 1e-5 * abs(default[0][0][0]), "the flag changed nothing"
 
 

@@ -34,6 +34,9 @@ def test_bytes_per_parameter_and_sharding():
     chunked, chunked_tp2 = (estimate_memory(cfg, seq_length=32, micro_batch_size=2, tp=t, loss_chunked=True)
                             for t in (1, 2))
     assert chunked.logits == base.logits / 5 and chunked_tp2.logits == chunked.logits / 2  # TP chunks too
+    cp2 = estimate_memory(cfg, seq_length=32, micro_batch_size=2, half_precision=True, cp=2)
+    assert cp2.activations == base.activations / 2 and cp2.logits == base.logits / 2
+    assert cp2.weights_and_grads == base.weights_and_grads  # replicated across context-parallel ranks
     z1 = estimate_memory(cfg, seq_length=32, micro_batch_size=2, dp=4, zero_stage=1)
     z3 = estimate_memory(cfg, seq_length=32, micro_batch_size=2, dp=4, zero_stage=3)
     assert z1.optimizer == base.optimizer / 4 and z3.half_weights < z1.half_weights
