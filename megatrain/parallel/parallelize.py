@@ -85,8 +85,6 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
         raise ValueError("parallelize_gpt applies tensor, sequence, context and data parallelism to one model or "
                          f"one pipeline stage; with --pipeline-model-parallel-size {dims.pp} build the stages "
                          "with megatrain.parallel.pipeline.PipelineParallel.build")
-    if dims.cp > 1 and dims.pp > 1:
-        raise ValueError("--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet")
     distributed = dims.world_size > 1
     if cfg.fp8_format is not None:
         if dims.tp_enabled:

@@ -275,6 +275,11 @@ class PipelineParallel:
         self._scale = 1.0
         self._training = True
         self._micro_losses: list[torch.Tensor] = []
+        self._micro_tokens: list[torch.Tensor] = []
+        # --calculate-per-token-loss: the loss function returns loss sums; the trainer divides the
+        # gradients by the global batch's token count afterwards (see token_count_on_all_ranks).
+        self.per_token_loss = False
+        self.cp_group = dims.submesh("cp").get_group() if dims.cp > 1 else None
         self.schedule = self._build_schedule()
 
     # ---- construction ----------------------------------------------------------------------------
@@ -349,12 +354,26 @@ class PipelineParallel:
 
     # ---- one iteration ---------------------------------------------------------------------------
     def _loss_fn(self, per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss on the last stage: its mean over loss tokens (with context
+        parallelism, this rank's share: its tokens over all the sequence's tokens), or with
+        ``per_token_loss`` the plain sum (the token count is recorded)."""
         mask = loss_mask.to(per_token.dtype)
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        loss_sum, tokens = (per_token * mask).sum(), mask.sum()
+        if self.per_token_loss:
+            self._micro_losses.append(loss_sum.detach())
+            self._micro_tokens.append(tokens.detach())
+            return loss_sum * self._scale if self._training else loss_sum
+        cp = 1
+        if self.cp_group is not None:
+            tokens = tokens.detach().clone()
+            dist.all_reduce(tokens, group=self.cp_group)
+            cp = self.dims.cp
+        loss = loss_sum / tokens.clamp(min=1.0)
         self._micro_losses.append(loss.detach())
         if not self._training:
             return loss
-        return loss * (self._scale / self.num_micro_batches)
+        # x cp: the gradient reduction averages over data x context parallel ranks.
+        return loss * (self._scale * cp / self.num_micro_batches)
 
     def _inputs(self, batches: Sequence[dict[str, Any]]) -> tuple[tuple, dict[str, Any], Any]:
         if len(batches) != self.num_micro_batches:
@@ -372,12 +391,19 @@ class PipelineParallel:
 
     def _loss_sum_on_all_ranks(self) -> torch.Tensor:
         """Sum of the micro-batch losses, computed on the last stage and shared over the pp group."""
+        return self._last_stage_sum(self._micro_losses)
+
+    def token_count_on_all_ranks(self) -> torch.Tensor:
+        """With ``per_token_loss``: this iteration's loss tokens (of this rank's micro-batches)."""
+        return self._last_stage_sum(self._micro_tokens)
+
+    def _last_stage_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         if self.is_last:
             # The first step's shape inference may call the loss function once more, before the
             # micro-batches: the last ones recorded are the real ones.
-            assert len(self._micro_losses) >= self.num_micro_batches, len(self._micro_losses)
-            total += torch.stack(self._micro_losses[-self.num_micro_batches:]).sum().float()
+            assert len(values) >= self.num_micro_batches, len(values)
+            total += torch.stack(values[-self.num_micro_batches:]).sum().float()
         dist.all_reduce(total, group=self.pp_group)
         return total
 
@@ -390,7 +416,7 @@ class PipelineParallel:
         same value on every pipeline rank).
         """
         args, kwargs, target = self._inputs(batches)
-        self._micro_losses = []
+        self._micro_losses, self._micro_tokens = [], []
         self._scale, self._training = float(loss_scale), True
         with autocast or contextlib.nullcontext():
             self.schedule.step(*args, target=target, **kwargs, **self._step_kwargs)
@@ -401,7 +427,7 @@ class PipelineParallel:
     def eval_step(self, batches: Sequence[dict[str, Any]], *, autocast: ContextManager | None = None) -> torch.Tensor:
         """Forward only; returns the sum of the micro-batch losses on every pipeline rank."""
         args, kwargs, target = self._inputs(batches)
-        self._micro_losses = []
+        self._micro_losses, self._micro_tokens = [], []
         self._training = False
         try:
             with autocast or contextlib.nullcontext():

@@ -628,8 +628,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         if args.seq_length % (2 * cp):
             _fail(f"--context-parallel-size {cp} cuts each sequence into {2 * cp} chunks: --seq-length "
                   f"({args.seq_length}) must be divisible by {2 * cp}")
-        if pp > 1:
-            _fail("--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet")
         if args.reset_attention_mask:
             _fail("--context-parallel-size > 1 with --reset-attention-mask (document masks) is not supported yet")
     for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
@@ -650,8 +648,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
               f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     _validate_pipeline(args)
-    if args.calculate_per_token_loss and pp > 1:
-        _fail("--calculate-per-token-loss with --pipeline-model-parallel-size > 1 is not supported yet")
     if args.rampup_batch_size is not None:
         if args.train_samples is None:
             _fail("--rampup-batch-size needs sample-based training: give --train-samples instead of --train-iters "

@@ -202,6 +202,7 @@ class Trainer:
                     seed=self.args.seed, num_micro_batches=self.args.num_micro_batches)
             except ValueError as e:
                 raise SystemExit(f"error: {e}") from None
+            self.pipeline.per_token_loss = self.per_token_loss
             return self.pipeline.model
         with torch.device("meta"):
             model = GPTModel(self.model_config)
@@ -297,8 +298,11 @@ class Trainer:
 
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
-        return [self.make_batch(next(data_iter).to(self.device, non_blocking=True))
-                for _ in range(self.num_micro_batches)]
+        batches = [self.make_batch(next(data_iter).to(self.device, non_blocking=True))
+                   for _ in range(self.num_micro_batches)]
+        if self.cp_size > 1:
+            batches = [split_batch(b, self.cp_size, self.cp_rank) for b in batches]
+        return batches
 
     def train_step(self) -> StepResult:
         a = self.args
@@ -307,11 +311,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))
+            if self.per_token_loss:
+                tokens = self.pipeline.token_count_on_all_ranks()
         elif self.per_token_loss:
-            tokens = torch.zeros((), device=self.device)
             for i in range(self.num_micro_batches):
                 with gradient_sync(self.model, i == self.num_micro_batches - 1):
                     loss_sum, n = self._forward_loss_sum(next(self.train_iter))
@@ -329,7 +335,7 @@ class Trainer:
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None
-        if self.per_token_loss and self.pipeline is None:
+        if self.per_token_loss:
             # --calculate-per-token-loss: the gradients hold the loss sums (averaged over dp by the
             # reduction); divide by the global batch's number of loss tokens.
             loss_sum, global_tokens = self._dp_sum(torch.stack([total, tokens])).unbind()
@@ -403,6 +409,8 @@ class Trainer:
             if self.pipeline is not None:
                 total += self.pipeline.eval_step(self._micro_batches(data_iter),
                                                  autocast=self.precision.autocast(self.device))
+                if self.per_token_loss:
+                    tokens += self.pipeline.token_count_on_all_ranks()
             elif self.per_token_loss:
                 for _ in range(a.num_micro_batches):
                     loss_sum, n = self._forward_loss_sum(next(data_iter))
@@ -413,7 +421,7 @@ class Trainer:
                     total += self._forward_loss(next(data_iter))
             self.state.consumed_valid_samples += a.global_batch_size
         self.model.train()
-        if self.per_token_loss and self.pipeline is None:
+        if self.per_token_loss:
             loss_sum, n = self._dp_sum(torch.stack([total, tokens])).unbind()
             return float(loss_sum / n.clamp(min=1.0))
         return float(self._dp_mean(self._cp_sum(total) / (eval_iters * a.num_micro_batches)))

@@ -1,7 +1,8 @@
 """`torchrun pretrain_gpt.py --context-parallel-size C` logs the same losses as one process.
 
 LLaMA-style model (RoPE, GQA, SwiGLU, RMSNorm, untied) on CPU with gloo: context parallel alone
-(C=4), with data parallel (DDP), with tensor + sequence parallel, and with ZeRO-3; every logged
+(C=4), with data parallel (DDP), with tensor + sequence parallel, with ZeRO-3 and with pipeline
+parallel; every logged
 iteration's loss and grad norm and every validation loss must agree within 1e-5 (grad norms 1e-3,
 they print three decimals). A checkpoint saved under C=2 x DP=2 resumes in one process exactly.
 """
@@ -47,7 +48,8 @@ def one_process():
     ["--context-parallel-size", "2"],  # x DP=2 (DDP over the data x context ranks)
     ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--context-parallel-size", "2", "--zero-stage", "3"],
-], ids=["cp4", "cp2_dp2", "cp2_tp2_sp", "cp2_dp2_zero3"])
+    ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+], ids=["cp4", "cp2_dp2", "cp2_tp2_sp", "cp2_dp2_zero3", "cp2_pp2"])
 def test_context_parallel_layouts_match_one_process(one_process, layout):
     out = _torchrun(4, *layout)
     cp = layout[1]

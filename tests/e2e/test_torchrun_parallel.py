@@ -59,8 +59,8 @@ def test_torchrun_tp2_dp2_on_the_tiny_corpus_matches_one_process(tiny_corpus):
 @pytest.mark.slow
 def test_per_token_loss_dp2_matches_one_process(tmp_path):
     """--calculate-per-token-loss with --eod-mask-loss on short documents (micro-batches hold quite
-    different numbers of loss tokens): DP=2 with ZeRO-2 logs the same losses as one process, and
-    they differ from the default per-micro-batch averaging."""
+    different numbers of loss tokens): DP=2 with ZeRO-2, context parallel 2 and pipeline parallel 2
+    log the same losses as one process, and they differ from the default per-micro-batch averaging."""
     import numpy as np
 
     from megatrain.data.indexed_dataset import IndexedDatasetWriter
@@ -81,6 +81,9 @@ def test_per_token_loss_dp2_matches_one_process(tmp_path):
     cp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                   str(_free_port()), "pretrain_gpt.py", *data, "--context-parallel-size", "2"], env=_env())
     _assert_close(_losses(cp.stdout), ref)  # each rank counts its part of every sequence
+    pp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(_free_port()), "pretrain_gpt.py", *data, "--pipeline-model-parallel-size", "2"], env=_env())
+    _assert_close(_losses(pp.stdout), ref)  # the last stage counts the tokens, every stage scales
     assert abs(ref[0][0][0] - default[0][0][0]) > 1e-5 * abs(default[0][0][0]), "the flag changed nothing"
 
 

@@ -41,7 +41,6 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 @pytest.mark.parametrize("extra, message", [
     (["--seq-length", "12"], "must be divisible by 8"),
-    (["--seq-length", "16", "--pipeline-model-parallel-size", "2"], "not supported yet"),
     (["--seq-length", "16", "--reset-attention-mask"], "--reset-attention-mask"),
 ])
 def test_context_parallel_flag_checks(monkeypatch, extra, message):
