@@ -280,6 +280,7 @@ class PipelineParallel:
         # gradients by the global batch's token count afterwards (see token_count_on_all_ranks).
         self.per_token_loss = False
         self.cp_group = dims.submesh("cp").get_group() if dims.cp > 1 else None
+        self._schedules: dict[int, Any] = {}
         self.schedule = self._build_schedule()
 
     # ---- construction ----------------------------------------------------------------------------
@@ -351,6 +352,14 @@ class PipelineParallel:
                              f"and {self.dims.pp} pipeline ranks: {e}") from None
         self._step_kwargs = {"return_outputs": False} if _accepts(schedule.step, "return_outputs") else {}
         return schedule
+
+    def set_num_micro_batches(self, n: int) -> None:
+        """Run the next steps with ``n`` micro-batches (``--rampup-batch-size``); one schedule per count."""
+        if n == self.num_micro_batches:
+            return
+        self._schedules[self.num_micro_batches] = self.schedule
+        self.num_micro_batches = n
+        self.schedule = self._schedules.get(n) or self._build_schedule()
 
     # ---- one iteration ---------------------------------------------------------------------------
     def _loss_fn(self, per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -652,8 +652,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         if args.train_samples is None:
             _fail("--rampup-batch-size needs sample-based training: give --train-samples instead of --train-iters "
                   "(as Megatron-LM requires)")
-        if pp > 1:
-            _fail("--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported yet")
+        per_micro = args.micro_batch_size * args.data_parallel_size
+        if pp > 1 and any((v // per_micro) % pp for v in args.rampup_batch_size[:2] if v % per_micro == 0):
+            _fail(f"--rampup-batch-size with --pipeline-model-parallel-size {pp}: the start and increment must be "
+                  f"whole multiples of {pp} micro-batches ({pp} x --micro-batch-size x data-parallel size = "
+                  f"{pp * per_micro} samples), so that every batch of the ramp fills the pipeline schedule")
         from megatrain.training.batch_rampup import BatchRampup
 
         try:

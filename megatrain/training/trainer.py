@@ -402,6 +402,16 @@ class Trainer:
         if data_iter is None or eval_iters <= 0:
             return None
         a = self.args
+        if self.num_micro_batches != a.num_micro_batches:  # evaluation uses the full global batch
+            training_micro_batches, self.num_micro_batches = self.num_micro_batches, a.num_micro_batches
+            try:
+                return self.evaluate(data_iter, eval_iters)
+            finally:
+                self.num_micro_batches = training_micro_batches
+                if self.pipeline is not None:
+                    self.pipeline.set_num_micro_batches(training_micro_batches)
+        if self.pipeline is not None:
+            self.pipeline.set_num_micro_batches(a.num_micro_batches)
         self.model.eval()
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
@@ -479,6 +489,8 @@ class Trainer:
             self.housekeeping.before_iteration(self.state.iteration)
             if self.rampup is not None:
                 self.num_micro_batches = self.rampup.micro_batches_at(self.state.consumed_train_samples)
+                if self.pipeline is not None:
+                    self.pipeline.set_num_micro_batches(self.num_micro_batches)
             result = self.train_step()
             self.state.iteration += 1
             self.housekeeping.after_optimizer_step(self.state.iteration)

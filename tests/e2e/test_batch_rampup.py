@@ -1,5 +1,6 @@
 """--rampup-batch-size end to end: the logged batch grows on Megatron's schedule, DP=2 (ZeRO-1) logs
-the same losses as one process, and a run stopped in the middle of the ramp resumes exactly."""
+the same losses as one process, and so does PP=2 (one pipeline schedule per micro-batch count); a
+run stopped in the middle of the ramp resumes exactly."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def test_rampup_schedule_data_parallel_and_resume(tmp_path):
     assert [d["consumed samples"] for d in full][-1] == 120
     dp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(free_port()), *RUN, "--use-distributed-optimizer"], env=cpu_env()).stdout)
-    for a, b in zip(full, dp2, strict=True):
+    pp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), *RUN, "--pipeline-model-parallel-size", "2"], env=cpu_env()).stdout)
+    for a, b, c in zip(full, dp2, pp2, strict=True):
         assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)
-        assert b["global batch size"] == a["global batch size"]
+        assert c["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)  # one pipeline schedule per batch size
+        assert b["global batch size"] == c["global batch size"] == a["global batch size"]
     save = tmp_path / "ckpt"
     first = _lines(run_cmd([sys.executable, *RUN, "--save", str(save), "--exit-interval", "6"], env=cpu_env()).stdout)
     second = _lines(run_cmd([sys.executable, *RUN, "--load", str(save)], env=cpu_env()).stdout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.training.arguments import parse_args
+from megatrain.training.arguments import parse_args, validate_args
 from megatrain.training.batch_rampup import BatchRampup
 
 
@@ -57,5 +57,8 @@ def test_flags():
     assert a.rampup_batch_size == [4, 4, 48] and a.train_iters_derived == 12
     with pytest.raises(SystemExit, match="needs sample-based training"):
         parse_args([*BASE, "--train-iters", "10", "--rampup-batch-size", "4", "4", "48"], validate=True)
+    with pytest.raises(SystemExit, match="whole multiples of 2 micro-batches"):
+        validate_args(parse_args([*BASE, "--train-samples", "120", "--rampup-batch-size", "2", "2", "48",
+                                  "--pipeline-model-parallel-size", "2"], validate=False), world_size=2)
     with pytest.raises(SystemExit, match="multiple of the increment"):
         parse_args([*BASE, "--train-samples", "120", "--rampup-batch-size", "4", "5", "48"], validate=True)
