@@ -374,27 +374,15 @@ class Trainer:
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank value over the data x context parallel ranks (every token of the global batch)."""
-        if self.dims.replicas == 1:
-            return value
-        value = value.clone()
-        torch.distributed.all_reduce(value, group=self.dims.replica_mesh().get_group())
-        return value
+        return _summed(value, self.dims.replicas, self.dims.replica_mesh)
 
     def _cp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank value over the context-parallel ranks (the parts of each sequence)."""
-        if self.cp_size == 1:
-            return value
-        value = value.clone()
-        torch.distributed.all_reduce(value, group=self.dims.submesh("cp").get_group())
-        return value
+        return _summed(value, self.cp_size, lambda: self.dims.submesh("cp"))
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average a per-rank loss over the data-parallel ranks (the global batch's mean)."""
-        if self.dp_size == 1:
-            return value
-        value = value.clone()
-        torch.distributed.all_reduce(value, group=self.dims.submesh("dp").get_group())
-        return value / self.dp_size
+        return _summed(value, self.dp_size, lambda: self.dims.submesh("dp")) / self.dp_size
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -568,6 +556,15 @@ class Trainer:
         self.housekeeping.close()
         self.checkpointer.close()
         self.writer.close()
+
+
+def _summed(value: torch.Tensor, size: int, mesh: Any) -> torch.Tensor:
+    """``value`` summed over the ``size`` ranks of ``mesh()`` (a new tensor; the value itself when alone)."""
+    if size == 1:
+        return value
+    value = value.clone()
+    torch.distributed.all_reduce(value, group=mesh().get_group())
+    return value
 
 
 class _IntervalStats:

@@ -92,3 +92,15 @@ def run_and_signal(argv: list[str], when: str, *, env: dict | None = None, pick=
         if proc.poll() is None:
             proc.kill()
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def assert_runs_close(got, want) -> None:
+    """Two runs' (train, validation) from :func:`losses_and_validation` agree: losses and validation
+    within 1e-5 relative, grad norms within 1e-3 (the log prints three decimals)."""
+    import pytest
+
+    (train, valid), (ref_train, ref_valid) = got, want
+    assert len(train) == len(ref_train) and len(valid) == len(ref_valid) >= 1
+    for (loss, norm), (ref_loss, ref_norm) in zip(train, ref_train):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
+    assert valid == pytest.approx(ref_valid, rel=1e-5)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.e2e.conftest import assert_runs_close
 from tests.e2e.conftest import cpu_env, free_port, losses_and_validation, run_cmd
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -29,12 +30,7 @@ def _torchrun(n: int, *extra: str) -> str:
                     str(free_port()), "pretrain_gpt.py", *ARGS, *extra], env=cpu_env(), timeout=600).stdout
 
 
-def _assert_close(got, want) -> None:
-    (train, valid), (ref_train, ref_valid) = got, want
-    assert len(train) == len(ref_train) and len(valid) == len(ref_valid) >= 1
-    for (loss, norm), (ref_loss, ref_norm) in zip(train, ref_train):
-        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
-    assert valid == pytest.approx(ref_valid, rel=1e-5)
+_assert_close = assert_runs_close
 
 
 @pytest.fixture(scope="module")
