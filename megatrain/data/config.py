@@ -46,6 +46,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
                    help="extra fraction of samples built per blended dataset")
     g.add_argument("--num-workers", type=int, default=2, help="data loader worker processes")
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic", "external"],
+                   help="single: the dataset's order once (Megatron's default); cyclic: a new random order "
+                        "each epoch, endlessly; external is not supported")
+    g.add_argument("--no-data-sharding", action="store_false", dest="data_sharding",
+                   help="with --dataloader-type cyclic: one permutation of all samples shared by the "
+                        "data-parallel ranks instead of a bucket per rank")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="restart position ids after every end-of-document token")
     g.add_argument("--reset-attention-mask", action="store_true",

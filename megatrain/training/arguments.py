@@ -50,8 +50,6 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--fp8-interval": "delayed-scaling setting: megatrain's fp8 recomputes every scale at every step",
     "--use-torch-fsdp2": "means --zero-stage 3 here (FSDP2 with parameters, gradients and optimizer state "
                          "sharded), unless --zero-stage / --use-distributed-optimizer say otherwise",
-    "--dataloader-type": "samples are read in the GPT dataset's order (already shuffled, as Megatron's 'single' "
-                         "sampler reads it); 'cyclic's per-epoch reshuffle of that order is not applied",
     "--local_rank": "taken from the LOCAL_RANK environment variable",
     "--local-rank": "taken from the LOCAL_RANK environment variable",
     "--no-async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
@@ -383,7 +381,6 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
                    dest="keep_fp8_weight_transpose_cache")
     g.add_argument("--fp8-interval", type=int, default=None)
     g.add_argument("--use-torch-fsdp2", action="store_true")
-    g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"])
     g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])
 
 

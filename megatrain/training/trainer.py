@@ -231,7 +231,9 @@ class Trainer:
             if ds is None:
                 return None
             return iter(build_pretraining_data_loader(ds, consumed, a.micro_batch_size, self.dp_rank, self.dp_size,
-                                                      a.num_workers, pin_memory=pin))
+                                                      a.num_workers, pin_memory=pin,
+                                                      dataloader_type=getattr(a, "dataloader_type", None) or "single",
+                                                      data_sharding=getattr(a, "data_sharding", True)))
 
         self.train_iter = loader(self.train_ds, self.state.consumed_train_samples)
         self.valid_iter = loader(self.valid_ds, self.state.consumed_valid_samples)

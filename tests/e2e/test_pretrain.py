@@ -49,10 +49,12 @@ def test_pretrain_logs_loss_validation_tensorboard_and_generates(tiny_corpus, tm
 
 
 @pytest.mark.slow
-def test_exact_resume_gives_identical_losses(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("loader", ["single", "cyclic"])
+def test_exact_resume_gives_identical_losses(tiny_corpus, tmp_path, loader):
     common = [sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "12", "--lr", "1e-3",
               "--lr-warmup-iters", "2", "--data-path", tiny_corpus["data_path"], "--split", "90,10,0",
-              *tiny_corpus["tok_flags"], "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
+              *tiny_corpus["tok_flags"], "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+              "--dataloader-type", loader]
     full = train_lines(run_cmd(common).stdout)
     save = tmp_path / "ckpt"
     first = train_lines(run_cmd([*common, "--save", str(save), "--exit-interval", "6"]).stdout)

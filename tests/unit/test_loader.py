@@ -64,3 +64,46 @@ def test_eval_loader_cycles_from_its_start():
     assert got == [[4, 5], [6, 7], [8, 9], [4, 5], [6, 7]]
     assert len(list(build_eval_data_loader(ds, 0, 2, 0, 1, 0, cyclic=False))) == 5
     assert build_pretraining_data_loader(None, 0, 1, 0, 1, 0) is None
+
+
+# ---- --dataloader-type cyclic --------------------------------------------------------------------
+
+def _draw(sampler, n):
+    it = iter(sampler)
+    return [next(it) for _ in range(n)]
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_cyclic_sampler_covers_each_epoch_in_a_fresh_order_and_resumes(sharding):
+    from megatrain.data.loader import RandomPretrainingSampler
+
+    total, mbs, dp = 26, 2, 3  # 24 samples per epoch (the last incomplete block of 2 is left out)
+    per_epoch = 24 // (mbs * dp)  # micro-batches per rank per epoch
+    ranks = [RandomPretrainingSampler(total, 0, mbs, r, dp, sharding) for r in range(dp)]
+    draws = [_draw(s, 3 * per_epoch) for s in ranks]
+    for epoch in range(3):
+        seen = [i for d in draws for b in d[epoch * per_epoch:(epoch + 1) * per_epoch] for i in b]
+        assert len(seen) == len(set(seen)) == 24 and all(0 <= i < total for i in seen)
+    assert draws[0][:per_epoch] != draws[0][per_epoch:2 * per_epoch]  # a new order each epoch
+    if sharding:  # each rank draws from its own bucket of 8 samples
+        assert {i for b in draws[1] for i in b} == set(range(8, 16))
+    # Epoch 0 is torch.randperm seeded with 0, as Megatron's sampler draws it.
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(8 if sharding else 26, generator=g).tolist()
+    expected = perm[:mbs] if sharding else perm[0::dp][:mbs]
+    assert draws[0][0] == expected
+    # Resuming from consumed samples (mid-epoch and after an epoch) continues the same sequence.
+    for k in (2, per_epoch, per_epoch + 1):
+        resumed = RandomPretrainingSampler(total, k * mbs * dp, mbs, 1, dp, sharding)
+        assert _draw(resumed, 5) == draws[1][k:k + 5]
+
+
+def test_cyclic_sampler_checks():
+    from megatrain.data.loader import RandomPretrainingSampler, build_pretraining_data_loader
+
+    with pytest.raises(ValueError, match="at least one global micro-batch"):
+        RandomPretrainingSampler(3, 0, 2, 0, 2)
+    with pytest.raises(ValueError, match="multiple of micro-batch"):
+        RandomPretrainingSampler(40, 3, 2, 0, 2)
+    with pytest.raises(ValueError, match="--dataloader-type"):
+        build_pretraining_data_loader(list(range(10)), 0, 2, 0, 1, 0, dataloader_type="external")
