@@ -280,12 +280,15 @@ class Trainer:
                         f"({report.blocked_s * 1000:.1f} ms)")
 
     # ------------------------------------------------------------------ one step
+    def _rank_batch(self, samples: torch.Tensor) -> dict[str, Any]:
+        """Model inputs of one micro-batch on the device; with context parallelism, this rank's part."""
+        b = self.make_batch(samples.to(self.device, non_blocking=True))
+        return split_batch(b, self.cp_size, self.cp_rank) if self.cp_size > 1 else b
+
     def _forward_loss_sum(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the per-token losses where the loss mask is set, number of such tokens), over this
         rank's tokens (with context parallelism, its part of each sequence)."""
-        b = self.make_batch(samples.to(self.device, non_blocking=True))
-        if self.cp_size > 1:
-            b = split_batch(b, self.cp_size, self.cp_rank)
+        b = self._rank_batch(samples)
         with self.precision.autocast(self.device):
             per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
                                    labels=b["labels"])
@@ -300,11 +303,7 @@ class Trainer:
 
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
-        batches = [self.make_batch(next(data_iter).to(self.device, non_blocking=True))
-                   for _ in range(self.num_micro_batches)]
-        if self.cp_size > 1:
-            batches = [split_batch(b, self.cp_size, self.cp_rank) for b in batches]
-        return batches
+        return [self._rank_batch(next(data_iter)) for _ in range(self.num_micro_batches)]
 
     def train_step(self) -> StepResult:
         a = self.args
@@ -370,7 +369,7 @@ class Trainer:
         skipped = bad
         if not skipped:
             self.optimizer.step()
-            self.scheduler.step(self.num_micro_batches * a.micro_batch_size * self.dp_size)
+            self.scheduler.step(self.current_global_batch_size)
         grad_norm = norm if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
 
