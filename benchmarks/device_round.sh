@@ -12,7 +12,10 @@ set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-python -c "import torchao" 2>/dev/null || { ls .whl/torchao-*.whl >/dev/null 2>&1 && pip install -q --no-deps .whl/torchao-*.whl; }
+if ! python -c "import torchao.float8" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=/tmp/site
+fi
+python -c "import torchao.float8, torchao; print('torchao', torchao.__version__)" || echo "torchao: not importable (fp8 rows will fail)"
 B="python benchmarks/throughput.py --iters 14 --warmup 5 --timeout 170"
 case "${1:-1}" in
   1)
@@ -26,6 +29,27 @@ case "${1:-1}" in
     python benchmarks/profile_step.py --shape gpt2-124m --warmup 4 --steps 3 --top 40 --out "$OUT/prof_gpt2"
     python -m pytest -q -m gpu tests 2>&1 | tail -20 > "$OUT/gpu_tests.txt"
     ;;
-  *) echo "usage: $0 [1|2]" >&2; exit 2 ;;
+  x2)
+    # nvidia-h200-x2 in about 9 minutes: two one-GPU streams side by side (one per GPU), then the
+    # two-GPU layouts. Seven files come back: two stream logs, four tables, the profile's kernels.
+    B1="$B --iters 12 --warmup 4 --timeout 150"
+    (export CUDA_VISIBLE_DEVICES=0
+     $B1 1.7b llama-1.2b --extra "" --extra "--use-distributed-optimizer" --output "$OUT/one_gpu.md"
+     $B1 1.7b llama-1.2b --extra "--fp8-format hybrid" --extra "--fp8-format hybrid --use-distributed-optimizer" \
+        --output "$OUT/fp8.md") > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     $B1 gpt2-124m --extra "" --extra "--use-distributed-optimizer" --extra "--torch-compile-scope model" \
+        --extra "--torch-compile-mode reduce-overhead" --extra "--use-distributed-optimizer --torch-compile-scope model" \
+        --output "$OUT/gpt2.md"
+     python benchmarks/profile_step.py --shape 1.7b --extra "--use-distributed-optimizer" --warmup 4 --steps 3 \
+        --top 40 --out /tmp/prof_1.7b && cp /tmp/prof_1.7b/kernels.txt "$OUT/prof_1.7b_kernels.txt"
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    timeout 230 $B1 1.7b --nproc 2 --extra "--use-distributed-optimizer" \
+        --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
+        --extra "--context-parallel-size 2 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1" \
+        --output "$OUT/two_gpu.md"
+    ;;
+  *) echo "usage: $0 [1|2|x2]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
+from common import glue_flag_values  # noqa: E402
 from throughput import COMMON, SHAPES  # noqa: E402
 
 CATEGORIES = [  # first match wins; patterns are matched against lower-cased kernel names
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "profile_out"), help="output folder (default $OUT)")
     ap.add_argument("--trace", action="store_true", help="also write trace.json.gz (Chrome/Perfetto)")
     ap.add_argument("--device", default=None, help="cpu for a smoke test (default: cuda when available)")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(glue_flag_values(sys.argv[1:] if argv is None else argv))
 
     from megatrain.parallel.distributed import destroy_distributed
     from megatrain.training.trainer import Trainer

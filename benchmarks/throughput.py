@@ -36,7 +36,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from common import glue_flag_values  # noqa: E402
 from megatrain.atomic_io import atomic_write_text  # noqa: E402
 from megatrain.training.logging import parse_train_log_line  # noqa: E402
 
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="bf16 matmul TFLOP/s to compare against (default: measured on this GPU)")
     ap.add_argument("--results", default=None, help="append the table with its environment to this file")
     ap.add_argument("--title", default="Throughput", help="heading of the section --results appends")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(glue_flag_values(sys.argv[1:] if argv is None else argv))
     unknown = [s for s in a.shapes if s not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
