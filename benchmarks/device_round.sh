@@ -50,6 +50,23 @@ case "${1:-1}" in
         --extra "--context-parallel-size 2 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1" \
         --output "$OUT/two_gpu.md"
     ;;
-  *) echo "usage: $0 [1|2|x2]" >&2; exit 2 ;;
+  x2b)
+    # nvidia-h200-x2, about 9.5 minutes: the whole-model compile default on the three shapes, a larger
+    # global batch, CUDA graphs for GPT-2, fp8 with the new default, the GPU-only tests; then two GPUs.
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 230 $B1 1.7b llama-1.2b --extra "" --output "$OUT/one_gpu.md"
+     timeout 170 $B1 1.7b --extra "--global-batch-size 32" --extra "--fp8-format hybrid" --output "$OUT/one_gpu_more.md"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
+     timeout 160 $B1 gpt2-124m --extra "" --extra "--torch-compile-mode reduce-overhead" \
+        --extra "--global-batch-size 256" --output "$OUT/gpt2.md"
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    timeout 175 $B1 1.7b --nproc 2 --extra "--use-distributed-optimizer" \
+        --extra "--tensor-model-parallel-size 2 --sequence-parallel" --output "$OUT/two_gpu.md"
+    ;;
+  *) echo "usage: $0 [1|2|x2|x2b]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

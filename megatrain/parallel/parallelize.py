@@ -49,12 +49,12 @@ class ParallelizeConfig:
     compute_dtype: torch.dtype = torch.float32  # for the attention-kernel probe on CUDA
     attention_mask: bool = False  # explicit masks (--reset-attention-mask), for the same probe
     compile_mode: str = "default"  # --torch-compile-mode
-    compile_scope: str = "layer"  # --torch-compile-scope: "layer" or "model"
+    compile_scope: str = "auto"  # --torch-compile-scope: "layer", "model", or "auto" (model where allowed)
     fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers (torchao)
 
     def __post_init__(self) -> None:
-        if self.compile_scope not in ("layer", "model"):
-            raise ValueError(f"--torch-compile-scope must be layer or model, got {self.compile_scope!r}")
+        if self.compile_scope not in ("auto", "layer", "model"):
+            raise ValueError(f"--torch-compile-scope must be auto, layer or model, got {self.compile_scope!r}")
 
     @classmethod
     def from_args(cls, args: Any) -> "ParallelizeConfig":
@@ -65,7 +65,7 @@ class ParallelizeConfig:
                    int(getattr(args, "cross_entropy_chunk_size", 0) or 0), dtype,
                    bool(getattr(args, "reset_attention_mask", False)),
                    str(getattr(args, "torch_compile_mode", "default") or "default"),
-                   str(getattr(args, "torch_compile_scope", "layer") or "layer"),
+                   str(getattr(args, "torch_compile_scope", "auto") or "auto"),
                    getattr(args, "fp8_format", None))
 
 
@@ -106,11 +106,14 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
     fsdp = (single or (distributed and dims.replicas > 1)) and uses_fsdp(cfg.data_parallel,
                                                                         dims.tp_enabled or dims.pp > 1)
-    compile_model = cfg.compile_layers and cfg.compile_scope == "model" and compile_fn is None
-    if compile_model and (dims.tp_enabled or dims.pp > 1 or fsdp):
+    whole_model_ok = not (dims.tp_enabled or dims.pp > 1 or dims.cp > 1 or fsdp)
+    compile_model = (cfg.compile_layers and compile_fn is None
+                     and (cfg.compile_scope == "model" or cfg.compile_scope == "auto" and whole_model_ok))
+    if compile_model and not whole_model_ok:
         raise ValueError("--torch-compile-scope model compiles the whole model of one process or of a "
                          "replicated (DDP) data-parallel run; with --tensor-model-parallel-size, "
-                         "--pipeline-model-parallel-size, --use-distributed-optimizer or --zero-stage use "
+                         "--pipeline-model-parallel-size, --context-parallel-size, --use-distributed-optimizer or "
+                         "--zero-stage use "
                          "--torch-compile-scope layer")
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if compile_fn is None and cfg.compile_layers and not compile_model:

@@ -202,12 +202,14 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-torch-compile", action="store_true", default=None,
                    help="compile each transformer layer (default: on with CUDA, off on CPU)")
     g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile", default=None)
-    g.add_argument("--torch-compile-scope", default="layer", choices=["layer", "model"],
-                   help="compile each transformer layer (default), or the whole model as one region "
-                        "(one process or replicated data parallel, not with TP, PP or ZeRO)")
+    g.add_argument("--torch-compile-scope", default="auto", choices=["auto", "layer", "model"],
+                   help="compile the whole model as one region (one process or replicated data parallel, "
+                        "not with TP, PP, CP or ZeRO), or each transformer layer; auto (default): the whole "
+                        "model where that is allowed, else each layer")
     g.add_argument("--torch-compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile mode of the compiled layers (reduce-overhead adds CUDA graphs)")
+                   help="torch.compile mode of the compiled region(s) (reduce-overhead and max-autotune add CUDA "
+                        "graphs: whole-model scope only)")
     g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
                         "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; under tensor parallelism "
@@ -505,6 +507,9 @@ def _runs_on_cuda(args: argparse.Namespace) -> bool:
     return torch.cuda.is_available()
 
 
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+
+
 def _resolve_speed_defaults(args: argparse.Namespace) -> None:
     """--use-torch-compile and --cross-entropy-chunk-size: on by default with CUDA, off on CPU."""
     on_cuda = _runs_on_cuda(args)
@@ -676,11 +681,19 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         _fail("--no-position-embedding without --position-embedding-type rope would leave the model without "
               "positions, which is not supported; use --position-embedding-type rope")
-    if args.torch_compile_scope == "model" and (tp > 1 or pp > 1 or args.zero_stage > 0):
+    whole_model_ok = tp == 1 and pp == 1 and cp == 1 and args.zero_stage == 0
+    if args.torch_compile_scope == "auto":
+        args.torch_compile_scope = "model" if whole_model_ok else "layer"
+    if args.torch_compile_scope == "model" and not whole_model_ok:
         _fail("--torch-compile-scope model compiles the whole model of one process or of a replicated (DDP) "
-              f"data-parallel run; with --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp}"
+              f"data-parallel run; with --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp}, "
+              f"--context-parallel-size {cp}"
               f"{', --use-distributed-optimizer / --zero-stage' if args.zero_stage else ''} use "
               "--torch-compile-scope layer")
+    if (args.use_torch_compile and args.torch_compile_mode in CUDA_GRAPH_COMPILE_MODES
+            and args.torch_compile_scope != "model"):
+        _fail(f"--torch-compile-mode {args.torch_compile_mode} records CUDA graphs, which needs "
+              "--torch-compile-scope model: graphs of the per-layer regions would overwrite each other's outputs")
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive, got {args.eval_interval}")
     if args.log_interval <= 0:

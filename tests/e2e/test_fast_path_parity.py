@@ -85,11 +85,13 @@ def _gpu_losses(*extra: str) -> list[float]:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fast", [[], ["--use-distributed-optimizer"], ["--fp8-format", "hybrid"]],
-                         ids=["compiled_chunked", "one_gpu_fsdp", "fp8_hybrid"])
+@pytest.mark.parametrize("fast", [[], ["--torch-compile-scope", "layer"], ["--torch-compile-mode", "reduce-overhead"],
+                                  ["--use-distributed-optimizer"], ["--fp8-format", "hybrid"]],
+                         ids=["compiled_model_chunked", "compiled_layers", "cuda_graphs", "one_gpu_fsdp", "fp8_hybrid"])
 def test_fast_path_trains_like_the_eager_path_on_gpu(fast):
-    """100 bf16 steps: compiled layers, chunked loss, fused AdamW (and FSDP2 mixed precision on one
-    GPU) against eager layers with the plain head; same data, seed and schedule."""
+    """100 bf16 steps: the compiled model (whole, per layer, with CUDA graphs), chunked loss, fused AdamW
+    (and FSDP2 mixed precision on one GPU, fp8) against the eager model with the plain head; same data,
+    seed and schedule."""
     eager = _gpu_losses("--no-torch-compile", "--cross-entropy-chunk-size", "0")
     compiled = _gpu_losses(*fast)
     assert eager[-1] < eager[0] - 1.0, "the run should learn, or the comparison says little"

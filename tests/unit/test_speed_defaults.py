@@ -58,9 +58,11 @@ def test_compile_scope_and_mode_reach_the_model(monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
     config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, hidden_dropout=0.0,
                        attention_dropout=0.0)
-    for extra, expected in (([], [("TransformerLayer", {"mode": None})] * 2),
-                            (["--torch-compile-mode", "max-autotune-no-cudagraphs"],
+    for extra, expected in (([], [("GPTModel", {"mode": None})]),  # auto: the whole model on one process
+                            (["--torch-compile-scope", "layer"], [("TransformerLayer", {"mode": None})] * 2),
+                            (["--torch-compile-scope", "layer", "--torch-compile-mode", "max-autotune-no-cudagraphs"],
                              [("TransformerLayer", {"mode": "max-autotune-no-cudagraphs"})] * 2),
+                            (["--torch-compile-mode", "reduce-overhead"], [("GPTModel", {"mode": "reduce-overhead"})]),
                             (["--torch-compile-scope", "model"], [("GPTModel", {"mode": None})])):
         calls.clear()
         args = _args("--device", "cpu", "--use-torch-compile", *extra)
@@ -68,6 +70,22 @@ def test_compile_scope_and_mode_reach_the_model(monkeypatch):
             model = GPTModel(config)
         parallelize_gpt(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1)
         assert calls == expected, extra
+
+
+def test_auto_compile_scope_follows_the_layout():
+    assert _args("--device", "cpu", "--use-torch-compile").torch_compile_scope == "model"
+    assert _args("--device", "cpu", "--use-torch-compile", "--use-distributed-optimizer").torch_compile_scope == "layer"
+
+
+def test_cuda_graph_modes_need_the_whole_model_scope():
+    with pytest.raises(SystemExit, match="--torch-compile-scope model"):
+        _args("--device", "cpu", "--use-torch-compile", "--torch-compile-scope", "layer",
+              "--torch-compile-mode", "reduce-overhead")
+    with pytest.raises(SystemExit, match="--torch-compile-scope model"):
+        _args("--device", "cpu", "--use-torch-compile", "--use-distributed-optimizer", "--torch-compile-mode",
+              "max-autotune")
+    # without compilation the mode is not used
+    assert _args("--device", "cpu", "--no-torch-compile", "--torch-compile-mode", "reduce-overhead")
 
 
 def test_whole_model_compile_is_refused_with_sharded_layouts():
