@@ -67,6 +67,24 @@ case "${1:-1}" in
     timeout 175 $B1 1.7b --nproc 2 --extra "--use-distributed-optimizer" \
         --extra "--tensor-model-parallel-size 2 --sequence-parallel" --output "$OUT/two_gpu.md"
     ;;
-  *) echo "usage: $0 [1|2|x2|x2b]" >&2; exit 2 ;;
+  x2c)
+    # nvidia-h200-x2, about 7 minutes: profiles of the LLaMA and GPT-2 steps with the defaults, fp8 with
+    # the whole-model compile, the fp8 GPU test, then context parallel 2 at seq 8192 on two GPUs.
+    B1="$B --iters 10 --warmup 4 --timeout 120"
+    P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 50"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 $P --shape llama-1.2b --out /tmp/prof_llama && cp /tmp/prof_llama/kernels.txt "$OUT/prof_llama_kernels.txt"
+     timeout 125 $B1 1.7b llama-1.2b --extra "--fp8-format hybrid" --output "$OUT/fp8.md"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 110 $P --shape gpt2-124m --out /tmp/prof_gpt2 && cp /tmp/prof_gpt2/kernels.txt "$OUT/prof_gpt2_kernels.txt"
+     timeout 160 python -m pytest -q -m gpu -p no:cacheprovider tests -k fp8 > "$OUT/gpu_tests.txt" 2>&1
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    timeout 125 $B1 1.7b --nproc 2 \
+        --extra "--context-parallel-size 2 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1" \
+        --output "$OUT/two_gpu.md"
+    ;;
+  *) echo "usage: $0 [1|2|x2|x2b|x2c]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

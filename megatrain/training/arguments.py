@@ -208,8 +208,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "model where that is allowed, else each layer")
     g.add_argument("--torch-compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile mode of the compiled region(s) (reduce-overhead and max-autotune add CUDA "
-                        "graphs: whole-model scope only)")
+                   help="torch.compile mode of the compiled region(s); the CUDA-graph modes (reduce-overhead, "
+                        "max-autotune) are refused in training")
     g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
                         "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; under tensor parallelism "
@@ -690,10 +690,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
               f"--context-parallel-size {cp}"
               f"{', --use-distributed-optimizer / --zero-stage' if args.zero_stage else ''} use "
               "--torch-compile-scope layer")
-    if (args.use_torch_compile and args.torch_compile_mode in CUDA_GRAPH_COMPILE_MODES
-            and args.torch_compile_scope != "model"):
-        _fail(f"--torch-compile-mode {args.torch_compile_mode} records CUDA graphs, which needs "
-              "--torch-compile-scope model: graphs of the per-layer regions would overwrite each other's outputs")
+    if args.use_torch_compile and args.torch_compile_mode in CUDA_GRAPH_COMPILE_MODES:
+        _fail(f"--torch-compile-mode {args.torch_compile_mode} records CUDA graphs, which training does not "
+              "support: torch's CUDA graph trees overwrite the activations a micro-batch saved for its backward "
+              "(measured on an H200, torch 2.11); use --torch-compile-mode default or max-autotune-no-cudagraphs")
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive, got {args.eval_interval}")
     if args.log_interval <= 0:

@@ -33,7 +33,6 @@ from megatrain.parallel.distributed import (destroy_distributed, get_rank, get_w
 from megatrain.parallel.parallelize import parallelize_gpt
 from megatrain.parallel.random import seed_everything
 from megatrain.training import checkpointing
-from megatrain.training.arguments import CUDA_GRAPH_COMPILE_MODES
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
@@ -119,10 +118,6 @@ class Trainer:
         self.precision = Precision.from_args(args)
         self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
         self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
-        # A whole-model compile with CUDA graphs: each forward starts a new graph step, so the
-        # replay of one micro-batch's graph does not overwrite tensors an earlier step still holds.
-        self.cuda_graph_steps = (self.device.type == "cuda" and bool(getattr(args, "use_torch_compile", False))
-                                 and getattr(args, "torch_compile_mode", "default") in CUDA_GRAPH_COMPILE_MODES)
         self.rampup: BatchRampup | None = None
         self.num_micro_batches = args.num_micro_batches  # of the current iteration (--rampup-batch-size)
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
@@ -294,8 +289,6 @@ class Trainer:
         """(sum of the per-token losses where the loss mask is set, number of such tokens), over this
         rank's tokens (with context parallelism, its part of each sequence)."""
         b = self._rank_batch(samples)
-        if self.cuda_graph_steps:
-            torch.compiler.cudagraph_mark_step_begin()
         with self.precision.autocast(self.device):
             per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
                                    labels=b["labels"])
