@@ -74,7 +74,7 @@ case "${1:-1}" in
     P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 50"
     (export CUDA_VISIBLE_DEVICES=0
      timeout 150 $P --shape llama-1.2b --out /tmp/prof_llama && cp /tmp/prof_llama/kernels.txt "$OUT/prof_llama_kernels.txt"
-     timeout 125 $B1 1.7b llama-1.2b --extra "--fp8-format hybrid" --output "$OUT/fp8.md"
+     timeout 125 $B1 1.7b --extra "--fp8-format hybrid" --output "$OUT/fp8.md"
     ) > "$OUT/gpu0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
      timeout 110 $P --shape gpt2-124m --out /tmp/prof_gpt2 && cp /tmp/prof_gpt2/kernels.txt "$OUT/prof_gpt2_kernels.txt"
