@@ -108,7 +108,8 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
                                                                         dims.tp_enabled or dims.pp > 1)
     whole_model_ok = not (dims.tp_enabled or dims.pp > 1 or dims.cp > 1 or fsdp)
     compile_model = (cfg.compile_layers and compile_fn is None
-                     and (cfg.compile_scope == "model" or cfg.compile_scope == "auto" and whole_model_ok))
+                     and (cfg.compile_scope == "model"
+                          or cfg.compile_scope == "auto" and whole_model_ok and cfg.fp8_format is None))
     if compile_model and not whole_model_ok:
         raise ValueError("--torch-compile-scope model compiles the whole model of one process or of a "
                          "replicated (DDP) data-parallel run; with --tensor-model-parallel-size, "

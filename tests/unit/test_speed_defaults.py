@@ -9,6 +9,7 @@ import torch
 from megatrain.models.attention_backends import (AttentionCase, attention_warning, probe_backends, static_hints,
                                                  warn_if_attention_falls_back)
 from megatrain.models.config import GPTConfig
+from megatrain.models.fp8 import fp8_available
 from megatrain.models.gpt import GPTModel
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
@@ -74,6 +75,9 @@ def test_compile_scope_and_mode_reach_the_model(monkeypatch):
 def test_auto_compile_scope_follows_the_layout():
     assert _args("--device", "cpu", "--use-torch-compile").torch_compile_scope == "model"
     assert _args("--device", "cpu", "--use-torch-compile", "--use-distributed-optimizer").torch_compile_scope == "layer"
+    if fp8_available():
+        assert _args("--device", "cpu", "--use-torch-compile", "--bf16", "--fp8-format", "hybrid"
+                     ).torch_compile_scope == "layer"
 
 
 def test_cuda_graph_modes_are_refused_in_training():
