@@ -85,6 +85,16 @@ case "${1:-1}" in
         --extra "--context-parallel-size 2 --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1" \
         --output "$OUT/two_gpu.md"
     ;;
-  *) echo "usage: $0 [1|2|x2|x2b|x2c]" >&2; exit 2 ;;
+  x2d)
+    # nvidia-h200-x2, about 2.5 minutes: LLaMA with the shared RoPE tables; GPT-2 with larger loss chunks.
+    B1="$B --iters 8 --warmup 3"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 140 $B1 llama-1.2b --timeout 130 --extra "" --output "$OUT/llama.md") > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 140 $B1 gpt2-124m --timeout 65 --extra "--cross-entropy-chunk-size 4096" --extra "" \
+        --output "$OUT/gpt2.md") > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
+  *) echo "usage: $0 [1|2|x2|x2b|x2c|x2d]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -88,11 +88,14 @@ class SelfAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h].
 
         attention_mask: None for plain causal attention, else bool [b or 1, 1, s, past + s] with
-        True where a query may attend to a key. position_ids [b or 1, s] drive the rotary angles.
+        True where a query may attend to a key. position_ids [b or 1, s] drive the rotary angles;
+        ``rotary`` gives their (cos, sin) tables already computed (the model computes them once).
         """
         b, s, _ = x_bsh.shape
         hpg, d = self.heads_per_group, self.head_dim
@@ -105,9 +108,12 @@ class SelfAttention(nn.Module):
         v = qkv[:, :, :, hpg + 1].transpose(1, 2)  # [b, groups, s, d]
 
         if self.rotary is not None:
-            if position_ids is None:
-                position_ids = torch.arange(past, past + s, device=x_bsh.device).unsqueeze(0)
-            cos, sin = self.rotary(position_ids)
+            if rotary is not None:
+                cos, sin = rotary
+            else:
+                if position_ids is None:
+                    position_ids = torch.arange(past, past + s, device=x_bsh.device).unsqueeze(0)
+                cos, sin = self.rotary(position_ids)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the first rotary_dim dims
 
         if kv_cache is not None:

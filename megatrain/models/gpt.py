@@ -29,6 +29,7 @@ from megatrain.models.config import GPTConfig
 from megatrain.models.fused_loss import ChunkedCrossEntropy
 from megatrain.models.mlp import MLP
 from megatrain.models.norms import build_norm
+from megatrain.models.rope import rotary_tables
 
 __all__ = ["GPTModel", "TransformerLayer", "Embedding", "KVCache", "initial_value"]
 
@@ -70,8 +71,11 @@ class TransformerLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        attn_out = self.self_attention(self.input_layernorm(hidden), position_ids, attention_mask, kv_cache)
+        attn_out = self.self_attention(self.input_layernorm(hidden), position_ids, attention_mask, kv_cache,
+                                       rotary=rotary)
         hidden = hidden + self.dropout(attn_out)
         mlp_out = self.mlp(self.pre_mlp_layernorm(hidden))
         return hidden + self.dropout(mlp_out)
@@ -166,8 +170,9 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(past, past + seq_length, device=input_ids.device).unsqueeze(0)
 
         hidden = self.embed(input_ids, position_ids) if self.embedding is not None else input_ids
+        rotary = rotary_tables(self.config, position_ids)  # once for all layers
         for layer in self.layers.values():
-            hidden = layer(hidden, position_ids, attention_mask, kv_cache)
+            hidden = layer(hidden, position_ids, attention_mask, kv_cache, rotary=rotary)
         if self.final_layernorm is None:
             return hidden
         if labels is not None and self.chunked_loss is not None:

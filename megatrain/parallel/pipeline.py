@@ -45,6 +45,7 @@ from torch import nn
 
 from megatrain.models.config import GPTConfig
 from megatrain.models.gpt import GPTModel
+from megatrain.models.rope import rotary_tables
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "gpipe")
 
@@ -200,8 +201,9 @@ class GPTStage(GPTModel):
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         hidden = self.embed(x, position_ids) if self.is_first else x
+        rotary = rotary_tables(self.config, position_ids)  # once for all layers of the stage
         for layer in self.layers.values():
-            hidden = layer(hidden, position_ids, attention_mask)
+            hidden = layer(hidden, position_ids, attention_mask, rotary=rotary)
         if not self.is_last:
             return hidden
         chunked_loss = getattr(self, "chunked_loss", None)  # --cross-entropy-chunk-size

@@ -377,6 +377,28 @@ def test_partial_rotary_rotates_only_the_first_dims():
     assert model(torch.randint(0, 96, (1, 7))).shape == (1, 7, 96)
 
 
+def test_rotary_tables_are_computed_once_per_forward_and_change_nothing(monkeypatch):
+    import megatrain.models.rope as rope
+
+    config = llama_config()
+    model = GPTModel(config)
+    model.init_weights(0)
+    tokens = torch.randint(0, 96, (2, 9))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    # each layer computing its own tables from the position ids (the fallback path) ...
+    hidden = model.embed(tokens, positions)
+    for layer in model.layers.values():
+        hidden = layer(hidden, positions)
+    per_layer = model.output_logits(hidden)
+    calls = []
+    real = rope.rotary_cos_sin
+    monkeypatch.setattr(rope, "rotary_cos_sin", lambda *a: calls.append(a) or real(*a))
+    shared = model(tokens, position_ids=positions)  # ... equals one table for all layers
+    assert len(calls) == 1 and config.num_layers > 1
+    assert torch.equal(shared, per_layer)
+    assert rope.rotary_tables(gpt2_config(), positions) is None  # learned absolute positions: no tables
+
+
 @pytest.mark.parametrize("fields, message", [(dict(rotary_percent=0.0), "--rotary-percent must be in"),
                                              (dict(rotary_percent=0.4), "even number of rotated dims")])
 def test_bad_rotary_percent(fields, message):
