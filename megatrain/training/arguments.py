@@ -694,7 +694,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.use_torch_compile and args.torch_compile_mode in CUDA_GRAPH_COMPILE_MODES:
         _fail(f"--torch-compile-mode {args.torch_compile_mode} records CUDA graphs, which training does not "
               "support: torch's CUDA graph trees overwrite the activations a micro-batch saved for its backward "
-              "(measured on an H200, torch 2.11); use --torch-compile-mode default or max-autotune-no-cudagraphs")
+              "(measured on an H200, torch 2.11; pytorch/pytorch#169545); use --torch-compile-mode default or "
+              "max-autotune-no-cudagraphs")
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive, got {args.eval_interval}")
     if args.log_interval <= 0:
