@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/device_round.sh 1     # nvidia-h200, ~8 min: one-GPU table (default vs FSDP2), GPT-2 variants
 #   bash benchmarks/device_round.sh 2     # nvidia-h200, ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
-#   bash benchmarks/device_round.sh next  # nvidia-h200-x2, ~8 min: NOTES §10 (two one-GPU streams, then TP rows)
+#   bash benchmarks/device_round.sh next  # nvidia-h200-x2, ~9 min: NOTES §10 (two one-GPU streams, then TP rows; carry .whl)
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
@@ -43,8 +43,9 @@ case "${1:-1}" in
         --extra "--cross-entropy-chunk-size 4096" --output "$OUT/one_gpu.md"
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
-    timeout 200 $B1 1.7b --nproc 2 --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
-        --extra "--tensor-model-parallel-size 2" --output "$OUT/two_gpu.md"
+    timeout 250 $B1 1.7b --nproc 2 --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
+        --extra "--tensor-model-parallel-size 2" \
+        --extra "--tensor-model-parallel-size 2 --sequence-parallel --fp8-format hybrid" --output "$OUT/two_gpu.md"
     ;;
   *) echo "usage: $0 [1|2|next]" >&2; exit 2 ;;
 esac

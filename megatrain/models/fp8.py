@@ -13,6 +13,10 @@ wider range, for the gradients; ``e4m3`` uses e4m3 everywhere. The output layer 
 projection) stays in bf16, as is usual, and so does any linear layer whose sizes are not
 multiples of 16 (the fp8 matmul kernels need them).
 
+Under tensor parallelism (``tp`` > 1) a layer is converted only when its local shard keeps those
+sizes, and :mod:`megatrain.parallel.tensor_parallel` shards the converted layers with torchao's
+float8 column/row-parallel styles, which compute each scale from the whole (DTensor) tensor.
+
 torchao is an optional dependency: ``pip install 'megatrain[fp8]'``.
 """
 
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available"]
+__all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available", "is_fp8_linear"]
 
 FP8_FORMATS = ("e4m3", "hybrid")
 _LAYER_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -37,6 +41,11 @@ def fp8_available() -> bool:
         return importlib.util.find_spec("torchao.float8") is not None
     except ImportError:  # torchao itself is missing
         return False
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer :func:`convert_to_fp8` swapped in."""
+    return type(module).__name__ == "Float8Linear"
 
 
 @dataclass(frozen=True)
@@ -61,15 +70,26 @@ def _torchao_config(cfg: Fp8Config):
                               cast_config_grad_output=cast(grad_dtype))
 
 
-def _eligible(module: nn.Module, name: str) -> bool:
-    """A transformer layer's linear layer whose sizes the fp8 kernels take."""
+_COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # output features sharded under TP; the others: input
+
+
+def _eligible(module: nn.Module, name: str, tp: int = 1) -> bool:
+    """A transformer layer's linear layer whose sizes (and, under TP, local shard sizes) the fp8
+    kernels take."""
     leaf = name.rsplit(".", 1)[-1]
-    return (type(module) is nn.Linear and leaf in _LAYER_LINEARS and ".layers." in f".{name}"
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    if not (type(module) is nn.Linear and leaf in _LAYER_LINEARS and ".layers." in f".{name}"):
+        return False
+    local_in, local_out = module.in_features, module.out_features
+    if leaf in _COLUMN_PARALLEL:
+        local_out //= tp
+    else:
+        local_in //= tp
+    return all(n % 16 == 0 for n in (module.in_features, module.out_features, local_in, local_out))
 
 
-def convert_to_fp8(model: nn.Module, cfg: Fp8Config) -> tuple[list[str], list[str]]:
-    """Swap the eligible linear layers of ``model`` (plain or on the meta device) in place.
+def convert_to_fp8(model: nn.Module, cfg: Fp8Config, tp: int = 1) -> tuple[list[str], list[str]]:
+    """Swap the eligible linear layers of ``model`` (plain or on the meta device) in place; ``tp``
+    is the tensor-parallel size the model will be sharded with.
 
     Returns (converted module names, transformer-layer linear names left in higher precision).
     """
@@ -79,6 +99,7 @@ def convert_to_fp8(model: nn.Module, cfg: Fp8Config) -> tuple[list[str], list[st
 
     candidates = [name for name, m in model.named_modules()
                   if type(m) is nn.Linear and name.rsplit(".", 1)[-1] in _LAYER_LINEARS]
-    converted = [name for name, m in model.named_modules() if _eligible(m, name)]
-    convert_to_float8_training(model, module_filter_fn=_eligible, config=_torchao_config(cfg))
+    converted = [name for name, m in model.named_modules() if _eligible(m, name, tp)]
+    convert_to_float8_training(model, module_filter_fn=lambda m, name: _eligible(m, name, tp),
+                               config=_torchao_config(cfg))
     return converted, [name for name in candidates if name not in converted]

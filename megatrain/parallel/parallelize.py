@@ -87,9 +87,7 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
                          "with megatrain.parallel.pipeline.PipelineParallel.build")
     distributed = dims.world_size > 1
     if cfg.fp8_format is not None:
-        if dims.tp_enabled:
-            raise ValueError("--fp8-format with --tensor-model-parallel-size > 1 is not supported yet")
-        converted, left = convert_to_fp8(model, Fp8Config(cfg.fp8_format))
+        converted, left = convert_to_fp8(model, Fp8Config(cfg.fp8_format), tp=dims.tp)
         model.fp8_report = (converted, left)  # type: ignore[attr-defined]
     if dims.tp_enabled:
         dims.validate_model(config)

@@ -22,6 +22,11 @@ the local shards. With sequence parallelism the residual stream between blocks i
 sequence dim (dim 1): norms run on ``Shard(1)`` (SequenceParallel), attention and MLP all-gather
 their input (PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)).
 
+With ``--fp8-format`` the transformer layers' linear layers are torchao ``Float8Linear`` modules and
+take the same plain styles: their weights become DTensors, so every fp8 scale is computed from the
+whole tensor's absolute maximum (a DTensor reduction) and the numbers equal one process's fp8 run;
+the collectives move bf16/fp32 activations, not fp8.
+
 Dropout regions on sharded activations (attention dropout, and the residual dropout under
 sequence parallelism) run under :class:`megatrain.parallel.random.TensorParallelRNG`.
 """

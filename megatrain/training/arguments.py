@@ -523,7 +523,7 @@ def _resolve_speed_defaults(args: argparse.Namespace) -> None:
 
 
 def _validate_fp8(args: argparse.Namespace) -> None:
-    """--fp8-*: dynamic tensorwise scaling through torchao, with --bf16, without tensor parallelism."""
+    """--fp8-*: dynamic tensorwise scaling through torchao, with --bf16."""
     delayed = [f"{flag} {value}" for flag, value, default in (
         ("--fp8-margin", args.fp8_margin, 0), ("--fp8-amax-history-len", args.fp8_amax_history_len, 1),
         ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo, "most_recent")) if value != default]
@@ -541,9 +541,6 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "scaling), so delayed scaling's amax history and margin are not used"]
     if not args.bf16:
         _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
-    if args.tensor_model_parallel_size > 1:
-        _fail("--fp8-format with --tensor-model-parallel-size > 1 is not supported yet; use data or pipeline "
-              "parallelism")
     from megatrain.models.fp8 import fp8_available
 
     if not fp8_available():

@@ -34,6 +34,8 @@ WORLD2 = {
     # normalised updates carry those differences on, as they would between any two fp8 runs.
     "dp2_ddp_fp8_hybrid": ("gpt2", dict(fp8="hybrid", steps=1)),
     "dp2_zero2_fp8_e4m3": ("llama", dict(zero=2, fp8="e4m3", steps=1)),
+    "tp2_fp8_hybrid": ("gpt2", dict(tp=2, fp8="hybrid", steps=1)),
+    "tp2_sp_fp8_e4m3": ("gpt2", dict(tp=2, sp=True, fp8="e4m3", steps=1)),
 }
 # One process with --use-distributed-optimizer / --zero-stage: FSDP2 over a mesh of one rank.
 WORLD1 = {

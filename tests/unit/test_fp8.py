@@ -47,6 +47,17 @@ def test_sizes_the_fp8_kernels_refuse_stay_in_higher_precision():
                                         "layers.0.mlp.linear_fc1", "layers.0.mlp.linear_fc2"]
 
 
+def test_under_tensor_parallelism_the_local_shards_must_fit_the_kernels():
+    # hidden 64, ffn 96: with TP=2 fc1's output shard is 48 and fc2's input shard 48 (multiples of
+    # 16); with TP=4 they are 24: those two layers stay in higher precision, the attention ones convert.
+    sizes = dict(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=64, ffn_hidden_size=96)
+    converted, kept = convert_to_fp8(_model(**sizes), Fp8Config("hybrid"), tp=2)
+    assert len(converted) == 4 and kept == []
+    converted, kept = convert_to_fp8(_model(**sizes), Fp8Config("hybrid"), tp=4)
+    assert kept == ["layers.0.mlp.linear_fc1", "layers.0.mlp.linear_fc2"]
+    assert converted == ["layers.0.self_attention.linear_qkv", "layers.0.self_attention.linear_proj"]
+
+
 def test_parallelize_converts_before_initialising_so_the_weights_are_the_same():
     plain = parallelize_gpt(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(), device=torch.device("cpu"), seed=3)
     fp8 = parallelize_gpt(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(fp8_format="hybrid"),
