@@ -8,7 +8,8 @@
 #
 #   bash benchmarks/device_round.sh 1     # nvidia-h200, ~8 min: one-GPU table (default vs FSDP2), GPT-2 variants
 #   bash benchmarks/device_round.sh 2     # nvidia-h200, ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
-#   bash benchmarks/device_round.sh next  # nvidia-h200-x2, ~9 min: NOTES §10 (two one-GPU streams, then TP rows; carry .whl)
+#   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~6 min: NOTES §10, two one-GPU streams
+#   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~6 min: NOTES §10, TP=2 rows and profile (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
@@ -31,7 +32,7 @@ case "${1:-1}" in
     python -m pytest -q -m gpu tests 2>&1 | tail -20 > "$OUT/gpu_tests.txt"
     ;;
   next)
-    # nvidia-h200-x2, about 8 minutes: the measurements benchmarks/NOTES.md §10 asks for next.
+    # nvidia-h200-x2, about 6 minutes: the one-GPU measurements benchmarks/NOTES.md §10 asks for next.
     B1="$B --iters 10 --warmup 4 --timeout 150"
     P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 60"
     (export CUDA_VISIBLE_DEVICES=0
@@ -43,10 +44,18 @@ case "${1:-1}" in
         --extra "--cross-entropy-chunk-size 4096" --output "$OUT/one_gpu.md"
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
-    timeout 250 $B1 1.7b --nproc 2 --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
+    ;;
+  next-tp)
+    # nvidia-h200-x2, about 6 minutes: TP=2 on the 1.7B shape with and without SP, with fp8, and a
+    # profile of the TP=2+SP step (rank 0). Carry .whl for fp8.
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    timeout 230 $B1 1.7b --nproc 2 --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
         --extra "--tensor-model-parallel-size 2" \
         --extra "--tensor-model-parallel-size 2 --sequence-parallel --fp8-format hybrid" --output "$OUT/two_gpu.md"
+    timeout 150 torchrun --standalone --nproc_per_node 2 benchmarks/profile_step.py --shape 1.7b --warmup 4 \
+        --steps 3 --top 60 --out /tmp/prof_tp --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
+        && cp /tmp/prof_tp/kernels.txt "$OUT/prof_tp2_sp_kernels.txt"
     ;;
-  *) echo "usage: $0 [1|2|next]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py                          # the 1.7B shape, defaults of the run
     python benchmarks/profile_step.py --shape gpt2-124m --out prof/ --extra "--cross-entropy-chunk-size 0"
     python benchmarks/profile_step.py --shape tiny --device cpu --steps 2   # smoke test anywhere
+    torchrun --nproc_per_node 2 benchmarks/profile_step.py --extra "--tensor-model-parallel-size 2 --sequence-parallel"
 
 Builds the model, optimizer and mock data through ``megatrain.training.trainer.Trainer`` with the
 flags of ``benchmarks/throughput.py`` (bf16, --mock-data), runs ``--warmup`` steps (compilation,
@@ -14,6 +15,8 @@ log line times. Writes into ``--out``:
   optimizer, cross-entropy/softmax, norms/elementwise, copies, communication, other);
 - ``summary.json``: the same as data, with wall ms per step, device-busy ms per step, peak memory;
 - ``trace.json.gz`` (with ``--trace``): the Chrome/Perfetto trace.
+
+Under torchrun every rank trains and rank 0 profiles itself and writes the report.
 
 The printed table is what to read first: if device-busy time per step is well below the wall time,
 the host (launches, syncs, data) is the bottleneck; otherwise the category shares say which kernels
@@ -176,9 +179,13 @@ def main(argv: list[str] | None = None) -> None:
         trainer.close()
         destroy_distributed()
 
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 reports for all
+        return
     rows = kernel_rows(prof) if cuda else cpu_rows(prof)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     header = (f"{a.shape} | {args.global_batch_size} x {args.seq_length} tokens/step | flags: {a.extra or '(defaults)'}"
-              f" | compile {args.use_torch_compile} | CE chunk {args.cross_entropy_chunk_size} | torch "
+              + (f" | rank 0 of {world}" if world > 1 else "")
+              + f" | compile {args.use_torch_compile} | CE chunk {args.cross_entropy_chunk_size} | torch "
               f"{torch.__version__} | {torch.cuda.get_device_name(trainer.device) if cuda else 'cpu'}"
               + (f" | peak {peak_gib:.1f} GiB (profiled steps)" if peak_gib is not None else "")
               + ("" if cuda else " | CPU: operators by self CPU time"))

@@ -30,3 +30,12 @@ def test_profile_step_writes_kernel_table_and_summary(tmp_path):
              "--steps", "1", "--out", str(tmp_path)], timeout=300)
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
     assert summary and (tmp_path / "kernels.txt").read_text(encoding="utf-8").strip()
+
+
+def test_profile_step_under_torchrun_reports_from_rank_0(tmp_path):
+    run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             "benchmarks/profile_step.py", "--shape", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1",
+             "--out", str(tmp_path), "--extra", "--tensor-model-parallel-size 2 --sequence-parallel"], timeout=300)
+    table = (tmp_path / "kernels.txt").read_text(encoding="utf-8")
+    assert "rank 0 of 2" in table and "communication" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.txt", "summary.json"]  # one writer
