@@ -37,7 +37,7 @@ from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
-from megatrain.parallel.tensor_parallel import apply_tensor_parallel
+from megatrain.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
 
 @dataclass
@@ -51,6 +51,7 @@ class ParallelizeConfig:
     compile_mode: str = "default"  # --torch-compile-mode
     compile_scope: str = "auto"  # --torch-compile-scope: "layer", "model", or "auto" (model where allowed)
     fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers (torchao)
+    tp_comm_overlap: bool = False  # --tp-comm-overlap: async TP (CUDA, compiled, sequence parallel)
 
     def __post_init__(self) -> None:
         if self.compile_scope not in ("auto", "layer", "model"):
@@ -66,7 +67,7 @@ class ParallelizeConfig:
                    bool(getattr(args, "reset_attention_mask", False)),
                    str(getattr(args, "torch_compile_mode", "default") or "default"),
                    str(getattr(args, "torch_compile_scope", "auto") or "auto"),
-                   getattr(args, "fp8_format", None))
+                   getattr(args, "fp8_format", None), bool(getattr(args, "tp_comm_overlap", False)))
 
 
 def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
@@ -94,6 +95,10 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
         apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel,
                               loss_chunk_size=cfg.cross_entropy_chunk_size,
                               compile_loss=cfg.compile_layers and device.type == "cuda")
+        if cfg.tp_comm_overlap:
+            assert dims.sequence_parallel and cfg.compile_layers and device.type == "cuda", \
+                "--tp-comm-overlap needs sequence parallelism and compiled layers on CUDA (checked with the flags)"
+            enable_async_tensor_parallel(dims.submesh("tp"))
     if dims.cp > 1:
         apply_context_parallel(model, dims.submesh("cp"))
     apply_activation_checkpointing(model, cfg.recompute)

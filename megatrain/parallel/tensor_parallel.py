@@ -52,7 +52,8 @@ from torch.distributed.tensor.parallel import (
 from megatrain.models.fused_loss import backward_once, chunk_kernel
 from megatrain.parallel.random import TensorParallelRNG
 
-__all__ = ["layer_plan", "apply_tensor_parallel", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
+__all__ = ["layer_plan", "apply_tensor_parallel", "enable_async_tensor_parallel", "vocab_parallel_cross_entropy",
+           "VocabParallelLoss"]
 
 
 def layer_plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -131,6 +132,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
             model.chunked_loss = None  # the vocab-parallel loss never gathers the logits either
     del tp
     return model
+
+
+def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
+    """``--tp-comm-overlap``: let inductor's micro-pipeline TP pass rewrite each compiled layer's
+    all-gather -> matmul and matmul -> reduce-scatter pairs into overlapped collective matmuls over
+    symmetric memory on ``tp_mesh`` (CUDA only; a process-wide inductor setting)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+    from torch.distributed import _symmetric_memory
+
+    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable is not None:  # newer torch versions enable symmetric memory on demand
+        enable(tp_mesh.get_group().group_name)
 
 
 # ---- vocab-parallel cross entropy ----------------------------------------------------------------

@@ -324,6 +324,10 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
                    help="split every sequence over this many ranks (load-balanced chunks; attention gathers "
                         "keys and values)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap the sequence-parallel all-gathers and reduce-scatters with the GEMMs through "
+                        "torch's async tensor parallelism (inductor's micro-pipeline TP over symmetric memory); "
+                        "needs --sequence-parallel, and CUDA with --use-torch-compile to take effect")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -640,6 +644,17 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     args.data_parallel_size = world_size // model_parallel
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
+    if args.tp_comm_overlap:
+        if tp == 1:
+            args.tp_comm_overlap = False
+            args.legacy_notes.append("note: --tp-comm-overlap has no effect without tensor parallelism")
+        elif not args.sequence_parallel:
+            _fail("--tp-comm-overlap overlaps the sequence-parallel collectives with the GEMMs: it needs "
+                  "--sequence-parallel")
+        elif not (args.use_torch_compile and _runs_on_cuda(args)):
+            args.tp_comm_overlap = False
+            args.legacy_notes.append("note: --tp-comm-overlap needs CUDA and --use-torch-compile (async TP is an "
+                                     "inductor pass); this run communicates without overlap")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):

@@ -136,3 +136,18 @@ def test_cuda_probe_finds_a_fused_kernel_for_the_target_shapes_and_flags_fp32_he
     bad = AttentionCase(512, 1, torch.float32, explicit_mask=True)
     results = probe_backends(bad, device)
     assert results["FLASH_ATTENTION"] is not None  # flash never takes fp32 with a mask
+
+
+def test_tp_comm_overlap_is_megatrons_flag_with_clear_conditions(monkeypatch):
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="--tp-comm-overlap .* needs --sequence-parallel"):
+        _args("--device", "cuda", *tp2, "--tp-comm-overlap")
+    on = _args("--device", "cuda", *tp2, "--sequence-parallel", "--tp-comm-overlap")
+    assert on.tp_comm_overlap and ParallelizeConfig.from_args(on).tp_comm_overlap
+    for extra in (["--device", "cpu", *tp2, "--sequence-parallel"],  # no CUDA: runs without overlap, says so
+                  ["--device", "cuda", *tp2, "--sequence-parallel", "--no-torch-compile"],
+                  ["--device", "cpu", "--tensor-model-parallel-size", "1"]):  # no TP: nothing to overlap
+        args = _args(*extra, "--tp-comm-overlap")
+        assert not args.tp_comm_overlap
+        assert any("--tp-comm-overlap" in note for note in args.legacy_notes)
