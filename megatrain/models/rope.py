@@ -6,8 +6,11 @@ rotated by the angle ``position * base ** (-2i / d)``. Nothing is stored in the 
 so models build on the meta device and checkpoints hold parameters only.
 
 The model computes the (cos, sin) tables once per forward (:func:`rotary_tables`) and hands them to
-every layer: computed inside each layer, torch.compile fused the cos/sin into the rotation kernels
-and evaluated them once per element of every head (about 30 ms of a LLaMA 1.2B step on an H200).
+every layer. Computed inside each layer, torch.compile fused the cos/sin into the rotation kernels
+and evaluated them once per element of every head (about 30 ms of a LLaMA 1.2B step on an H200);
+a whole-model compile did the same with shared tables. So the tables come from a custom operator
+(``megatrain::rotary_cos_sin``), which the compiler runs as one opaque kernel: its output is a
+stored tensor that the rotations only read.
 """
 
 from __future__ import annotations
@@ -25,11 +28,26 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> tu
     return angles.cos(), angles.sin()
 
 
+@torch.library.custom_op("megatrain::rotary_cos_sin", mutates_args=())
+def _rotary_cos_sin_op(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rotary_cos_sin(position_ids, head_dim, base)
+    return cos.contiguous(), sin.contiguous()
+
+
+@_rotary_cos_sin_op.register_fake
+def _(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*position_ids.shape, head_dim)
+    return (position_ids.new_empty(shape, dtype=torch.float32), position_ids.new_empty(shape, dtype=torch.float32))
+
+
 def rotary_tables(config, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(cos, sin) [b or 1, s, rotary dim] in float32 for the layers of a RoPE model, else None."""
+    """(cos, sin) [b or 1, s, rotary dim] in float32 for the layers of a RoPE model, else None.
+
+    Computed by an opaque custom operator, so that a compiled model stores the tables once instead
+    of fusing the cos/sin evaluation into every layer's rotation kernels."""
     if config.position_embedding_type != "rope":
         return None
-    return rotary_cos_sin(position_ids, config.rotary_dim, config.rotary_base)
+    return _rotary_cos_sin_op(position_ids, config.rotary_dim, float(config.rotary_base))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
