@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/device_round.sh 1     # nvidia-h200, ~8 min: one-GPU table (default vs FSDP2), GPT-2 variants
 #   bash benchmarks/device_round.sh 2     # nvidia-h200, ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
-#   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~6 min: NOTES §10, two one-GPU streams
+#   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~9 min: NOTES §10, two one-GPU streams
 #   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~8 min: NOTES §10, TP=2 rows and profile (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -32,16 +32,18 @@ case "${1:-1}" in
     python -m pytest -q -m gpu tests 2>&1 | tail -20 > "$OUT/gpu_tests.txt"
     ;;
   next)
-    # nvidia-h200-x2, about 6 minutes: the one-GPU measurements benchmarks/NOTES.md §10 asks for next.
+    # nvidia-h200-x2, about 9 minutes: the one-GPU measurements benchmarks/NOTES.md §10 asks for next.
     B1="$B --iters 10 --warmup 4 --timeout 150"
     P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 60"
     (export CUDA_VISIBLE_DEVICES=0
+     timeout 200 $B1 1.7b llama-1.2b --extra "" --output "$OUT/defaults.md"
      timeout 150 $P --shape llama-1.2b --out /tmp/prof_llama && cp /tmp/prof_llama/kernels.txt "$OUT/prof_llama_kernels.txt"
      timeout 170 $P --shape 1.7b --out /tmp/prof_17b && cp /tmp/prof_17b/kernels.txt "$OUT/prof_1.7b_kernels.txt"
     ) > "$OUT/gpu0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
-     timeout 320 $B1 gpt2-124m llama-1.2b --extra "" --extra "--cross-entropy-chunk-size 0" \
-        --extra "--cross-entropy-chunk-size 4096" --output "$OUT/one_gpu.md"
+     timeout 230 $B1 gpt2-124m --extra "" --extra "--cross-entropy-chunk-size 0" \
+        --extra "--cross-entropy-chunk-size 4096" --output "$OUT/gpt2.md"
+     timeout 170 $B1 1.7b --extra "--fp32-residual-connection" --output "$OUT/fp32_residual.md"
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;

@@ -30,6 +30,9 @@ class GPTConfig:
     swiglu: bool = False
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
+    # Under autocast the residual stream between layers is in the autocast dtype (Megatron's default);
+    # True keeps it in float32 (--fp32-residual-connection).
+    fp32_residual_connection: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02

@@ -115,9 +115,16 @@ class GPTModel(nn.Module):
     # ---- the pieces parallel code wraps -------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] -> hidden states [b, s, h] (with embedding dropout)."""
+        """Token ids [b, s] -> hidden states [b, s, h] (with embedding dropout).
+
+        Under autocast the result is in the autocast dtype, so the residual stream between the
+        layers is too (Megatron's default; ``fp32_residual_connection`` keeps float32)."""
         assert self.embedding is not None
-        return self.embedding(input_ids, position_ids)
+        hidden = self.embedding(input_ids, position_ids)
+        device_type = hidden.device.type
+        if not self.config.fp32_residual_connection and torch.is_autocast_enabled(device_type):
+            hidden = hidden.to(torch.get_autocast_dtype(device_type))
+        return hidden
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Last layer's hidden states [b, s, h] -> final norm -> logits [b, s, V]."""

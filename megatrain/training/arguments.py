@@ -85,7 +85,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--use-rotary-position-embeddings": None,
     "--squared-relu": "squared-ReLU activation is not supported yet",
     "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
-    "--fp32-residual-connection": "fp32 residual connections are not supported",
 }
 UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
 
@@ -128,6 +127,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dims that RoPE rotates (the rest pass through)")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="keep the residual stream between layers in float32 under bf16/fp16 (default: in the "
+                        "half-precision dtype, as Megatron-LM)")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="store norm weights centred on zero; the layers scale by 1 + weight")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,

@@ -37,6 +37,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConf
         swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        fp32_residual_connection=bool(getattr(args, "fp32_residual_connection", False)),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,

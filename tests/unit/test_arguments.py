@@ -183,3 +183,10 @@ def test_megatron_flags_that_cannot_work_here_raise_with_the_flag():
                             (["--use-checkpoint-args"], "--use-checkpoint-args needs --load")):
         with pytest.raises(SystemExit, match=expected):
             parse_args([*BASE, *extra])
+
+
+def test_fp32_residual_connection_reaches_the_model_config():
+    default = parse_args([*BASE, "--bf16"], validate=True)
+    assert model_config_from_args(default, 128).fp32_residual_connection is False  # Megatron's default
+    on = parse_args([*BASE, "--bf16", "--fp32-residual-connection"], validate=True)
+    assert model_config_from_args(on, 128).fp32_residual_connection is True

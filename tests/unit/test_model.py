@@ -377,6 +377,24 @@ def test_partial_rotary_rotates_only_the_first_dims():
     assert model(torch.randint(0, 96, (1, 7))).shape == (1, 7, 96)
 
 
+@pytest.mark.parametrize("fp32_residual, expected", [(False, torch.bfloat16), (True, torch.float32)])
+def test_residual_stream_dtype_under_autocast(fp32_residual, expected):
+    model = GPTModel(gpt2_config(fp32_residual_connection=fp32_residual))
+    model.init_weights(0)
+    seen = []
+    for layer in model.layers.values():
+        layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    tokens = torch.randint(0, 96, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, labels=tokens)
+    assert seen == [expected] * len(model.layers) and loss.dtype == torch.float32
+    loss.mean().backward()  # gradients reach the fp32 parameters
+    assert model.embedding.word_embeddings.weight.grad.dtype == torch.float32
+    seen.clear()
+    model(tokens)  # without autocast everything stays float32
+    assert seen == [torch.float32] * len(model.layers)
+
+
 def test_rotary_tables_are_computed_once_per_forward_and_change_nothing(monkeypatch):
     import megatrain.models.rope as rope
 
