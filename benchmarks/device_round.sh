@@ -10,6 +10,7 @@
 #   bash benchmarks/device_round.sh 2     # nvidia-h200, ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
 #   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~9 min: NOTES §10, two one-GPU streams
 #   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~8 min: NOTES §10, TP=2 rows and profile (carry .whl)
+#   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, two-GPU tests included
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
@@ -60,6 +61,10 @@ case "${1:-1}" in
         --steps 3 --top 60 --out /tmp/prof_tp --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
         && cp /tmp/prof_tp/kernels.txt "$OUT/prof_tp2_sp_kernels.txt"
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp]" >&2; exit 2 ;;
+  gpu-tests)
+    # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
+    timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
+    ;;
+  *) echo "usage: $0 [1|2|next|next-tp|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

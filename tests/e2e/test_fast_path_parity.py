@@ -85,8 +85,9 @@ def _gpu_losses(*extra: str) -> list[float]:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fast", [[], ["--torch-compile-scope", "layer"], ["--use-distributed-optimizer"]],
-                         ids=["compiled_model_chunked", "compiled_layers", "one_gpu_fsdp"])
+@pytest.mark.parametrize("fast", [[], ["--torch-compile-scope", "layer"], ["--use-distributed-optimizer"],
+                                  ["--fp32-residual-connection"]],
+                         ids=["compiled_model_chunked", "compiled_layers", "one_gpu_fsdp", "fp32_residual"])
 def test_fast_path_trains_like_the_eager_path_on_gpu(fast):
     """100 bf16 steps: the compiled model (whole or per layer), chunked loss, fused AdamW (and FSDP2 mixed
     precision on one GPU) against the eager model with the plain head; same data, seed and schedule."""
@@ -111,3 +112,27 @@ def test_fp8_trains_like_bf16_on_gpu():
     assert worst < 5e-2, f"fp8 differs from bf16 by {worst:.3%} relative at worst"
     tail_e, tail_f = sum(eager[-10:]) / 10, sum(fp8[-10:]) / 10
     assert abs(tail_f - tail_e) / tail_e < 2e-2, (tail_e, tail_f)
+
+
+def _gpu_tp_losses(*extra: str) -> list[float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_gpt.py",
+           *GPU_RUN, "--train-iters", "30", "--tensor-model-parallel-size", "2", "--sequence-parallel", *extra]
+    out = run_cmd(cmd, timeout=900).stdout
+    lines = [parse_train_log_line(line) for line in out.splitlines() if "] iteration " in line]
+    assert [d["iteration"] for d in lines] == list(range(1, 31))
+    return [d["lm loss"] for d in lines]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("extra", [["--tp-comm-overlap"], ["--fp8-format", "hybrid"]], ids=["async_tp", "fp8"])
+def test_tensor_parallel_variants_train_like_plain_tp_on_two_gpus(extra):
+    """TP=2+SP on two GPUs, compiled: async TP (the same maths, overlapped) and fp8 against plain TP."""
+    if "--fp8-format" in extra:
+        pytest.importorskip("torchao.float8")
+    plain = _gpu_tp_losses()
+    variant = _gpu_tp_losses(*extra)
+    tolerance = 5e-2 if "--fp8-format" in extra else 2e-2
+    worst = max(abs(v - p) / abs(p) for p, v in zip(plain, variant))
+    assert worst < tolerance, f"{extra} differs from plain TP=2+SP by {worst:.3%} relative at worst"
