@@ -14,8 +14,8 @@ projection) stays in bf16, as is usual, and so does any linear layer whose sizes
 multiples of 16 (the fp8 matmul kernels need them).
 
 Under tensor parallelism (``tp`` > 1) a layer is converted only when its local shard keeps those
-sizes, and :mod:`megatrain.parallel.tensor_parallel` shards the converted layers with torchao's
-float8 column/row-parallel styles, which compute each scale from the whole (DTensor) tensor.
+sizes; :mod:`megatrain.parallel.tensor_parallel` shards the converted layers with the same styles
+as plain ones, so their weights are DTensors and each scale comes from the whole tensor.
 
 torchao is an optional dependency: ``pip install 'megatrain[fp8]'``.
 """

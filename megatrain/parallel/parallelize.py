@@ -70,6 +70,12 @@ class ParallelizeConfig:
                    getattr(args, "fp8_format", None), bool(getattr(args, "tp_comm_overlap", False)))
 
 
+def whole_model_compile_allowed(*, tp: int, pp: int, cp: int, sharded_data_parallel: bool) -> bool:
+    """Whether one compiled region can span the whole model: no TP, PP, CP or FSDP2 hooks between
+    the layers (one process, or replicated data parallel)."""
+    return tp == 1 and pp == 1 and cp == 1 and not sharded_data_parallel
+
+
 def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
                     seed: int, config: GPTConfig | None = None,
                     compile_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
@@ -109,7 +115,7 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
     fsdp = (single or (distributed and dims.replicas > 1)) and uses_fsdp(cfg.data_parallel,
                                                                         dims.tp_enabled or dims.pp > 1)
-    whole_model_ok = not (dims.tp_enabled or dims.pp > 1 or dims.cp > 1 or fsdp)
+    whole_model_ok = whole_model_compile_allowed(tp=dims.tp, pp=dims.pp, cp=dims.cp, sharded_data_parallel=fsdp)
     compile_model = (cfg.compile_layers and compile_fn is None
                      and (cfg.compile_scope == "model"
                           or cfg.compile_scope == "auto" and whole_model_ok and cfg.fp8_format is None))

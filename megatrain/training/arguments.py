@@ -695,7 +695,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         _fail("--no-position-embedding without --position-embedding-type rope would leave the model without "
               "positions, which is not supported; use --position-embedding-type rope")
-    whole_model_ok = tp == 1 and pp == 1 and cp == 1 and args.zero_stage == 0
+    from megatrain.parallel.parallelize import whole_model_compile_allowed
+
+    whole_model_ok = whole_model_compile_allowed(tp=tp, pp=pp, cp=cp, sharded_data_parallel=args.zero_stage > 0)
     if args.torch_compile_scope == "auto":
         # fp8 compiles per layer: its whole-model graph took 98 s to the first iteration on an H200
         args.torch_compile_scope = "model" if whole_model_ok and args.fp8_format is None else "layer"
