@@ -21,11 +21,23 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class RMSNorm1P(nn.RMSNorm):
-    """RMSNorm whose scale is ``1 + weight``."""
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm that computes in its weight's dtype: with float32 weights under autocast, a bf16/fp16
+    residual stream is normalised in float32 with a float32 result, as autocast does for LayerNorm
+    (and torch's fused kernel takes it; it refuses mixed input/weight dtypes)."""
+
+    def scale(self) -> torch.Tensor:
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+        return F.rms_norm(x.to(self.weight.dtype), self.normalized_shape, self.scale(), self.eps)
+
+
+class RMSNorm1P(RMSNorm):
+    """RMSNorm whose scale is ``1 + weight``."""
+
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1
 
 
 def build_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
@@ -37,5 +49,5 @@ def build_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
     if config.normalization == "LayerNorm":
         return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(width, eps=config.norm_epsilon)
     if config.normalization == "RMSNorm":
-        return (RMSNorm1P if config.apply_layernorm_1p else nn.RMSNorm)(width, eps=config.norm_epsilon)
+        return (RMSNorm1P if config.apply_layernorm_1p else RMSNorm)(width, eps=config.norm_epsilon)
     raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {config.normalization!r}")
