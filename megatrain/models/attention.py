@@ -108,12 +108,11 @@ class SelfAttention(nn.Module):
         v = qkv[:, :, :, hpg + 1].transpose(1, 2)  # [b, groups, s, d]
 
         if self.rotary is not None:
-            if rotary is not None:
-                cos, sin = rotary
-            else:
+            if rotary is None:
                 if position_ids is None:
                     position_ids = torch.arange(past, past + s, device=x_bsh.device).unsqueeze(0)
-                cos, sin = self.rotary(position_ids)
+                rotary = self.rotary(position_ids)
+            cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the first rotary_dim dims
 
         if kv_cache is not None:

@@ -80,7 +80,7 @@ class RotaryEmbedding(nn.Module):
         self.base = base
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_cos_sin(position_ids, self.head_dim, self.base)
+        return _rotary_cos_sin_op(position_ids, self.head_dim, float(self.base))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"

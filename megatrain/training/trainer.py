@@ -318,21 +318,19 @@ class Trainer:
                                              autocast=self.precision.autocast(self.device))
             if self.per_token_loss:
                 tokens = self.pipeline.token_count_on_all_ranks()
-        elif self.per_token_loss:
-            for i in range(self.num_micro_batches):
-                with gradient_sync(self.model, i == self.num_micro_batches - 1):
-                    loss_sum, n = self._forward_loss_sum(next(self.train_iter))
-                    total += loss_sum.detach()
-                    tokens += n.detach()
-                    (loss_sum * scale).backward()
         else:
             for i in range(self.num_micro_batches):
                 # Data-parallel gradient reduction only after the last micro-batch.
                 with gradient_sync(self.model, i == self.num_micro_batches - 1):
-                    loss = self._forward_loss(next(self.train_iter))
+                    loss_sum, n = self._forward_loss_sum(next(self.train_iter))
+                    if self.per_token_loss:  # loss sums; divided by the global token count below
+                        loss, weight = loss_sum, scale
+                        tokens += n.detach()
+                    else:  # x cp: the gradient reduction averages over data x context parallel ranks
+                        loss = loss_sum / self._cp_sum(n.detach()).clamp(min=1.0)
+                        weight = scale * self.cp_size / self.num_micro_batches
                     total += loss.detach()
-                    # x cp: the gradient reduction averages over data x context parallel ranks.
-                    (loss * (scale * self.cp_size / self.num_micro_batches)).backward()
+                    (loss * weight).backward()
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None
