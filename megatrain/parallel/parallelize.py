@@ -12,7 +12,10 @@ The steps always run in this order:
 4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs), over the
    data x context parallel ranks;
 5. materialise (``to_empty``) and fill every parameter from ``initial_value`` -- each rank writes
-   only its shard of the full tensor, so the weights are identical for every layout;
+   only its shard of the full tensor, so the weights are identical for every layout; then, with
+   half-precision compute on plain weights, the layers' linear layers accumulate their weight
+   gradients in float32 inside the matmuls (:mod:`megatrain.models.grad_accumulation_fusion`;
+   ``model.grad_accumulation_fusion`` is the protocol the trainer follows per micro-batch);
 6. DDP wrapping (replicated data parallel), which needs materialised weights.
 
 On CUDA, a small probe then checks that SDPA has a fused attention kernel for the model's head
@@ -33,6 +36,7 @@ from megatrain.models.config import GPTConfig
 from megatrain.models.fp8 import Fp8Config, convert_to_fp8
 from megatrain.models.fused_loss import ChunkedCrossEntropy
 from megatrain.models.gpt import canonical_parameter_name, initial_value
+from megatrain.models.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
 from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
@@ -52,6 +56,10 @@ class ParallelizeConfig:
     compile_scope: str = "auto"  # --torch-compile-scope: "layer", "model", or "auto" (model where allowed)
     fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers (torchao)
     tp_comm_overlap: bool = False  # --tp-comm-overlap: async TP (CUDA, compiled, sequence parallel)
+    # fp32 weight-gradient accumulation inside the half-precision layers' matmuls: None = where it
+    # applies (--bf16/--fp16 without FSDP2, TP, PP, fp8 or full recompute); False: off
+    # (--no-gradient-accumulation-fusion); True: also with float32 compute (tests)
+    grad_accumulation_fusion: bool | None = None
 
     def __post_init__(self) -> None:
         if self.compile_scope not in ("auto", "layer", "model"):
@@ -67,7 +75,8 @@ class ParallelizeConfig:
                    bool(getattr(args, "reset_attention_mask", False)),
                    str(getattr(args, "torch_compile_mode", "default") or "default"),
                    str(getattr(args, "torch_compile_scope", "auto") or "auto"),
-                   getattr(args, "fp8_format", None), bool(getattr(args, "tp_comm_overlap", False)))
+                   getattr(args, "fp8_format", None), bool(getattr(args, "tp_comm_overlap", False)),
+                   False if getattr(args, "no_gradient_accumulation_fusion", False) else None)
 
 
 def whole_model_compile_allowed(*, tp: int, pp: int, cp: int, sharded_data_parallel: bool) -> bool:
@@ -141,11 +150,29 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     init_parameters(model, config, seed)
+    if grad_accumulation_fusion_applies(cfg, dims, fsdp):
+        linears = convert_linears(m for layer in model.layers.values() for m in layer.modules())
+        if linears:
+            fusion = GradAccumulationFusion(linears, cfg.compute_dtype)
+            model.grad_accumulation_fusion = fusion  # type: ignore[attr-defined]
     if device.type == "cuda":
         warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)
     if distributed and dims.replicas > 1 and not fsdp:
         return apply_ddp(model, dims.replica_mesh(), cfg.data_parallel, device)
     return model
+
+
+def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims, fsdp: bool) -> bool:
+    """Whether the layers' linear layers accumulate weight gradients in their matmuls
+    (:mod:`megatrain.models.grad_accumulation_fusion`): half-precision compute on plain (not
+    FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, no fp8 layers, and no
+    full-layer recomputation (its second forward would not see the staged gradients)."""
+    if cfg.grad_accumulation_fusion is False:
+        return False
+    if cfg.grad_accumulation_fusion is None and cfg.compute_dtype == torch.float32:
+        return False
+    return (not fsdp and not dims.tp_enabled and dims.pp == 1 and cfg.fp8_format is None
+            and cfg.recompute.granularity != "full")
 
 
 @torch.no_grad()

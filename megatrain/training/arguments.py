@@ -29,7 +29,6 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--no-masked-softmax-fusion": "attention uses SDPA; softmax fusion is not a separate switch",
     "--no-bias-gelu-fusion": "fusion is left to torch.compile",
     "--no-bias-dropout-fusion": "fusion is left to torch.compile",
-    "--no-gradient-accumulation-fusion": "gradient accumulation is handled by PyTorch autograd",
     "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
     "--attention-backend": "attention runs through PyTorch SDPA, which picks the flash / cuDNN / memory-efficient "
                            "kernel itself (a start-up probe warns when only the slow math fallback fits)",
@@ -216,6 +215,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
                         "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; under tensor parallelism "
                         "it chunks the vocab-parallel loss)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
+                   help="with --bf16/--fp16 the transformer layers' linear layers compute with a half-precision "
+                        "copy of their fp32 weights (refreshed once per step) and their weight-gradient matmuls "
+                        "add into the fp32 gradient (default where the model is not FSDP2-sharded, tensor- or "
+                        "pipeline-parallel, fp8 or fully recomputed); this flag turns that off: autocast casts "
+                        "per micro-batch and autograd adds the gradients")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -370,7 +375,6 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-masked-softmax-fusion", action="store_true")
     g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_true")
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
     g.add_argument("--async-tensor-model-parallel-allreduce", action="store_true")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true")

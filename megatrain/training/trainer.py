@@ -305,11 +305,19 @@ class Trainer:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
         return [self._rank_batch(next(data_iter)) for _ in range(self.num_micro_batches)]
 
+    def _grad_fusion(self) -> Any:
+        """The model's gradient-accumulation fusion with its half-precision weights refreshed, or None."""
+        fusion = getattr(self.module, "grad_accumulation_fusion", None)
+        if fusion is not None:
+            fusion.refresh()
+        return fusion
+
     def train_step(self) -> StepResult:
         a = self.args
         assert self.train_iter is not None
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        fusion = self._grad_fusion()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
@@ -322,7 +330,11 @@ class Trainer:
             for i in range(self.num_micro_batches):
                 # Data-parallel gradient reduction only after the last micro-batch.
                 with gradient_sync(self.model, i == self.num_micro_batches - 1):
+                    if fusion is not None:
+                        fusion.stage()  # the weight gradients so far become the matmuls' addends
                     loss_sum, n = self._forward_loss_sum(next(self.train_iter))
+                    if fusion is not None:
+                        fusion.release()
                     if self.per_token_loss:  # loss sums; divided by the global token count below
                         loss, weight = loss_sum, scale
                         tokens += n.detach()
@@ -400,6 +412,7 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.set_num_micro_batches(a.num_micro_batches)
         self.model.eval()
+        self._grad_fusion()
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         for _ in range(eval_iters):

@@ -171,10 +171,12 @@ def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
 def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: int = 0,
                    recompute: tuple = (None, None, None), overlap: bool = False, steps: int = STEPS,
                    bucket_size: int | None = None, chunk: int = 0, fused: bool | None = None,
-                   fp8: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                   fp8: str | None = None, grad_fusion: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The run of :func:`train_reference` on this process group's layout (inside a worker).
 
     ``chunk`` asks for the chunked output-layer loss; ``RUN_INFO["chunks"]`` says whether it is used.
+    ``grad_fusion`` forces the gradient-accumulation fusion (float32 weight copies here) and follows
+    the trainer's protocol with it; ``RUN_INFO["fused_linears"]`` counts its layers.
     """
     from megatrain.parallel.data_parallel import DataParallelConfig, gradient_sync, unwrap
     from megatrain.parallel.dims import ParallelDims
@@ -188,8 +190,11 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
         model = GPTModel(config)
     cfg = ParallelizeConfig(DataParallelConfig(zero_stage=zero, overlap_grad_reduce=overlap,
                                                overlap_param_gather=overlap, bucket_size=bucket_size),
-                            RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk, fp8_format=fp8)
+                            RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk, fp8_format=fp8,
+                            grad_accumulation_fusion=True if grad_fusion else None)
     model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
+    fusion = getattr(unwrap(model), "grad_accumulation_fusion", None)
+    RUN_INFO["fused_linears"] = len(fusion.linears) if fusion is not None else 0
     RUN_INFO["fp8_layers"] = sum(type(m).__name__ == "Float8Linear" for m in unwrap(model).modules())
     head = unwrap(model)  # the chunked head loss, or under TP the chunked vocab-parallel loss
     RUN_INFO["chunks"] = head.chunked_loss is not None or getattr(head.loss, "chunk_size", 0) > 0
@@ -203,12 +208,18 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
     for step in range(steps):
         tokens, labels, mask = global_batch(step, config.vocab_size)
         opt.zero_grad(set_to_none=True)
+        if fusion is not None:
+            fusion.refresh()
         total = torch.zeros(())
         for m in range(n_micro):
             start = (m * dims.dp + dp_rank) * MICRO  # Megatron's order: micro-batch m of every dp rank
             sl = slice(start, start + MICRO)
             with gradient_sync(model, m == n_micro - 1):
+                if fusion is not None:
+                    fusion.stage()
                 loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
+                if fusion is not None:
+                    fusion.release()
                 (loss / n_micro).backward()
             total += loss.detach()
             if step == 0 and m == 0 and n_micro > 1 and dims.dp > 1:

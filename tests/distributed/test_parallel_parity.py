@@ -22,6 +22,8 @@ WORLD2 = {
     "tp2_llama_fused_adamw": ("llama", dict(tp=2, fused=True)),
     "tp2_sp_llama_gqa_swiglu_untied": ("llama", dict(tp=2, sp=True)),
     "dp2_ddp": ("gpt2", dict(overlap=True, bucket_size=10_000)),
+    "dp2_ddp_grad_fusion": ("gpt2", dict(overlap=True, bucket_size=10_000, grad_fusion=True)),
+    "dp2_ddp_grad_fusion_llama_selective": ("llama", dict(grad_fusion=True, recompute=("selective", None, None))),
     "dp2_zero1": ("llama", dict(zero=1)),
     "dp2_zero2": ("gpt2", dict(zero=2, overlap=True)),
     "dp2_zero3": ("llama", dict(zero=3, overlap=True)),
@@ -41,6 +43,7 @@ WORLD2 = {
 WORLD1 = {
     "one_process_zero1": ("llama", dict(zero=1)),
     "one_process_zero3": ("gpt2", dict(zero=3)),
+    "one_process_grad_fusion": ("llama", dict(grad_fusion=True)),
 }
 WORLD4 = {
     "tp2_dp2": ("gpt2", dict(tp=2)),
@@ -78,6 +81,7 @@ def _check(results: list[dict], name: str, layout: dict) -> None:
             assert r["unsynced"], "gradients were reduced on a micro-batch that should not synchronise"
         assert r["homogeneous_groups"], "an optimizer group mixes plain tensors and DTensors"
         assert r["fp8_layers"] == (8 if layout.get("fp8") else 0), "fp8 linear layers"
+        assert r["fused_linears"] == (8 if layout.get("grad_fusion") else 0), "gradient-accumulation fusion layers"
         if "kept_unsharded" in r:
             assert r["kept_unsharded"], "ZeRO-1/2 resharded the parameters between micro-batches"
 

@@ -59,6 +59,19 @@ def test_whole_model_compile_trains_like_eager_on_cpu():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("compiled", [[], ["--use-torch-compile"]], ids=["eager", "compiled"])
+def test_gradient_accumulation_fusion_trains_like_autocast(compiled):
+    """--bf16's default (half-precision weight copies, weight gradients added into the float32 gradient
+    inside the matmul) against autocast's per-micro-batch casts and autograd's additions."""
+    plain = _losses("--bf16", "--no-gradient-accumulation-fusion")
+    fused = _losses("--bf16", *compiled)
+    assert plain[-1][0] < plain[0][0] - 0.3
+    for step, ((lp, gp), (lf, gf)) in enumerate(zip(plain, fused), start=1):
+        assert abs(lf - lp) <= 1e-2 * abs(lp), (step, lp, lf)
+        assert abs(gf - gp) <= 5e-2 * abs(gp), (step, gp, gf)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_fp8_trains_like_bf16(fmt):
     """--fp8-format (torchao, on CPU through torch._scaled_mm): the loss curve follows bf16's closely."""
@@ -71,6 +84,8 @@ def test_fp8_trains_like_bf16(fmt):
 
 
 GPU_ITERS = 100
+# The plain path: eager, the whole logits, autocast's casts and autograd's gradient additions.
+EAGER = ("--no-torch-compile", "--cross-entropy-chunk-size", "0", "--no-gradient-accumulation-fusion")
 GPU_RUN = [*_run_flags(4, 256, 256, 4, 16, 8000, "cuda", GPU_ITERS, "1e-3", 10), "--bf16", "--clip-grad", "1.0"]
 
 
@@ -86,12 +101,13 @@ def _gpu_losses(*extra: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fast", [[], ["--torch-compile-scope", "layer"], ["--use-distributed-optimizer"],
-                                  ["--fp32-residual-connection"]],
-                         ids=["compiled_model_chunked", "compiled_layers", "one_gpu_fsdp", "fp32_residual"])
+                                  ["--fp32-residual-connection"], ["--no-torch-compile"]],
+                         ids=["compiled_model_chunked", "compiled_layers", "one_gpu_fsdp", "fp32_residual",
+                              "eager_grad_fusion"])
 def test_fast_path_trains_like_the_eager_path_on_gpu(fast):
     """100 bf16 steps: the compiled model (whole or per layer), chunked loss, fused AdamW (and FSDP2 mixed
     precision on one GPU) against the eager model with the plain head; same data, seed and schedule."""
-    eager = _gpu_losses("--no-torch-compile", "--cross-entropy-chunk-size", "0")
+    eager = _gpu_losses(*EAGER)
     compiled = _gpu_losses(*fast)
     assert eager[-1] < eager[0] - 1.0, "the run should learn, or the comparison says little"
     worst = max(abs(c - e) / abs(e) for e, c in zip(eager, compiled))
@@ -106,7 +122,7 @@ def test_fp8_trains_like_bf16_on_gpu():
     looser bound than the bf16 fast paths: 100 steps against the bf16 eager run, every step within 5 %
     and the last 10 steps' mean within 2 %. (Measured on an H200: 3.0 % at the worst step.)"""
     pytest.importorskip("torchao.float8")
-    eager = _gpu_losses("--no-torch-compile", "--cross-entropy-chunk-size", "0")
+    eager = _gpu_losses(*EAGER)
     fp8 = _gpu_losses("--fp8-format", "hybrid")
     worst = max(abs(c - e) / abs(e) for e, c in zip(eager, fp8))
     assert worst < 5e-2, f"fp8 differs from bf16 by {worst:.3%} relative at worst"

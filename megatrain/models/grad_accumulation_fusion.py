@@ -1,0 +1,142 @@
+"""Linear layers that compute with a half-precision copy of their weight and accumulate the weight
+gradient in float32 inside the weight-gradient matmul (Megatron's ``--gradient-accumulation-fusion``).
+
+Under plain autocast a float32 weight is cast to bf16 in every micro-batch's forward, the
+weight-gradient matmul writes a bf16 gradient, autograd casts it back to float32 and adds it to
+``.grad``: four passes over every weight per micro-batch, and the gradient rounded to bf16 before
+it is summed. Here, for the ``nn.Linear`` modules of the transformer layers:
+
+* the parameter stays the float32 master weight (optimizer, clipping, checkpoints and data
+  parallelism see no difference); a half-precision copy (``half_weight``) is refreshed once per
+  optimizer step by one multi-tensor copy, and the forward and input-gradient matmuls use it;
+* the weight gradient is computed by one matmul that takes the gradient accumulated so far as its
+  addend and writes float32 (``addmm(..., out_dtype=float32)`` on CUDA; on other devices the same
+  maths through a float32 matmul): ``new_grad = prev_grad + dY^T X``. Before each micro-batch
+  :meth:`GradAccumulationFusion.stage` moves each weight's ``.grad`` (zeros on the first) into
+  ``main_grad_in`` and clears ``.grad``, so autograd stores the returned sum as the new ``.grad``
+  without another addition.
+
+The numbers are the autocast path's in the forward; the weight gradients are more exact (no bf16
+rounding of each micro-batch's contribution). A layer called without staged gradients (evaluation,
+generation, a plain ``backward``) gets its weight gradient added by autograd as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GradAccumulationFusion", "FusedGradLinear", "convert_linears"]
+
+
+def _wgrad(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``prev + grad_out^T @ inp`` in float32 from half-precision operands (one matmul on CUDA)."""
+    if grad_out.is_cuda and grad_out.dtype in (torch.bfloat16, torch.float16):
+        if prev is None:
+            return torch.mm(grad_out.t(), inp, out_dtype=torch.float32)
+        return torch.addmm(prev, grad_out.t(), inp, out_dtype=torch.float32)
+    g, x = grad_out.float(), inp.float()
+    return g.t() @ x if prev is None else torch.addmm(prev, g.t(), x)
+
+
+class _FusedGradLinearFn(torch.autograd.Function):
+    """y = x @ half_weight^T (+ bias); weight's gradient = prev + dY^T x in float32."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, half_weight: torch.Tensor,
+                bias: torch.Tensor | None, prev: torch.Tensor | None) -> torch.Tensor:
+        dtype = half_weight.dtype
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            if bias is None:
+                y = x2 @ half_weight.t()
+            else:
+                y = torch.addmm(bias.to(dtype), x2, half_weight.t())
+        ctx.save_for_backward(x2, half_weight, prev)
+        ctx.meta = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        x2, half_weight, prev = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.meta
+        g2 = grad_y.reshape(-1, grad_y.shape[-1]).to(half_weight.dtype)
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(device_type=g2.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (g2 @ half_weight).view(*grad_y.shape[:-1], half_weight.shape[1]).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = _wgrad(prev, g2, x2).to(w_dtype)
+            if b_dtype is not None and ctx.needs_input_grad[3]:
+                grad_b = g2.sum(0, dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, None, grad_b, None
+
+
+class FusedGradLinear(nn.Linear):
+    """``nn.Linear`` whose matmuls use ``half_weight`` (see the module doc); made by :func:`convert_linears`."""
+
+    half_weight: torch.Tensor | None
+    main_grad_in: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.half_weight is None:  # not refreshed yet: behave as nn.Linear
+            return F.linear(x, self.weight, self.bias)
+        return _FusedGradLinearFn.apply(x, self.weight, self.half_weight, self.bias, self.main_grad_in)
+
+
+def convert_linears(modules: Iterable[nn.Module]) -> list[FusedGradLinear]:
+    """Turn every plain ``nn.Linear`` among ``modules`` into a :class:`FusedGradLinear` (in place)."""
+    out = []
+    for m in modules:
+        if type(m) is nn.Linear:
+            m.__class__ = FusedGradLinear
+            m.half_weight = None
+            m.main_grad_in = None
+        if isinstance(m, FusedGradLinear):
+            out.append(m)
+    return out
+
+
+class GradAccumulationFusion:
+    """The per-step protocol of a model's :class:`FusedGradLinear` layers.
+
+    ``refresh()`` before the forward passes of an optimizer step (copies the float32 weights into
+    their half-precision copies); ``stage()`` before each training micro-batch's forward;
+    ``release()`` after it (the forward holds the staged gradients until its backward is done).
+    """
+
+    def __init__(self, linears: list[FusedGradLinear], dtype: torch.dtype) -> None:
+        assert linears, "no linear layers to fuse"
+        self.linears = linears
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        masters = [m.weight.detach() for m in self.linears]
+        if self.linears[0].half_weight is None or self.linears[0].half_weight.device != masters[0].device:
+            for m, w in zip(self.linears, masters):
+                m.half_weight = torch.empty_like(w, dtype=self.dtype)
+        halves = [m.half_weight for m in self.linears]
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(halves, masters)
+        else:  # pragma: no cover - old torch
+            for h, w in zip(halves, masters):
+                h.copy_(w)
+
+    def stage(self) -> None:
+        for m in self.linears:
+            w = m.weight
+            m.main_grad_in = w.grad if w.grad is not None else torch.zeros_like(w)
+            w.grad = None
+
+    def release(self) -> None:
+        for m in self.linears:
+            m.main_grad_in = None
+
+    def drop_half_weights(self) -> None:
+        """Free the half-precision copies (they come back with the next ``refresh``)."""
+        for m in self.linears:
+            m.half_weight = None

@@ -1,0 +1,133 @@
+"""Gradient-accumulation fusion: linear layers on a half-precision weight copy whose weight-gradient
+matmul adds into the gradient accumulated so far (float32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from megatrain.models.config import GPTConfig
+from megatrain.models.gpt import GPTModel
+from megatrain.models.grad_accumulation_fusion import FusedGradLinear, GradAccumulationFusion, convert_linears
+from megatrain.parallel.dims import ParallelDims
+from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+from megatrain.parallel.recompute import RecomputeConfig
+
+GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, max_position_embeddings=16,
+           ffn_hidden_size=64)
+
+
+def _pair(bias: bool, dtype: torch.dtype) -> tuple[nn.Sequential, nn.Sequential, GradAccumulationFusion]:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(24, 40, bias=bias), nn.GELU(), nn.Linear(40, 16, bias=bias))
+    fused = copy.deepcopy(ref)
+    linears = convert_linears(fused.modules())
+    assert [type(m) for m in fused] == [FusedGradLinear, nn.GELU, FusedGradLinear]
+    return ref, fused, GradAccumulationFusion(linears, dtype)
+
+
+def _accumulate(model: nn.Module, xs: list[torch.Tensor], fusion: GradAccumulationFusion | None,
+                compiled: bool = False) -> None:
+    run = torch.compile(model) if compiled else model
+    if fusion is not None:
+        fusion.refresh()
+    for x in xs:
+        if fusion is not None:
+            fusion.stage()
+        loss = run(x).square().sum()
+        if fusion is not None:
+            fusion.release()
+        loss.backward()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float32_copy_gives_the_plain_layers_gradients(bias, compiled):
+    """With a float32 'half' copy the maths is nn.Linear's: same outputs and accumulated gradients."""
+    ref, fused, fusion = _pair(bias, torch.float32)
+    xs = [torch.randn(3, 5, 24) for _ in range(3)]
+    for step in range(2):  # the second step's first micro-batch starts from zero again
+        for m in (ref, fused):
+            m.zero_grad(set_to_none=True)
+        _accumulate(ref, xs, None)
+        _accumulate(fused, xs, fusion, compiled)
+        for (name, a), b in zip(fused.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * b.grad.abs().max().item(),
+                                       msg=f"step {step}: {name}")
+            assert a.grad.dtype == torch.float32
+        with torch.no_grad():  # an optimizer step: the copies must follow
+            for p in list(ref.parameters()) + list(fused.parameters()):
+                p.sub_(0.01 * p.grad)
+
+
+def test_bf16_copy_accumulates_in_float32_without_rounding_each_micro_batch():
+    """Forward equals autocast's bf16 linear; the weight gradient is the float32 sum of the
+    micro-batches' bf16 products (no bf16 rounding of each contribution)."""
+    ref, fused, fusion = _pair(True, torch.bfloat16)
+    xs = [torch.randn(4, 24) for _ in range(4)]
+    fusion.refresh()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(fused(xs[0]), ref(xs[0]), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _accumulate(fused, xs, fusion)
+    lin = fused[0]
+    # expected weight gradient of the first layer: sum over micro-batches of dY^T X from bf16 operands
+    expected = torch.zeros_like(lin.weight)
+    for x in xs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.nn.functional.linear(x, lin.weight.to(torch.bfloat16), lin.bias.to(torch.bfloat16))
+            h.requires_grad_(True)
+            y = fused[2](fused[1](h))
+        (g,) = torch.autograd.grad(y.float().square().sum(), h)
+        expected += g.to(torch.bfloat16).float().t() @ x.to(torch.bfloat16).float()
+    torch.testing.assert_close(lin.weight.grad, expected, rtol=1e-5, atol=1e-5)
+    assert lin.weight.grad.dtype == torch.float32 and lin.half_weight.dtype == torch.bfloat16
+
+
+def test_without_staging_autograd_adds_the_gradients():
+    """Layers called outside the protocol (a plain backward) still get correct gradients."""
+    ref, fused, fusion = _pair(True, torch.float32)
+    fusion.refresh()
+    xs = [torch.randn(2, 24) for _ in range(2)]
+    _accumulate(ref, xs, None)
+    for x in xs:
+        fused(x).square().sum().backward()
+    for a, b in zip(fused.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_release_drops_the_staged_gradients():
+    _, fused, fusion = _pair(False, torch.float32)
+    fusion.refresh()
+    fusion.stage()
+    assert all(m.main_grad_in is not None and m.weight.grad is None for m in fusion.linears)
+    fusion.release()
+    assert all(m.main_grad_in is None for m in fusion.linears)
+    fusion.drop_half_weights()
+    assert all(m.half_weight is None for m in fusion.linears)
+
+
+def _parallelized(**cfg) -> GPTModel:
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig(**GPT))
+    return parallelize_gpt(model, ParallelDims(world_size=1), ParallelizeConfig(**cfg), device=torch.device("cpu"), seed=1)
+
+
+def test_parallelize_applies_it_for_half_precision_only():
+    assert not hasattr(_parallelized(), "grad_accumulation_fusion")  # float32 compute
+    model = _parallelized(compute_dtype=torch.bfloat16)
+    fusion = model.grad_accumulation_fusion
+    assert len(fusion.linears) == 4 * GPT["num_layers"] and fusion.dtype == torch.bfloat16
+    assert type(model.output_layer if hasattr(model, "output_layer") else model.embedding.word_embeddings) \
+        is not FusedGradLinear
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in _parallelized().named_parameters()]
+    assert "half_weight" not in str(list(model.state_dict()))
+    assert not hasattr(_parallelized(compute_dtype=torch.bfloat16, grad_accumulation_fusion=False),
+                       "grad_accumulation_fusion")
+    assert not hasattr(_parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("full")),
+                       "grad_accumulation_fusion")
+    assert hasattr(_parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("selective")),
+                   "grad_accumulation_fusion")
