@@ -10,6 +10,7 @@
 #   bash benchmarks/device_round.sh 2     # nvidia-h200, ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
 #   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~9 min: NOTES §10, two one-GPU streams
 #   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~8 min: NOTES §10, TP=2 rows and profile (carry .whl)
+#   bash benchmarks/device_round.sh fusion   # nvidia-h200-x2, ~8 min: NOTES §11, fusion A/B, profile, one-GPU tests
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, two-GPU tests included
 set -u
 OUT=${OUT:-bench_out}
@@ -61,10 +62,26 @@ case "${1:-1}" in
         --steps 3 --top 60 --out /tmp/prof_tp --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
         && cp /tmp/prof_tp/kernels.txt "$OUT/prof_tp2_sp_kernels.txt"
     ;;
+  fusion)
+    # nvidia-h200-x2, about 8 minutes: gradient-accumulation fusion (NOTES §11) against autocast on
+    # the 1.7B shape (same GPU, back to back) and its profile; LLaMA and GPT-2 defaults; the
+    # one-GPU GPU-only tests (the two-GPU ones skip here; `next-tp` runs them).
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 60"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 330 $B1 1.7b --extra "" --extra "--no-gradient-accumulation-fusion" --output "$OUT/fusion_1.7b.md"
+     timeout 170 $P --shape 1.7b --out /tmp/prof_17b && cp /tmp/prof_17b/kernels.txt "$OUT/prof_1.7b_kernels.txt"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 250 $B1 llama-1.2b gpt2-124m --extra "" --output "$OUT/fusion_others.md"
+     timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
   gpu-tests)
     # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
     timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp|fusion|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

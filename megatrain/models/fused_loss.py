@@ -28,10 +28,12 @@ back-propagated once (``retain_graph`` is refused with a clear error).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from megatrain.models.grad_accumulation_fusion import wgrad_float32
 
 __all__ = ["ChunkedCrossEntropy", "backward_once", "chunk_kernel", "chunked_cross_entropy", "compute_dtype"]
 
@@ -121,10 +123,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
-                ignore_index: int, dtype: torch.dtype, compile: bool) -> torch.Tensor:
+                ignore_index: int, dtype: torch.dtype, compile: bool, half_weight: torch.Tensor | None = None,
+                prev_grad: torch.Tensor | None = None) -> torch.Tensor:
         loss_fn, _ = _kernels(compile)
         h = hidden.to(dtype)
-        w = weight.to(dtype)
+        w = weight.to(dtype) if half_weight is None else half_weight
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             logits = h @ w.t()  # [N, V] in the compute dtype
             n = logits.shape[0]
@@ -133,15 +136,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
                 loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
-        ctx.save_for_backward(h, w, logits, lse, target)
-        ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype)
+        ctx.save_for_backward(h, w, logits, lse, target, prev_grad)
+        ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype, half_weight is not None)
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
         backward_once(ctx, "the chunked cross entropy")
-        chunk_size, ignore_index, compile, hidden_dtype, weight_dtype = ctx.config
-        h, w, logits, lse, target = ctx.saved_tensors
+        chunk_size, ignore_index, compile, hidden_dtype, weight_dtype, fused = ctx.config
+        h, w, logits, lse, target, prev_grad = ctx.saved_tensors
         _, grad_fn = _kernels(compile)
         grad_loss = grad_loss.contiguous()
         grad_hidden = grad_weight = None
@@ -152,26 +155,33 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = logits  # now d loss / d logits, in the compute dtype
             if ctx.needs_input_grad[0]:
                 grad_hidden = (grad_logits @ w).to(hidden_dtype)
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and fused:  # float32 weight gradient, added to the staged one
+                grad_weight = wgrad_float32(prev_grad, grad_logits, h).to(weight_dtype)
+            elif ctx.needs_input_grad[1]:
                 grad_weight = (grad_logits.t() @ h).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                          *, ignore_index: int = -100, compile: bool = False) -> torch.Tensor:
+                          *, ignore_index: int = -100, compile: bool = False, half_weight: torch.Tensor | None = None,
+                          prev_grad: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, labels)`` in float32, shaped like ``labels``.
 
     hidden [..., h] (after the final norm), weight [V, h] (the output layer or the tied word
     embeddings), labels [...]. The matmuls run in autocast's dtype when autocast is on (else in
     hidden's dtype); the softmax statistics in float32, ``chunk_size`` tokens at a time.
+    ``half_weight``: a compute-dtype copy of ``weight`` to use instead of casting it; then the weight
+    gradient is ``prev_grad + G^T h`` in float32 from one matmul (gradient-accumulation fusion,
+    :mod:`megatrain.models.grad_accumulation_fusion`).
     """
     if chunk_size <= 0:
         raise ValueError(f"--cross-entropy-chunk-size must be positive for the chunked loss, got {chunk_size}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match")
     flat = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                            int(chunk_size), int(ignore_index), compute_dtype(hidden),
-                                            bool(compile))
+                                            int(chunk_size), int(ignore_index),
+                                            compute_dtype(hidden) if half_weight is None else half_weight.dtype,
+                                            bool(compile), half_weight, prev_grad)
     return flat.view(labels.shape)
 
 
@@ -181,10 +191,14 @@ class ChunkedCrossEntropy:
 
     chunk_size: tokens per float32 chunk (``--cross-entropy-chunk-size``); compile: run the
     per-chunk work as torch.compile kernels (set with ``--use-torch-compile`` on CUDA).
+    ``half_weight`` / ``main_grad_in``: set by the gradient-accumulation fusion
+    (:class:`megatrain.models.grad_accumulation_fusion.GradAccumulationFusion`) for the output weight.
     """
 
     chunk_size: int = 1024
     compile: bool = False
+    half_weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    main_grad_in: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -193,4 +207,5 @@ class ChunkedCrossEntropy:
 
     @torch.compiler.disable  # a whole-model compile stops here: the chunks run their own kernels
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile)
+        return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile,
+                                     half_weight=self.half_weight, prev_grad=self.main_grad_in)

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GradAccumulationFusion", "FusedGradLinear", "convert_linears"]
+__all__ = ["FusedGradLinear", "GradAccumulationFusion", "convert_linears", "wgrad_float32"]
 
 
-def _wgrad(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def wgrad_float32(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     """``prev + grad_out^T @ inp`` in float32 from half-precision operands (one matmul on CUDA)."""
     if grad_out.is_cuda and grad_out.dtype in (torch.bfloat16, torch.float16):
         if prev is None:
@@ -69,7 +69,7 @@ class _FusedGradLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = (g2 @ half_weight).view(*grad_y.shape[:-1], half_weight.shape[1]).to(x_dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = _wgrad(prev, g2, x2).to(w_dtype)
+                grad_w = wgrad_float32(prev, g2, x2).to(w_dtype)
             if b_dtype is not None and ctx.needs_input_grad[3]:
                 grad_b = g2.sum(0, dtype=torch.float32).to(b_dtype)
         return grad_x, grad_w, None, grad_b, None
@@ -101,25 +101,30 @@ def convert_linears(modules: Iterable[nn.Module]) -> list[FusedGradLinear]:
 
 
 class GradAccumulationFusion:
-    """The per-step protocol of a model's :class:`FusedGradLinear` layers.
+    """The per-step protocol of a model's fused layers: its :class:`FusedGradLinear` modules and,
+    optionally, further holders of a weight that follow the same convention (``half_weight`` and
+    ``main_grad_in`` attributes, e.g. the chunked output-layer loss with the output weight).
 
     ``refresh()`` before the forward passes of an optimizer step (copies the float32 weights into
     their half-precision copies); ``stage()`` before each training micro-batch's forward;
     ``release()`` after it (the forward holds the staged gradients until its backward is done).
     """
 
-    def __init__(self, linears: list[FusedGradLinear], dtype: torch.dtype) -> None:
-        assert linears, "no linear layers to fuse"
+    def __init__(self, linears: list[FusedGradLinear], dtype: torch.dtype,
+                 extra: list[tuple[Any, torch.Tensor]] | None = None) -> None:
+        assert linears or extra, "no layers to fuse"
         self.linears = linears
         self.dtype = dtype
+        # (holder, its float32 weight): every holder has half_weight and main_grad_in attributes
+        self.slots: list[tuple[Any, torch.Tensor]] = [(m, m.weight) for m in linears] + list(extra or [])
 
     @torch.no_grad()
     def refresh(self) -> None:
-        masters = [m.weight.detach() for m in self.linears]
-        if self.linears[0].half_weight is None or self.linears[0].half_weight.device != masters[0].device:
-            for m, w in zip(self.linears, masters):
-                m.half_weight = torch.empty_like(w, dtype=self.dtype)
-        halves = [m.half_weight for m in self.linears]
+        masters = [w.detach() for _, w in self.slots]
+        for (holder, _), w in zip(self.slots, masters):
+            if holder.half_weight is None or holder.half_weight.device != w.device:
+                holder.half_weight = torch.empty_like(w, dtype=self.dtype)
+        halves = [holder.half_weight for holder, _ in self.slots]
         if hasattr(torch, "_foreach_copy_"):
             torch._foreach_copy_(halves, masters)
         else:  # pragma: no cover - old torch
@@ -127,16 +132,15 @@ class GradAccumulationFusion:
                 h.copy_(w)
 
     def stage(self) -> None:
-        for m in self.linears:
-            w = m.weight
-            m.main_grad_in = w.grad if w.grad is not None else torch.zeros_like(w)
+        for holder, w in self.slots:
+            holder.main_grad_in = w.grad if w.grad is not None else torch.zeros_like(w)
             w.grad = None
 
     def release(self) -> None:
-        for m in self.linears:
-            m.main_grad_in = None
+        for holder, _ in self.slots:
+            holder.main_grad_in = None
 
     def drop_half_weights(self) -> None:
         """Free the half-precision copies (they come back with the next ``refresh``)."""
-        for m in self.linears:
-            m.half_weight = None
+        for holder, _ in self.slots:
+            holder.half_weight = None

@@ -152,8 +152,10 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
     init_parameters(model, config, seed)
     if grad_accumulation_fusion_applies(cfg, dims, fsdp):
         linears = convert_linears(m for layer in model.layers.values() for m in layer.modules())
-        if linears:
-            fusion = GradAccumulationFusion(linears, cfg.compute_dtype)
+        head = getattr(model, "chunked_loss", None)  # the output weight's matmuls, in the chunked loss
+        extra = [(head, model.output_weight())] if head is not None and model.final_layernorm is not None else []
+        if linears or extra:
+            fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra)
             model.grad_accumulation_fusion = fusion  # type: ignore[attr-defined]
     if device.type == "cuda":
         warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)

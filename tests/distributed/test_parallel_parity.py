@@ -22,7 +22,7 @@ WORLD2 = {
     "tp2_llama_fused_adamw": ("llama", dict(tp=2, fused=True)),
     "tp2_sp_llama_gqa_swiglu_untied": ("llama", dict(tp=2, sp=True)),
     "dp2_ddp": ("gpt2", dict(overlap=True, bucket_size=10_000)),
-    "dp2_ddp_grad_fusion": ("gpt2", dict(overlap=True, bucket_size=10_000, grad_fusion=True)),
+    "dp2_ddp_grad_fusion_chunked_loss": ("gpt2", dict(overlap=True, bucket_size=10_000, grad_fusion=True, chunk=16)),
     "dp2_ddp_grad_fusion_llama_selective": ("llama", dict(grad_fusion=True, recompute=("selective", None, None))),
     "dp2_zero1": ("llama", dict(zero=1)),
     "dp2_zero2": ("gpt2", dict(zero=2, overlap=True)),

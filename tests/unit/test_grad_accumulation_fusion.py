@@ -17,7 +17,7 @@ from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
 from megatrain.parallel.recompute import RecomputeConfig
 
 GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, max_position_embeddings=16,
-           ffn_hidden_size=64)
+           ffn_hidden_size=64, hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def _pair(bias: bool, dtype: torch.dtype) -> tuple[nn.Sequential, nn.Sequential, GradAccumulationFusion]:
@@ -131,3 +131,43 @@ def test_parallelize_applies_it_for_half_precision_only():
                        "grad_accumulation_fusion")
     assert hasattr(_parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("selective")),
                    "grad_accumulation_fusion")
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_chunked_loss_output_weight_joins_the_fusion(untie):
+    """The output weight's matmuls in the chunked loss follow the protocol too (a tied weight also
+    gets the embedding's gradient, which autograd adds): equal to the plain model with float32 copies."""
+    fields = dict(GPT, untie_embeddings_and_output_weights=untie)
+    torch.manual_seed(0)
+    ref = GPTModel(GPTConfig(**fields))
+    fused = copy.deepcopy(ref)
+    from megatrain.models.fused_loss import ChunkedCrossEntropy
+    for m in (ref, fused):
+        m.chunked_loss = ChunkedCrossEntropy(8)
+    linears = convert_linears(m for layer in fused.layers.values() for m in layer.modules())
+    fusion = GradAccumulationFusion(linears, torch.float32, [(fused.chunked_loss, fused.output_weight())])
+    tokens = [torch.randint(0, 96, (2, 16)) for _ in range(3)]
+    for step in range(2):
+        for m in (ref, fused):
+            m.zero_grad(set_to_none=True)
+        fusion.refresh()
+        for t in tokens:
+            ref(t, labels=t.roll(-1, 1)).mean().backward()
+            fusion.stage()
+            loss = fused(t, labels=t.roll(-1, 1)).mean()
+            fusion.release()
+            loss.backward()
+        for (name, a), b in zip(fused.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * b.grad.abs().max().item(),
+                                       msg=f"step {step}: {name}")
+        with torch.no_grad():
+            for p in list(ref.parameters()) + list(fused.parameters()):
+                p.sub_(0.01 * p.grad)
+    assert fused.chunked_loss.half_weight is not None and fused.chunked_loss.main_grad_in is None
+
+
+def test_parallelize_includes_the_chunked_loss_output_weight():
+    model = _parallelized(compute_dtype=torch.bfloat16, cross_entropy_chunk_size=16)
+    holders = [h for h, _ in model.grad_accumulation_fusion.slots]
+    assert holders[-1] is model.chunked_loss and len(holders) == 4 * GPT["num_layers"] + 1
+    assert model.grad_accumulation_fusion.slots[-1][1] is model.embedding.word_embeddings.weight
