@@ -9,12 +9,13 @@ it is summed. Here, for the ``nn.Linear`` modules of the transformer layers:
 * the parameter stays the float32 master weight (optimizer, clipping, checkpoints and data
   parallelism see no difference); a half-precision copy (``half_weight``) is refreshed once per
   optimizer step by one multi-tensor copy, and the forward and input-gradient matmuls use it;
-* the weight gradient is computed by one matmul that takes the gradient accumulated so far as its
-  addend and writes float32 (``addmm(..., out_dtype=float32)`` on CUDA; on other devices the same
-  maths through a float32 matmul): ``new_grad = prev_grad + dY^T X``. Before each micro-batch
-  :meth:`GradAccumulationFusion.stage` moves each weight's ``.grad`` (zeros on the first) into
-  ``main_grad_in`` and clears ``.grad``, so autograd stores the returned sum as the new ``.grad``
-  without another addition.
+* the weight gradient is added to the gradient accumulated so far by one matmul that reads and
+  writes it in float32 (``addmm(..., out_dtype=float32, out=main_grad)`` on CUDA, torch >= 2.8;
+  elsewhere the same maths through a float32 matmul), the opaque operator
+  ``megatrain::accumulate_wgrad_``. Before each micro-batch :meth:`GradAccumulationFusion.stage`
+  moves each weight's ``.grad`` (zeros on the first) into ``main_grad_in`` and clears ``.grad``;
+  the backward returns that same tensor, updated in place, and autograd takes it as the new
+  ``.grad`` without a copy or another addition.
 
 The numbers are the autocast path's in the forward; the weight gradients are more exact (no bf16
 rounding of each micro-batch's contribution). A layer called without staged gradients (evaluation,
@@ -29,17 +30,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FusedGradLinear", "GradAccumulationFusion", "convert_linears", "wgrad_float32"]
+__all__ = ["FusedGradLinear", "GradAccumulationFusion", "accumulate_wgrad_", "convert_linears", "wgrad_float32"]
+
+
+def _half_on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+# torch >= 2.8 has matmuls with a float32 output from half-precision operands on CUDA (out_dtype);
+# with older versions the product is rounded to the operands' dtype first, as under plain autocast.
+_OUT_DTYPE_MATMUL = [True]
 
 
 def wgrad_float32(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """``prev + grad_out^T @ inp`` in float32 from half-precision operands (one matmul on CUDA)."""
-    if grad_out.is_cuda and grad_out.dtype in (torch.bfloat16, torch.float16):
-        if prev is None:
-            return torch.mm(grad_out.t(), inp, out_dtype=torch.float32)
-        return torch.addmm(prev, grad_out.t(), inp, out_dtype=torch.float32)
-    g, x = grad_out.float(), inp.float()
-    return g.t() @ x if prev is None else torch.addmm(prev, g.t(), x)
+    """``prev + grad_out^T @ inp`` in float32, written into ``prev`` (one matmul that reads and
+    writes it on CUDA), or a new tensor when ``prev`` is None."""
+    if prev is None:
+        if _half_on_cuda(grad_out) and _OUT_DTYPE_MATMUL[0]:
+            try:
+                return torch.mm(grad_out.t(), inp, out_dtype=torch.float32)
+            except (TypeError, RuntimeError):
+                _OUT_DTYPE_MATMUL[0] = False
+        if _half_on_cuda(grad_out):
+            return (grad_out.t() @ inp).float()
+        return grad_out.float().t() @ inp.float()
+    accumulate_wgrad_(prev, grad_out, inp)
+    return prev
+
+
+@torch.library.custom_op("megatrain::accumulate_wgrad_", mutates_args=("main_grad",))
+def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    """main_grad += grad_out^T @ inp in place (an opaque operator: the compiler keeps it as one
+    matmul with beta = 1 instead of a matmul and a separate addition)."""
+    if _half_on_cuda(grad_out):
+        if _OUT_DTYPE_MATMUL[0]:
+            try:
+                torch.addmm(main_grad, grad_out.t(), inp, out_dtype=torch.float32, out=main_grad)
+                return
+            except (TypeError, RuntimeError):
+                _OUT_DTYPE_MATMUL[0] = False
+        main_grad.add_(grad_out.t() @ inp)
+    else:
+        main_grad.addmm_(grad_out.t().to(main_grad.dtype), inp.to(main_grad.dtype))
+
+
+@accumulate_wgrad_.register_fake
+def _(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    return None
 
 
 class _FusedGradLinearFn(torch.autograd.Function):

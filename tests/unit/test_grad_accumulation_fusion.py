@@ -171,3 +171,18 @@ def test_parallelize_includes_the_chunked_loss_output_weight():
     holders = [h for h, _ in model.grad_accumulation_fusion.slots]
     assert holders[-1] is model.chunked_loss and len(holders) == 4 * GPT["num_layers"] + 1
     assert model.grad_accumulation_fusion.slots[-1][1] is model.embedding.word_embeddings.weight
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_staged_gradient_is_updated_in_place_and_becomes_the_new_grad(compiled):
+    """No copy: the matmul adds into the staged tensor and autograd keeps that tensor as ``.grad``."""
+    _, fused, fusion = _pair(True, torch.float32)
+    run = torch.compile(fused) if compiled else fused
+    fusion.refresh()
+    for _ in range(3):
+        fusion.stage()
+        staged = [m.main_grad_in.data_ptr() for m in fusion.linears]
+        loss = run(torch.randn(4, 24)).square().sum()
+        fusion.release()
+        loss.backward()
+        assert [m.weight.grad.data_ptr() for m in fusion.linears] == staged
