@@ -5,7 +5,8 @@ Bytes per parameter held by a rank, as megatrain trains (parameters stay fp32 ma
 matmuls run in bf16/fp16 under autocast):
 
     weights 4 + gradients 4 + Adam states 8 (SGD with momentum: 4)      fp32
-    + 2 for the half-precision copy of the weights used by the matmuls (bf16/fp16 only)
+    + 2 for the half-precision copy of the weights used by the matmuls (bf16/fp16 only: autocast's
+      casts, or the gradient-accumulation fusion's persistent copies)
 
 Data-parallel sharding (``--use-distributed-optimizer`` / ``--zero-stage``): ZeRO-1/2 divide the
 fp32 weights, gradients and optimizer states by the data-parallel size, but the unsharded
