@@ -369,16 +369,34 @@ class Trainer:
             mean_loss = per_token_mean
         else:
             mean_loss = self._dp_mean(self._cp_sum(total) / self.num_micro_batches)
-        # The one host synchronisation of an iteration, before the optimizer step is queued.
+        # The one host synchronisation of an iteration. With fused optimizer kernels on CUDA the step
+        # is queued first and skips itself on the device when found_inf is set (torch's fused
+        # Adam/SGD take it, as under GradScaler), so the GPU runs the update while the host reads
+        # the flags and prepares the next iteration; otherwise the host decides before queuing it.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
-        found, loss_finite, norm = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
-                                                norm_value.to(found_inf.device)]).tolist()
+        flags = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
+                             norm_value.to(found_inf.device)])
+        device_skip = flags.is_cuda and bool(self.optimizer.defaults.get("fused"))
+        if device_skip:
+            flags_host = flags.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            self.optimizer.found_inf = found_inf.float().reshape(())  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
+            ready.synchronize()
+            found, loss_finite, norm = flags_host.tolist()
+        else:
+            found, loss_finite, norm = flags.tolist()
         bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
             self.scaler.update(bad)
         skipped = bad
         if not skipped:
-            self.optimizer.step()
+            if not device_skip:
+                self.optimizer.step()
             self.scheduler.step(self.current_global_batch_size)
         grad_norm = norm if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
