@@ -63,9 +63,10 @@ case "${1:-1}" in
         && cp /tmp/prof_tp/kernels.txt "$OUT/prof_tp2_sp_kernels.txt"
     ;;
   fusion)
-    # nvidia-h200-x2, about 8 minutes: gradient-accumulation fusion (NOTES §11) against autocast on
-    # the 1.7B shape (same GPU, back to back) and its profile; LLaMA and GPT-2 defaults; the
-    # one-GPU GPU-only tests (the two-GPU ones skip here; `next-tp` runs them).
+    # nvidia-h200-x2, about 9 minutes: gradient-accumulation fusion (NOTES §11) against autocast on
+    # the 1.7B shape (same GPU, back to back) and its profile; LLaMA and GPT-2 defaults and GPT-2's
+    # profile; the one-GPU GPU-only tests (the two-GPU ones skip here; `next-tp` runs them).
+    python benchmarks/cuda_op_check.py > "$OUT/cuda_op_check.txt" 2>&1
     B1="$B --iters 10 --warmup 4 --timeout 150"
     P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 60"
     (export CUDA_VISIBLE_DEVICES=0
@@ -73,8 +74,9 @@ case "${1:-1}" in
      timeout 170 $P --shape 1.7b --out /tmp/prof_17b && cp /tmp/prof_17b/kernels.txt "$OUT/prof_1.7b_kernels.txt"
     ) > "$OUT/gpu0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
-     timeout 250 $B1 llama-1.2b gpt2-124m --extra "" --output "$OUT/fusion_others.md"
-     timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
+     timeout 230 $B1 llama-1.2b gpt2-124m --extra "" --output "$OUT/fusion_others.md"
+     timeout 90 $P --shape gpt2-124m --out /tmp/prof_gpt2 && cp /tmp/prof_gpt2/kernels.txt "$OUT/prof_gpt2_kernels.txt"
+     timeout 200 python -m pytest -q -x -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;

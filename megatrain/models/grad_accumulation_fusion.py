@@ -37,46 +37,74 @@ def _half_on_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
 
 
-# torch >= 2.8 has matmuls with a float32 output from half-precision operands on CUDA (out_dtype);
-# with older versions the product is rounded to the operands' dtype first, as under plain autocast.
-_OUT_DTYPE_MATMUL = [True]
+# How this torch multiplies half-precision operands into a float32 result on CUDA: "addmm" (one
+# matmul reading and writing the accumulator, torch >= 2.8), "mm" (a float32 product, then an
+# addition) or "rounded" (the product rounded to the operands' dtype first, as under plain
+# autocast); the first that works is kept, with a warning when it is not "addmm".
+_CUDA_PATH = ["addmm"]
 
 
-def wgrad_float32(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """``prev + grad_out^T @ inp`` in float32, written into ``prev`` (one matmul that reads and
-    writes it on CUDA), or a new tensor when ``prev`` is None."""
-    if prev is None:
-        if _half_on_cuda(grad_out) and _OUT_DTYPE_MATMUL[0]:
-            try:
-                return torch.mm(grad_out.t(), inp, out_dtype=torch.float32)
-            except (TypeError, RuntimeError):
-                _OUT_DTYPE_MATMUL[0] = False
-        if _half_on_cuda(grad_out):
-            return (grad_out.t() @ inp).float()
-        return grad_out.float().t() @ inp.float()
-    accumulate_wgrad_(prev, grad_out, inp)
-    return prev
+def _fall_back(to: str, error: Exception) -> None:
+    import warnings
+
+    _CUDA_PATH[0] = to
+    how = {"mm": "a float32 matmul, then an addition",
+           "rounded": "the product rounded to the operands' dtype, then an addition"}[to]
+    warnings.warn(f"gradient-accumulation fusion: this torch cannot run the fused float32 matmul "
+                  f"({type(error).__name__}: {error}); using {how}", RuntimeWarning, stacklevel=3)
+
+
+def _product_float32(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """grad_out^T @ inp as a new float32 tensor."""
+    if not _half_on_cuda(grad_out):
+        return grad_out.t().float() @ inp.float()
+    if _CUDA_PATH[0] != "rounded":
+        try:
+            return torch.mm(grad_out.t(), inp, out_dtype=torch.float32)
+        except (TypeError, RuntimeError) as e:
+            _fall_back("rounded", e)
+    return (grad_out.t() @ inp).float()
+
+
+@torch.library.custom_op("megatrain::wgrad_float32", mutates_args=())
+def wgrad_new(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """grad_out^T @ inp in float32 (opaque to the compiler, like :func:`accumulate_wgrad_`)."""
+    return _product_float32(grad_out, inp)
+
+
+@wgrad_new.register_fake
+def _(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    return grad_out.new_empty((grad_out.shape[1], inp.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("megatrain::accumulate_wgrad_", mutates_args=("main_grad",))
 def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
     """main_grad += grad_out^T @ inp in place (an opaque operator: the compiler keeps it as one
     matmul with beta = 1 instead of a matmul and a separate addition)."""
-    if _half_on_cuda(grad_out):
-        if _OUT_DTYPE_MATMUL[0]:
-            try:
-                torch.addmm(main_grad, grad_out.t(), inp, out_dtype=torch.float32, out=main_grad)
-                return
-            except (TypeError, RuntimeError):
-                _OUT_DTYPE_MATMUL[0] = False
-        main_grad.add_(grad_out.t() @ inp)
-    else:
+    if not _half_on_cuda(grad_out):
         main_grad.addmm_(grad_out.t().to(main_grad.dtype), inp.to(main_grad.dtype))
+        return
+    if _CUDA_PATH[0] == "addmm":
+        try:
+            torch.addmm(main_grad, grad_out.t(), inp, out_dtype=torch.float32, out=main_grad)
+            return
+        except (TypeError, RuntimeError) as e:
+            _fall_back("mm", e)
+    main_grad.add_(_product_float32(grad_out, inp))
 
 
 @accumulate_wgrad_.register_fake
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
     return None
+
+
+def wgrad_float32(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``prev + grad_out^T @ inp`` in float32, written into ``prev`` (one matmul that reads and
+    writes it on CUDA), or a new tensor when ``prev`` is None."""
+    if prev is None:
+        return wgrad_new(grad_out, inp)
+    accumulate_wgrad_(prev, grad_out, inp)
+    return prev
 
 
 class _FusedGradLinearFn(torch.autograd.Function):

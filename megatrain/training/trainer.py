@@ -376,19 +376,17 @@ class Trainer:
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         flags = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
                              norm_value.to(found_inf.device)])
-        device_skip = flags.is_cuda and bool(self.optimizer.defaults.get("fused"))
-        if device_skip:
+        device_skip = bool(self.optimizer.defaults.get("fused"))
+        if device_skip and flags.is_cuda:
             flags_host = flags.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            self.optimizer.found_inf = found_inf.float().reshape(())  # type: ignore[attr-defined]
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf  # type: ignore[attr-defined]
+            self._queue_step_skipping_on_device(found_inf)
             ready.synchronize()
             found, loss_finite, norm = flags_host.tolist()
         else:
+            if device_skip:  # fused kernels on the CPU: the same protocol, synchronous anyway
+                self._queue_step_skipping_on_device(found_inf)
             found, loss_finite, norm = flags.tolist()
         bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
@@ -400,6 +398,15 @@ class Trainer:
             self.scheduler.step(self.current_global_batch_size)
         grad_norm = norm if grad_norm_t is not None and not skipped else None
         return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
+
+    def _queue_step_skipping_on_device(self, found_inf: torch.Tensor) -> None:
+        """Queue the optimizer step with ``found_inf``: torch's fused kernels then leave weights,
+        states and step counts alone when it is set (what GradScaler relies on)."""
+        self.optimizer.found_inf = found_inf.float().reshape(())  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank value over the data x context parallel ranks (every token of the global batch)."""

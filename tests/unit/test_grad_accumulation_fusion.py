@@ -87,14 +87,16 @@ def test_bf16_copy_accumulates_in_float32_without_rounding_each_micro_batch():
     assert lin.weight.grad.dtype == torch.float32 and lin.half_weight.dtype == torch.bfloat16
 
 
-def test_without_staging_autograd_adds_the_gradients():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_without_staging_autograd_adds_the_gradients(compiled):
     """Layers called outside the protocol (a plain backward) still get correct gradients."""
     ref, fused, fusion = _pair(True, torch.float32)
+    run = torch.compile(fused) if compiled else fused
     fusion.refresh()
     xs = [torch.randn(2, 24) for _ in range(2)]
     _accumulate(ref, xs, None)
     for x in xs:
-        fused(x).square().sum().backward()
+        run(x).square().sum().backward()
     for a, b in zip(fused.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
