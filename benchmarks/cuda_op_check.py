@@ -4,6 +4,9 @@ device-side step skipping. Prints one line per check (run at the start of a devi
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 
@@ -12,6 +15,7 @@ def main() -> None:
         print("no CUDA: nothing to check")
         return
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, not an installed copy
     from megatrain.models.grad_accumulation_fusion import _CUDA_PATH, accumulate_wgrad_, wgrad_new
 
     g = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)

@@ -197,8 +197,14 @@ class GradAccumulationFusion:
                 h.copy_(w)
 
     def stage(self) -> None:
+        empty = [w for _, w in self.slots if w.grad is None]
+        if empty:  # the step's first micro-batch starts from zeros (one multi-tensor fill)
+            zeros = [torch.empty_like(w) for w in empty]
+            torch._foreach_zero_(zeros)
+            for w, z in zip(empty, zeros):
+                w.grad = z
         for holder, w in self.slots:
-            holder.main_grad_in = w.grad if w.grad is not None else torch.zeros_like(w)
+            holder.main_grad_in = w.grad
             w.grad = None
 
     def release(self) -> None:

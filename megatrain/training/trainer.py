@@ -102,7 +102,7 @@ class ExitRequest:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # mean loss of the global batch (0-dim, on device)
+    loss: float  # mean loss of the global batch
     grad_norm: float | None
     skipped: bool
     nan: bool
@@ -375,7 +375,7 @@ class Trainer:
         # the flags and prepares the next iteration; otherwise the host decides before queuing it.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         flags = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
-                             norm_value.to(found_inf.device)])
+                             norm_value.to(found_inf.device), mean_loss.detach().float().reshape(())])
         device_skip = bool(self.optimizer.defaults.get("fused"))
         if device_skip and flags.is_cuda:
             flags_host = flags.to("cpu", non_blocking=True)
@@ -383,11 +383,11 @@ class Trainer:
             ready.record()
             self._queue_step_skipping_on_device(found_inf)
             ready.synchronize()
-            found, loss_finite, norm = flags_host.tolist()
+            found, loss_finite, norm, loss_value = flags_host.tolist()
         else:
             if device_skip:  # fused kernels on the CPU: the same protocol, synchronous anyway
                 self._queue_step_skipping_on_device(found_inf)
-            found, loss_finite, norm = flags.tolist()
+            found, loss_finite, norm, loss_value = flags.tolist()
         bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
             self.scaler.update(bad)
@@ -397,7 +397,7 @@ class Trainer:
                 self.optimizer.step()
             self.scheduler.step(self.current_global_batch_size)
         grad_norm = norm if grad_norm_t is not None and not skipped else None
-        return StepResult(mean_loss, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
+        return StepResult(loss_value, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
 
     def _queue_step_skipping_on_device(self, found_inf: torch.Tensor) -> None:
         """Queue the optimizer step with ``found_inf``: torch's fused kernels then leave weights,
@@ -528,12 +528,13 @@ class Trainer:
             it = self.state.iteration
             if self.writer.active and it % a.tensorboard_log_interval == 0:
                 self.writer.log_train(it, consumed_samples=self.state.consumed_train_samples,
-                                      losses={"lm loss": float(result.loss)}, learning_rate=self.scheduler.current_lr(),
+                                      losses={"lm loss": result.loss}, learning_rate=self.scheduler.current_lr(),
                                       batch_size=self.current_global_batch_size, grad_norm=result.grad_norm,
                                       loss_scale=float(self.scaler.scale) if self.scaler is not None else None)
             if it % a.log_interval == 0:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                # No device synchronisation here: every iteration already waits for its loss and
+                # gradient norm, so the time between two log lines is the iterations' time (the last
+                # optimizer step, still running on the GPU, is counted in the next interval).
                 now = time.time()
                 self._log(interval, (now - t_last) / interval.iterations, train_iters)
                 if self.device.type == "cuda" and self.state.iteration == a.log_interval:
@@ -609,7 +610,7 @@ class _IntervalStats:
 
     def __init__(self) -> None:
         self.iterations = 0
-        self.loss_sum: torch.Tensor | float = 0.0
+        self.loss_sum = 0.0
         self.counted = 0
         self.skipped = 0
         self.nan = 0
@@ -622,13 +623,13 @@ class _IntervalStats:
         if r.nan:
             self.nan += 1
         if not r.skipped and not r.nan:
-            self.loss_sum = self.loss_sum + r.loss
+            self.loss_sum += r.loss
             self.counted += 1
         if r.grad_norm is not None:
             self.last_grad_norm = r.grad_norm
 
     def mean_loss(self) -> float:
-        return float(self.loss_sum) / self.counted if self.counted else float("nan")
+        return self.loss_sum / self.counted if self.counted else float("nan")
 
 
 def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer) -> TrainState:
