@@ -11,6 +11,7 @@
 #   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~9 min: NOTES §10, two one-GPU streams
 #   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~8 min: NOTES §10, TP=2 rows and profile (carry .whl)
 #   bash benchmarks/device_round.sh fusion   # nvidia-h200-x2, ~8 min: NOTES §11, fusion A/B, profile, one-GPU tests
+#   bash benchmarks/device_round.sh final    # nvidia-h200-x2, ~8 min: final 1.7B/GPT-2 rows, TP=2+SP (+overlap), two-GPU tests
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, two-GPU tests included
 set -u
 OUT=${OUT:-bench_out}
@@ -80,10 +81,29 @@ case "${1:-1}" in
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;
+  final)
+    # nvidia-h200-x2, about 8 minutes: the session's final code on the 1.7B and GPT-2 shapes (GPT-2
+    # also with --manual-gc: is its host-bound step paying for Python's garbage collector?), then
+    # TP=2+SP with and without --tp-comm-overlap, then the two-GPU tests (async TP and fp8 under TP
+    # against plain TP). Carry .whl.
+    python benchmarks/cuda_op_check.py > "$OUT/cuda_op_check.txt" 2>&1
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 200 $B1 1.7b --extra "" --output "$OUT/final_1.7b.md") > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 220 $B --iters 8 --warmup 3 --timeout 100 gpt2-124m --extra "" --extra "--manual-gc" \
+        --extra "--no-gradient-accumulation-fusion" --output "$OUT/final_gpt2.md") > "$OUT/gpu1.log" 2>&1 &
+    wait
+    timeout 180 $B --iters 8 --warmup 3 --timeout 88 1.7b --nproc 2 \
+        --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
+        --extra "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" --output "$OUT/two_gpu.md" \
+        > "$OUT/two_gpu.log" 2>&1
+    timeout 170 python -m pytest -q -m gpu -k two_gpus -p no:cacheprovider tests > "$OUT/gpu_tests_two_gpu.txt" 2>&1
+    ;;
   gpu-tests)
     # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
     timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp|fusion|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

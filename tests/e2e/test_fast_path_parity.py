@@ -130,6 +130,7 @@ def test_fp8_trains_like_bf16_on_gpu():
     assert abs(tail_f - tail_e) / tail_e < 2e-2, (tail_e, tail_f)
 
 
+@functools.lru_cache(maxsize=None)  # plain TP is the reference of both variants: run it once
 def _gpu_tp_losses(*extra: str) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_gpt.py",
            *GPU_RUN, "--train-iters", "30", "--tensor-model-parallel-size", "2", "--sequence-parallel", *extra]
