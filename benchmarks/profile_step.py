@@ -79,14 +79,19 @@ def build_args(shape: str, extra: list[str], steps: int, device: str | None):
 def kernel_rows(prof: "torch.profiler.profile") -> list[dict]:
     """Device kernels aggregated by name: calls and total device microseconds.
 
-    Kernel events are the profiler's events on the device; should a torch version not list them,
-    the operators' self device time is used instead (names are then aten operators).
+    Kernel events are the profiler's events on the device, without the device-side copies of
+    ``record_function`` ranges; should a torch version not list kernels, the operators' self device
+    time is used instead (names are then aten operators).
     """
     from torch.autograd import DeviceType
 
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
         if getattr(evt, "device_type", DeviceType.CPU) == DeviceType.CPU:
+            continue
+        if getattr(evt, "is_user_annotation", False) or "#" in evt.name:
+            # a record_function range mirrored on the device timeline (e.g. "Optimizer.step#AdamW.step"):
+            # it spans kernels that are listed themselves, so counting it would count them twice
             continue
         totals[evt.name][0] += 1
         totals[evt.name][1] += float(evt.time_range.elapsed_us())
