@@ -4,7 +4,8 @@ gradient in float32 inside the weight-gradient matmul (Megatron's ``--gradient-a
 Under plain autocast a float32 weight is cast to bf16 in every micro-batch's forward, the
 weight-gradient matmul writes a bf16 gradient, autograd casts it back to float32 and adds it to
 ``.grad``: four passes over every weight per micro-batch, and the gradient rounded to bf16 before
-it is summed. Here, for the ``nn.Linear`` modules of the transformer layers:
+it is summed. Here, for the ``nn.Linear`` modules of the transformer layers (and, through the
+same protocol, the output weight inside the chunked loss, :mod:`megatrain.models.fused_loss`):
 
 * the parameter stays the float32 master weight (optimizer, clipping, checkpoints and data
   parallelism see no difference); a half-precision copy (``half_weight``) is refreshed once per
@@ -24,6 +25,7 @@ generation, a plain ``backward``) gets its weight gradient added by autograd as 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -45,8 +47,6 @@ _CUDA_PATH = ["addmm"]
 
 
 def _fall_back(to: str, error: Exception) -> None:
-    import warnings
-
     _CUDA_PATH[0] = to
     how = {"mm": "a float32 matmul, then an addition",
            "rounded": "the product rounded to the operands' dtype, then an addition"}[to]
