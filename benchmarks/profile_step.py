@@ -12,15 +12,17 @@ log line times. Writes into ``--out``:
 
 - ``kernels.txt``: the top ``--top`` kernels by device time (name, calls, total ms, % of the
   profiled device time, mean us), followed by a summary per category (matmul, attention,
-  optimizer, cross-entropy/softmax, norms/elementwise, copies, communication, other);
+  optimizer, cross-entropy/softmax, norms/elementwise, copies, communication, other) and, on a
+  GPU, the device's idle time: the gaps between kernels, filed under the kernel that ended each
+  wait (what the host had not queued yet);
 - ``summary.json``: the same as data, with wall ms per step, device-busy ms per step, peak memory;
 - ``trace.json.gz`` (with ``--trace``): the Chrome/Perfetto trace.
 
 Under torchrun every rank trains and rank 0 profiles itself and writes the report.
 
 The printed table is what to read first: if device-busy time per step is well below the wall time,
-the host (launches, syncs, data) is the bottleneck; otherwise the category shares say which kernels
-to make faster.
+the host (launches, syncs, data) is the bottleneck, and the idle table says before which kernels
+the GPU waited; otherwise the category shares say which kernels to make faster.
 """
 
 from __future__ import annotations
@@ -103,6 +105,53 @@ def kernel_rows(prof: "torch.profiler.profile") -> list[dict]:
     rows = [{"name": n, "calls": int(c), "total_us": t} for n, (c, t) in totals.items()]
     rows.sort(key=lambda r: r["total_us"], reverse=True)
     return rows
+
+
+def kernel_intervals(prof: "torch.profiler.profile") -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device kernel (not record_function ranges), in start order."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", DeviceType.CPU) == DeviceType.CPU:
+            continue
+        if getattr(evt, "is_user_annotation", False) or "#" in evt.name:
+            continue
+        out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
+    out.sort()
+    return out
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]], min_us: float = 5.0) -> list[dict]:
+    """Where the device waited: every stretch of at least ``min_us`` with no kernel running, filed
+    under the kernel that ended the wait (the work the host had not queued yet), totalled by name.
+
+    Rows (largest total first): name, gaps, total_us, max_us.
+    """
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    busy_until = None
+    for start, end, name in intervals:
+        if busy_until is not None and start - busy_until >= min_us:
+            gap = start - busy_until
+            row = totals[name]
+            row[0] += 1
+            row[1] += gap
+            row[2] = max(row[2], gap)
+        busy_until = end if busy_until is None else max(busy_until, end)
+    rows = [{"name": n, "gaps": int(c), "total_us": t, "max_us": m} for n, (c, t, m) in totals.items()]
+    rows.sort(key=lambda r: r["total_us"], reverse=True)
+    return rows
+
+
+def render_gaps(rows: list[dict], steps: int, top: int) -> str:
+    total = sum(r["total_us"] for r in rows)
+    lines = ["", f"device idle (gaps of 5 us or more between kernels): {total / 1000 / steps:.2f} ms/step in "
+             f"{sum(r['gaps'] for r in rows) / steps:.0f} gaps; the kernels that ended the longest waits:",
+             f"{'#':>3} {'idle ms/step':>12} {'gaps/step':>9} {'max us':>8}  kernel after the gap"]
+    for i, r in enumerate(rows[:top], 1):
+        name = r["name"] if len(r["name"]) <= 110 else r["name"][:107] + "..."
+        lines.append(f"{i:>3} {r['total_us'] / 1000 / steps:>12.2f} {r['gaps'] / steps:>9.1f} {r['max_us']:>8.0f}  {name}")
+    return "\n".join(lines)
 
 
 def cpu_rows(prof: "torch.profiler.profile") -> list[dict]:
@@ -195,6 +244,11 @@ def main(argv: list[str] | None = None) -> None:
               + (f" | peak {peak_gib:.1f} GiB (profiled steps)" if peak_gib is not None else "")
               + ("" if cuda else " | CPU: operators by self CPU time"))
     table, summary = render(rows, a.top, a.steps, wall_ms, header)
+    if cuda:  # where the GPU waited for the host
+        gaps = idle_gaps(kernel_intervals(prof))
+        table += "\n" + render_gaps(gaps, a.steps, min(a.top, 20))
+        summary["idle_ms_per_step"] = sum(r["total_us"] for r in gaps) / 1000 / a.steps
+        summary["idle_before"] = [{**r, "ms_per_step": r["total_us"] / 1000 / a.steps} for r in gaps[:a.top]]
     summary.update(shape=a.shape, extra=a.extra, peak_gib=peak_gib, torch=torch.__version__)
     write_atomic(out / "kernels.txt", (table + "\n").encode())
     write_atomic(out / "summary.json", json.dumps(summary, indent=1).encode())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from tests.e2e.conftest import run_cmd
 
@@ -39,3 +40,17 @@ def test_profile_step_under_torchrun_reports_from_rank_0(tmp_path):
     table = (tmp_path / "kernels.txt").read_text(encoding="utf-8")
     assert "rank 0 of 2" in table and "communication" in table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.txt", "summary.json"]  # one writer
+
+
+def test_idle_gaps_are_filed_under_the_kernel_that_ended_the_wait():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from profile_step import idle_gaps, render_gaps
+
+    intervals = [(0.0, 10.0, "a"), (5.0, 20.0, "b"),  # overlapping: no gap
+                 (23.0, 30.0, "c"),  # 3 us: below the 5 us floor
+                 (50.0, 60.0, "d"),  # 20 us idle before d
+                 (60.0, 61.0, "a"), (161.0, 170.0, "d")]  # 100 us idle before d
+    rows = idle_gaps(intervals)
+    assert rows == [{"name": "d", "gaps": 2, "total_us": 120.0, "max_us": 100.0}]
+    text = render_gaps(rows, steps=2, top=5)
+    assert "0.06 ms/step in 1 gaps" in text and " d" in text
