@@ -12,6 +12,7 @@
 #   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~8 min: NOTES §10, TP=2 rows and profile (carry .whl)
 #   bash benchmarks/device_round.sh fusion   # nvidia-h200-x2, ~8 min: NOTES §11, fusion A/B, profile, one-GPU tests
 #   bash benchmarks/device_round.sh final    # nvidia-h200-x2, ~8 min: final 1.7B/GPT-2 rows, TP=2+SP (+overlap), two-GPU tests
+#   bash benchmarks/device_round.sh next5    # nvidia-h200-x2, ~9 min: NOTES §13 (GPT-2 idle profile, fp8, one-GPU tests)
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, two-GPU tests included
 set -u
 OUT=${OUT:-bench_out}
@@ -100,10 +101,27 @@ case "${1:-1}" in
         > "$OUT/two_gpu.log" 2>&1
     timeout 170 python -m pytest -q -m gpu -k two_gpus -p no:cacheprovider tests > "$OUT/gpu_tests_two_gpu.txt" 2>&1
     ;;
+  next5)
+    # nvidia-h200-x2, about 9 minutes (NOTES §13): where GPT-2's host-bound step waits (the profile's
+    # idle table), fp8 with this session's changes, the one-GPU tests on the final code, GPT-2's
+    # call-to-call spread. Carry .whl.
+    python benchmarks/cuda_op_check.py > "$OUT/cuda_op_check.txt" 2>&1
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 90 $P --shape gpt2-124m --out /tmp/prof_gpt2 && cp /tmp/prof_gpt2/kernels.txt "$OUT/prof_gpt2_kernels.txt"
+     timeout 330 $B1 1.7b llama-1.2b --extra "--fp8-format hybrid" --output "$OUT/fp8.md"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
+     timeout 170 $B --iters 8 --warmup 3 --timeout 80 gpt2-124m --extra "" --extra "" --output "$OUT/gpt2_twice.md"
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
   gpu-tests)
     # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
     timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
