@@ -9,7 +9,7 @@
 #   bash benchmarks/device_round.sh 1     # nvidia-h200, ~8 min: one-GPU table (default vs FSDP2), GPT-2 variants
 #   bash benchmarks/device_round.sh 2     # nvidia-h200, ~7 min: fp8, real data, GPT-2 profile, GPU-only tests
 #   bash benchmarks/device_round.sh next     # nvidia-h200-x2, ~9 min: NOTES §10, two one-GPU streams
-#   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~8 min: NOTES §10, TP=2 rows and profile (carry .whl)
+#   bash benchmarks/device_round.sh next-tp  # nvidia-h200-x2, ~7 min: TP=2 rows (SP, no SP, fp8) and the TP=2+SP profile (carry .whl)
 #   bash benchmarks/device_round.sh fusion   # nvidia-h200-x2, ~8 min: NOTES §11, fusion A/B, profile, one-GPU tests
 #   bash benchmarks/device_round.sh final    # nvidia-h200-x2, ~8 min: final 1.7B/GPT-2 rows, TP=2+SP (+overlap), two-GPU tests
 #   bash benchmarks/device_round.sh next5    # nvidia-h200-x2, ~9 min: NOTES §13 (GPT-2 idle profile, fp8, one-GPU tests)
@@ -52,13 +52,12 @@ case "${1:-1}" in
     wait
     ;;
   next-tp)
-    # nvidia-h200-x2, about 8 minutes: TP=2 on the 1.7B shape with and without SP, with async TP
-    # (--tp-comm-overlap), with fp8, and a
-    # profile of the TP=2+SP step (rank 0). Carry .whl for fp8.
+    # nvidia-h200-x2, about 7 minutes: TP=2 on the 1.7B shape with and without SP and with fp8, and a
+    # profile of the TP=2+SP step (rank 0, with its idle table). (--tp-comm-overlap was measured 11 %
+    # slower in session 4.) Carry .whl for fp8.
     B1="$B --iters 10 --warmup 4 --timeout 150"
     timeout 300 $B1 1.7b --nproc 2 --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
         --extra "--tensor-model-parallel-size 2" \
-        --extra "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" \
         --extra "--tensor-model-parallel-size 2 --sequence-parallel --fp8-format hybrid" --output "$OUT/two_gpu.md"
     timeout 150 torchrun --standalone --nproc_per_node 2 benchmarks/profile_step.py --shape 1.7b --warmup 4 \
         --steps 3 --top 60 --out /tmp/prof_tp --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
