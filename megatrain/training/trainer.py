@@ -496,6 +496,11 @@ class Trainer:
                         f"{a.train_samples:,} samples)")
         estimate = self._memory_estimate()
         print_rank0(f" {estimate.line()}")
+        fusion = getattr(self.module, "grad_accumulation_fusion", None)
+        if fusion is not None:
+            print_rank0(f" gradient-accumulation fusion: {len(fusion.slots)} weights compute from {self.precision.name} "
+                        "copies refreshed once per step and add their gradients into the fp32 .grad inside the "
+                        "weight-gradient matmul (--no-gradient-accumulation-fusion turns it off)")
         fp8 = [m.fp8_report for m in self.module.modules() if hasattr(m, "fp8_report")]
         if fp8:
             kept = [name for _, left in fp8 for name in left]

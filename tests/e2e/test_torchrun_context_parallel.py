@@ -54,6 +54,21 @@ def test_context_parallel_layouts_match_one_process(one_process, layout):
 
 
 @pytest.mark.slow
+def test_bf16_context_parallel_with_the_gradient_accumulation_fusion_trains_like_one_process():
+    """--bf16 turns the fusion on (staged float32 gradients added inside the matmuls, then DDP over
+    the data x context ranks): CP=2 x DP=2 follows one process within bf16 tolerance."""
+    one = run_cmd([sys.executable, "pretrain_gpt.py", *ARGS, "--bf16"], env=cpu_env()).stdout
+    four = _torchrun(4, "--bf16", "--context-parallel-size", "2")
+    for out in (one, four):
+        assert "gradient-accumulation fusion: 8 weights" in out  # 4 linear layers x 2 layers (no chunked loss on CPU)
+    (train, valid), (ref_train, ref_valid) = losses_and_validation(four), losses_and_validation(one)
+    assert len(train) == len(ref_train) == 4
+    for (loss, norm), (ref_loss, ref_norm) in zip(train, ref_train):
+        assert loss == pytest.approx(ref_loss, rel=1e-2) and norm == pytest.approx(ref_norm, rel=5e-2)
+    assert valid == pytest.approx(ref_valid, rel=1e-2)
+
+
+@pytest.mark.slow
 def test_context_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
     save = tmp_path / "ckpt"
     _torchrun(4, "--context-parallel-size", "2", "--save", str(save), "--exit-interval", "2")
