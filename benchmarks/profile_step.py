@@ -78,37 +78,13 @@ def build_args(shape: str, extra: list[str], steps: int, device: str | None):
     return parse_args(flags)
 
 
-def kernel_rows(prof: "torch.profiler.profile") -> list[dict]:
-    """Device kernels aggregated by name: calls and total device microseconds.
+def kernel_intervals(prof: "torch.profiler.profile") -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device kernel, in start order.
 
     Kernel events are the profiler's events on the device, without the device-side copies of
-    ``record_function`` ranges; should a torch version not list kernels, the operators' self device
-    time is used instead (names are then aten operators).
+    ``record_function`` ranges (e.g. "Optimizer.step#AdamW.step"): those span kernels that are
+    listed themselves, so counting them would count the kernels twice.
     """
-    from torch.autograd import DeviceType
-
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for evt in prof.events():
-        if getattr(evt, "device_type", DeviceType.CPU) == DeviceType.CPU:
-            continue
-        if getattr(evt, "is_user_annotation", False) or "#" in evt.name:
-            # a record_function range mirrored on the device timeline (e.g. "Optimizer.step#AdamW.step"):
-            # it spans kernels that are listed themselves, so counting it would count them twice
-            continue
-        totals[evt.name][0] += 1
-        totals[evt.name][1] += float(evt.time_range.elapsed_us())
-    if not totals:
-        for e in prof.key_averages():
-            us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
-            if us > 0:
-                totals[e.key] = [e.count, us]
-    rows = [{"name": n, "calls": int(c), "total_us": t} for n, (c, t) in totals.items()]
-    rows.sort(key=lambda r: r["total_us"], reverse=True)
-    return rows
-
-
-def kernel_intervals(prof: "torch.profiler.profile") -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every device kernel (not record_function ranges), in start order."""
     from torch.autograd import DeviceType
 
     out = []
@@ -120,6 +96,24 @@ def kernel_intervals(prof: "torch.profiler.profile") -> list[tuple[float, float,
         out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
     out.sort()
     return out
+
+
+def kernel_rows(prof: "torch.profiler.profile", intervals: list[tuple[float, float, str]]) -> list[dict]:
+    """Device kernels (``intervals`` from :func:`kernel_intervals`) aggregated by name: calls and
+    total device microseconds; should a torch version not list kernels, the operators' self device
+    time is used instead (names are then aten operators)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for start, end, name in intervals:
+        totals[name][0] += 1
+        totals[name][1] += end - start
+    if not totals:
+        for e in prof.key_averages():
+            us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+            if us > 0:
+                totals[e.key] = [e.count, us]
+    rows = [{"name": n, "calls": int(c), "total_us": t} for n, (c, t) in totals.items()]
+    rows.sort(key=lambda r: r["total_us"], reverse=True)
+    return rows
 
 
 def idle_gaps(intervals: list[tuple[float, float, str]], min_us: float = 5.0) -> list[dict]:
@@ -235,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 reports for all
         return
-    rows = kernel_rows(prof) if cuda else cpu_rows(prof)
+    intervals = kernel_intervals(prof) if cuda else []
+    rows = kernel_rows(prof, intervals) if cuda else cpu_rows(prof)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     header = (f"{a.shape} | {args.global_batch_size} x {args.seq_length} tokens/step | flags: {a.extra or '(defaults)'}"
               + (f" | rank 0 of {world}" if world > 1 else "")
@@ -245,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
               + ("" if cuda else " | CPU: operators by self CPU time"))
     table, summary = render(rows, a.top, a.steps, wall_ms, header)
     if cuda:  # where the GPU waited for the host
-        gaps = idle_gaps(kernel_intervals(prof))
+        gaps = idle_gaps(intervals)
         table += "\n" + render_gaps(gaps, a.steps, min(a.top, 20))
         summary["idle_ms_per_step"] = sum(r["total_us"] for r in gaps) / 1000 / a.steps
         summary["idle_before"] = [{**r, "ms_per_step": r["total_us"] / 1000 / a.steps} for r in gaps[:a.top]]
