@@ -376,18 +376,17 @@ class Trainer:
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         flags = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
                              norm_value.to(found_inf.device), mean_loss.detach().float().reshape(())])
-        device_skip = bool(self.optimizer.defaults.get("fused"))
-        if device_skip and flags.is_cuda:
-            flags_host = flags.to("cpu", non_blocking=True)
+        device_skip = bool(self.optimizer.defaults.get("fused"))  # fused kernels on the CPU too
+        ready = None
+        if device_skip and flags.is_cuda:  # the flags' copy is queued ahead of the step
+            flags = flags.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
+        if device_skip:
             self._queue_step_skipping_on_device(found_inf)
+        if ready is not None:
             ready.synchronize()
-            found, loss_finite, norm, loss_value = flags_host.tolist()
-        else:
-            if device_skip:  # fused kernels on the CPU: the same protocol, synchronous anyway
-                self._queue_step_skipping_on_device(found_inf)
-            found, loss_finite, norm, loss_value = flags.tolist()
+        found, loss_finite, norm, loss_value = flags.tolist()
         bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
             self.scaler.update(bad)
