@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     sync = (lambda: torch.cuda.synchronize(trainer.device)) if cuda else (lambda: None)
     try:
         t0 = time.time()
-        for _ in range(a.warmup):
-            trainer.train_step()
+        for _ in range(a.warmup):  # as the training loop does: an iteration settles when the next is queued
+            trainer.queue_step()
+        trainer.settle()
         sync()
         print(f"warm-up: {a.warmup} steps in {time.time() - t0:.1f} s (compilation included)", flush=True)
         if cuda:
@@ -218,10 +219,13 @@ def main(argv: list[str] | None = None) -> None:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             t0 = time.time()
+            trainer.flags_wait_s = 0.0
             for _ in range(a.steps):
-                trainer.train_step()
+                trainer.queue_step()
+            trainer.settle()
             sync()
             wall_ms = (time.time() - t0) * 1000 / a.steps
+            wait_ms = trainer.flags_wait_s * 1000 / a.steps
         peak_gib = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if cuda else None
     finally:
         trainer.close()
@@ -239,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
               + (f" | peak {peak_gib:.1f} GiB (profiled steps)" if peak_gib is not None else "")
               + ("" if cuda else " | CPU: operators by self CPU time"))
     table, summary = render(rows, a.top, a.steps, wall_ms, header)
+    table += (f"host waiting for the iterations' flags: {wait_ms:.1f} ms/step (near 0: the host, not the device, "
+              "sets the pace)\n")
+    summary["flags_wait_ms_per_step"] = wait_ms
     if cuda:  # where the GPU waited for the host
         gaps = idle_gaps(intervals)
         table += "\n" + render_gaps(gaps, a.steps, min(a.top, 20))

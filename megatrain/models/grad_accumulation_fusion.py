@@ -172,16 +172,29 @@ class GradAccumulationFusion:
 
     ``refresh()`` before the forward passes of an optimizer step (copies the float32 weights into
     their half-precision copies); ``stage()`` before each training micro-batch's forward;
-    ``release()`` after it (the forward holds the staged gradients until its backward is done).
+    ``release()`` after it (the forward holds the staged gradients until its backward is done);
+    ``merge_held()`` after its backward.
+
+    ``others``: the model's remaining parameters (norms, biases, embeddings). Autograd computes
+    their gradients whole; summing them over micro-batches would cost one addition kernel, launched
+    by autograd, per parameter and micro-batch, which on a small model keeps the GPU waiting for
+    the host. ``stage(hold_others=True)`` sets their gradients so far aside, autograd then stores the
+    micro-batch's gradients without adding, and ``merge_held()`` adds them all with one multi-tensor
+    addition. (Under data-parallel reduction the last micro-batch must not hold them: the reduction
+    reads the gradients autograd accumulates.)
     """
 
     def __init__(self, linears: list[FusedGradLinear], dtype: torch.dtype,
-                 extra: list[tuple[Any, torch.Tensor]] | None = None) -> None:
+                 extra: list[tuple[Any, torch.Tensor]] | None = None,
+                 others: Iterable[torch.Tensor] = ()) -> None:
         assert linears or extra, "no layers to fuse"
         self.linears = linears
         self.dtype = dtype
         # (holder, its float32 weight): every holder has half_weight and main_grad_in attributes
         self.slots: list[tuple[Any, torch.Tensor]] = [(m, m.weight) for m in linears] + list(extra or [])
+        fused = {id(w) for _, w in self.slots}
+        self.others = [p for p in others if p.requires_grad and id(p) not in fused]
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient so far)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -196,7 +209,7 @@ class GradAccumulationFusion:
             for h, w in zip(halves, masters):
                 h.copy_(w)
 
-    def stage(self) -> None:
+    def stage(self, hold_others: bool = False) -> None:
         empty = [w for _, w in self.slots if w.grad is None]
         if empty:  # the step's first micro-batch starts from zeros (one multi-tensor fill)
             zeros = [torch.empty_like(w) for w in empty]
@@ -206,10 +219,26 @@ class GradAccumulationFusion:
         for holder, w in self.slots:
             holder.main_grad_in = w.grad
             w.grad = None
+        assert not self._held, "merge_held() was not called after the last backward"
+        if hold_others:
+            self._held = [(p, p.grad) for p in self.others if p.grad is not None]
+            for p, _ in self._held:
+                p.grad = None
 
     def release(self) -> None:
         for holder, _ in self.slots:
             holder.main_grad_in = None
+
+    @torch.no_grad()
+    def merge_held(self) -> None:
+        """After a micro-batch's backward: add the held gradients to the new ones (one multi-tensor
+        addition) and make them the parameters' gradients again."""
+        held, self._held = self._held, []
+        fresh = [(p.grad, g) for p, g in held if p.grad is not None]
+        if fresh:
+            torch._foreach_add_([g for _, g in fresh], [new for new, _ in fresh])
+        for p, g in held:
+            p.grad = g
 
     def drop_half_weights(self) -> None:
         """Free the half-precision copies (they come back with the next ``refresh``)."""

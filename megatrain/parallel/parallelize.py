@@ -155,7 +155,7 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
         head = getattr(model, "chunked_loss", None)  # the output weight's matmuls, in the chunked loss
         extra = [(head, model.output_weight())] if head is not None and model.final_layernorm is not None else []
         if linears or extra:
-            fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra)
+            fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters())
             model.grad_accumulation_fusion = fusion  # type: ignore[attr-defined]
     if device.type == "cuda":
         warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)

@@ -108,6 +108,17 @@ class StepResult:
     nan: bool
 
 
+@dataclass
+class _PendingStep:
+    """An iteration queued on the device whose flags the host has not read yet."""
+    iteration: int  # 1-based
+    flags: torch.Tensor  # (overflow, loss finite, norm, loss); on the host, or arriving there when ready is set
+    ready: Any  # torch.cuda.Event recorded after the flags' copy, or None
+    has_norm: bool
+    host_steps: bool  # the optimizer step waits for the host's decision (not queued yet)
+    global_batch_size: int
+
+
 class Trainer:
     """Owns the model, optimizer, schedule, scaler, data iterators and counters of one run."""
 
@@ -170,6 +181,10 @@ class Trainer:
         else:
             self.scaler = None
         self.state = TrainState()
+        self._pending: _PendingStep | None = None
+        self.interval = _IntervalStats()  # the iterations settled since the last log line
+        self.last_result: tuple[int, StepResult] | None = None  # the last settled iteration and its result
+        self.flags_wait_s = 0.0  # time the host spent waiting for iterations' flags (benchmarks read it)
         self.flops_per_iteration = num_floating_point_operations(
             self.model_config, args.global_batch_size, args.seq_length)
         self.peak_tflops = device_peak_tflops(self.device, self.precision.dtype)
@@ -288,7 +303,10 @@ class Trainer:
     def _forward_loss_sum(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the per-token losses where the loss mask is set, number of such tokens), over this
         rank's tokens (with context parallelism, its part of each sequence)."""
-        b = self._rank_batch(samples)
+        return self._batch_loss_sum(self._rank_batch(samples))
+
+    def _batch_loss_sum(self, b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward_loss_sum` of a micro-batch already on the device (:meth:`_rank_batch`)."""
         with self.precision.autocast(self.device):
             per_token = self.model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
                                    labels=b["labels"])
@@ -313,6 +331,23 @@ class Trainer:
         return fusion
 
     def train_step(self) -> StepResult:
+        """One iteration, finished: its result, with the LR schedule (and loss scale) advanced."""
+        self.queue_step()
+        self.settle()
+        assert self.last_result is not None and self._pending is None
+        return self.last_result[1]
+
+    def queue_step(self) -> None:
+        """Queue one iteration: forward and backward of its micro-batches, gradient clipping and,
+        where the device can skip it by itself, the optimizer step; the iteration's flags (overflow,
+        loss finite, norm, loss) travel to the host behind it.
+
+        Where the step does not need the host's decision (fused optimizer kernels on CUDA, no loss
+        scaling), the iteration is left *pending*: the host reads its flags only when the next
+        iteration's optimizer step is about to be queued (the LR schedule must have advanced by
+        then) or when the training loop needs the result (log line, checkpoint, evaluation), so that
+        the host prepares the next iteration while the device still runs this one. Otherwise it is
+        settled here."""
         a = self.args
         assert self.train_iter is not None
         self.model.train()
@@ -327,14 +362,18 @@ class Trainer:
             if self.per_token_loss:
                 tokens = self.pipeline.token_count_on_all_ranks()
         else:
+            batch = self._rank_batch(next(self.train_iter))
             for i in range(self.num_micro_batches):
+                last = i == self.num_micro_batches - 1
                 # Data-parallel gradient reduction only after the last micro-batch.
-                with gradient_sync(self.model, i == self.num_micro_batches - 1):
-                    if fusion is not None:
-                        fusion.stage()  # the weight gradients so far become the matmuls' addends
-                    loss_sum, n = self._forward_loss_sum(next(self.train_iter))
+                with gradient_sync(self.model, last):
+                    if fusion is not None:  # the gradients so far become the matmuls' addends
+                        fusion.stage(hold_others=not (last and self.dims.replicas > 1))
+                    loss_sum, n = self._batch_loss_sum(batch)
                     if fusion is not None:
                         fusion.release()
+                    if not last:  # the next micro-batch's inputs are queued before this backward
+                        batch = self._rank_batch(next(self.train_iter))
                     if self.per_token_loss:  # loss sums; divided by the global token count below
                         loss, weight = loss_sum, scale
                         tokens += n.detach()
@@ -343,6 +382,8 @@ class Trainer:
                         weight = scale * self.cp_size / self.num_micro_batches
                     total += loss.detach()
                     (loss * weight).backward()
+                    if fusion is not None:
+                        fusion.merge_held()
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None
@@ -369,10 +410,9 @@ class Trainer:
             mean_loss = per_token_mean
         else:
             mean_loss = self._dp_mean(self._cp_sum(total) / self.num_micro_batches)
-        # The one host synchronisation of an iteration. With fused optimizer kernels on CUDA the step
-        # is queued first and skips itself on the device when found_inf is set (torch's fused
-        # Adam/SGD take it, as under GradScaler), so the GPU runs the update while the host reads
-        # the flags and prepares the next iteration; otherwise the host decides before queuing it.
+        # With fused optimizer kernels the step is queued here and skips itself on the device when
+        # found_inf is set (torch's fused Adam/SGD take it, as under GradScaler), so the device runs
+        # the update while the host goes on; otherwise the host reads the flags and decides.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
         flags = torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
                              norm_value.to(found_inf.device), mean_loss.detach().float().reshape(())])
@@ -382,21 +422,50 @@ class Trainer:
             flags = flags.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
+        self.settle()  # the previous iteration's schedule step comes before this optimizer step
         if device_skip:
             self._queue_step_skipping_on_device(found_inf)
-        if ready is not None:
-            ready.synchronize()
-        found, loss_finite, norm, loss_value = flags.tolist()
+        self._pending = _PendingStep(self.state.iteration + 1, flags, ready, grad_norm_t is not None,
+                                     not device_skip, self.current_global_batch_size)
+        if not device_skip or self.scaler is not None:  # the host decides the step (or the next loss scale)
+            self.settle()
+
+    def settle(self) -> StepResult | None:
+        """Finish the pending iteration, if any: read its flags (waiting for them), advance the loss
+        scale and the LR schedule (the optimizer step too where the host decides it), count it in
+        the interval's statistics; its result, or None when nothing was pending."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
+        if p.ready is not None:
+            waited = time.perf_counter()
+            p.ready.synchronize()
+            self.flags_wait_s += time.perf_counter() - waited
+        found, loss_finite, norm, loss_value = p.flags.tolist()
         bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
             self.scaler.update(bad)
-        skipped = bad
-        if not skipped:
-            if not device_skip:
+        if not bad:
+            if p.host_steps:
                 self.optimizer.step()
-            self.scheduler.step(self.current_global_batch_size)
-        grad_norm = norm if grad_norm_t is not None and not skipped else None
-        return StepResult(loss_value, grad_norm, skipped, loss_nan or (bad and self.scaler is None))
+            self.scheduler.step(p.global_batch_size)
+        result = StepResult(loss_value, norm if p.has_norm and not bad else None, bad,
+                            loss_nan or (bad and self.scaler is None))
+        self._count(p.iteration, result)
+        return result
+
+    def _count(self, iteration: int, result: StepResult) -> None:
+        """Add a settled iteration to the run's counters and the log interval's statistics."""
+        self.interval.add(result)
+        if result.skipped and self.scaler is not None:
+            self.state.skipped_iterations += 1
+        if result.nan:
+            self.state.nan_iterations += 1
+        self.last_result = (iteration, result)
+        if self.state.nan_iterations >= self.args.max_nan_iterations:
+            raise SystemExit(f"error: stopping: {self.state.nan_iterations} iterations had a NaN/inf loss or "
+                             f"gradient (--max-nan-iterations {self.args.max_nan_iterations}); lower --lr, use "
+                             f"--bf16 or check the data")
 
     def _queue_step_skipping_on_device(self, found_inf: torch.Tensor) -> None:
         """Queue the optimizer step with ``found_inf``: torch's fused kernels then leave weights,
@@ -509,7 +578,7 @@ class Trainer:
                         + (" (on this rank's pipeline stages)" if self.dims.pp > 1 else "")
                         + "; the output layer stays bf16"
                         + (f"; kept in bf16 (sizes not multiples of 16): {', '.join(kept)}" if kept else ""))
-        interval = _IntervalStats()
+        self.interval = _IntervalStats()
         t_last = time.time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -520,47 +589,47 @@ class Trainer:
                 self.num_micro_batches = self.rampup.micro_batches_at(self.state.consumed_train_samples)
                 if self.pipeline is not None:
                     self.pipeline.set_num_micro_batches(self.num_micro_batches)
-            result = self.train_step()
+            self.queue_step()  # settles the previous iteration; this one may stay pending
             self.state.iteration += 1
             self.housekeeping.after_optimizer_step(self.state.iteration)
             self.state.consumed_train_samples += self.current_global_batch_size
-            interval.add(result)
-            if result.skipped and self.scaler is not None:
-                self.state.skipped_iterations += 1
-            if result.nan:
-                self.state.nan_iterations += 1
             it = self.state.iteration
-            if self.writer.active and it % a.tensorboard_log_interval == 0:
+            tensorboard = self.writer.active and it % a.tensorboard_log_interval == 0
+            log = it % a.log_interval == 0
+            evaluate = bool(a.eval_interval and it % a.eval_interval == 0 and self.valid_iter is not None)
+            save = bool(a.save and a.save_interval and it % a.save_interval == 0)
+            if tensorboard or log or evaluate or save or it == train_iters:
+                self.settle()  # what follows reads this iteration's result or the schedule after it
+            if tensorboard:
+                assert self.last_result is not None and self.last_result[0] == it
+                result = self.last_result[1]
                 self.writer.log_train(it, consumed_samples=self.state.consumed_train_samples,
                                       losses={"lm loss": result.loss}, learning_rate=self.scheduler.current_lr(),
                                       batch_size=self.current_global_batch_size, grad_norm=result.grad_norm,
                                       loss_scale=float(self.scaler.scale) if self.scaler is not None else None)
-            if it % a.log_interval == 0:
-                # No device synchronisation here: every iteration already waits for its loss and
-                # gradient norm, so the time between two log lines is the iterations' time (the last
-                # optimizer step, still running on the GPU, is counted in the next interval).
+            if log:
+                # The host waited for this iteration's flags just above, so the time between two log
+                # lines is the iterations' time (the last optimizer step, still running on the GPU,
+                # is counted in the next interval).
                 now = time.time()
-                self._log(interval, (now - t_last) / interval.iterations, train_iters)
+                self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters)
                 if self.device.type == "cuda" and self.state.iteration == a.log_interval:
                     peak = torch.cuda.max_memory_allocated(self.device) / 2**30
                     print(f" [rank {get_rank()}] measured peak memory after {self.state.iteration} iterations: "
                           f"{peak:.2f} GiB (theoretical {estimate.total / 2**30:.2f} GiB)", flush=True)
-                interval = _IntervalStats()
+                self.interval = _IntervalStats()
                 t_last = time.time()
-            if self.state.nan_iterations >= a.max_nan_iterations:
-                raise SystemExit(f"error: stopping: {self.state.nan_iterations} iterations had a NaN/inf loss or "
-                                 f"gradient (--max-nan-iterations {a.max_nan_iterations}); lower --lr, use "
-                                 f"--bf16 or check the data")
-            if a.eval_interval and it % a.eval_interval == 0 and self.valid_iter is not None:
+            if evaluate:
                 self.evaluate_and_print(f"iteration {it}", self.valid_iter, it)
                 t_last = time.time()
-            if a.save and a.save_interval and it % a.save_interval == 0:
+            if save:
                 self.save()
                 t_last = time.time()
             reason = exits.reason(it)
             if reason:
+                self.settle()
                 print_rank_last(f" {reason}")
-                if a.save and not (a.save_interval and it % a.save_interval == 0):
+                if a.save and not save:
                     self.save()
                 self.close()
                 sys.exit(0)
