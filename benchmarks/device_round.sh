@@ -13,6 +13,7 @@
 #   bash benchmarks/device_round.sh fusion   # nvidia-h200-x2, ~8 min: NOTES §11, fusion A/B, profile, one-GPU tests
 #   bash benchmarks/device_round.sh final    # nvidia-h200-x2, ~8 min: final 1.7B/GPT-2 rows, TP=2+SP (+overlap), two-GPU tests
 #   bash benchmarks/device_round.sh next5    # nvidia-h200-x2, ~9 min: NOTES §13 (GPT-2 idle profile, fp8, one-GPU tests)
+#   bash benchmarks/device_round.sh s5       # nvidia-h200-x2, ~8 min: NOTES §14 (deferred settling, held gradients)
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, two-GPU tests included
 set -u
 OUT=${OUT:-bench_out}
@@ -117,10 +118,32 @@ case "${1:-1}" in
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;
+  s5)
+    # nvidia-h200-x2, about 8 minutes (NOTES §14): the deferred settling of iterations, the held
+    # gradients' one addition and the one-call compiled loss: GPT-2 (profile with the host's wait
+    # for the flags, twice, and once under cuBLASLt), 1.7B and LLaMA; every GPU-only test. Carry .whl.
+    python benchmarks/cuda_op_check.py > "$OUT/cuda_op_check.txt" 2>&1
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    G="$B --iters 8 --warmup 3 --timeout 80"
+    P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 90 $P --shape gpt2-124m --out /tmp/prof_gpt2 && cp /tmp/prof_gpt2/kernels.txt "$OUT/prof_gpt2_kernels.txt"
+     timeout 170 $G gpt2-124m --extra "" --extra "" --output "$OUT/gpt2.md"
+     TORCH_BLAS_PREFER_CUBLASLT=1 timeout 90 $G gpt2-124m --extra "" --output "$OUT/gpt2_cublaslt.md"
+     timeout 170 $B1 1.7b --extra "" --output "$OUT/large_1.7b.md"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
+     timeout 150 $B1 llama-1.2b --extra "" --output "$OUT/large_llama.md"
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    timeout 170 python -m pytest -q -m gpu -p no:cacheprovider -k two_gpus tests/e2e/test_fast_path_parity.py \
+        > "$OUT/gpu_tests_two_gpu.txt" 2>&1
+    ;;
   gpu-tests)
     # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
     timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|s5|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -18,8 +18,9 @@ backward
     matmuls, exactly as the plain head's backward does them.
 
 So the matmuls are the plain head's (no recomputation, same sizes and dtypes), and float32 exists
-only for one chunk at a time. With ``compile=True`` the per-chunk float32 work runs as fused
-torch.compile kernels (one read of the logits in the forward, one read and write in the backward).
+only for one chunk at a time. With ``compile=True`` the float32 work runs as fused torch.compile
+kernels (one read of the logits in the forward, one read and write in the backward) that keep the
+float32 values in registers, so they take all rows in one call.
 Labels equal to ``ignore_index`` give a loss of 0 and no gradient, as with ``F.cross_entropy``.
 
 The logits buffer is overwritten by the backward, so a graph through this function can be
@@ -110,6 +111,13 @@ def _kernels(compile: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return chunk_kernel("loss", compile), chunk_kernel("grad", compile)
 
 
+def _rows_per_call(n: int, chunk_size: int, compile: bool) -> int:
+    """Rows of the logits per call of the per-chunk work. Compiled, each call is one fused kernel
+    that converts to float32 in registers (no float32 copy exists at any chunk size), so all rows go
+    in one call: one launch instead of one host round trip per chunk. Eager, ``chunk_size``."""
+    return max(n, 1) if compile else chunk_size
+
+
 def backward_once(ctx: Any, what: str) -> None:
     """Refuse a second backward through a loss whose backward overwrites its saved logits."""
     if getattr(ctx, "used", False):
@@ -133,8 +141,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             n = logits.shape[0]
             loss = torch.empty(n, dtype=_stats_dtype(dtype), device=logits.device)
             lse = torch.empty_like(loss)
-            for start in range(0, n, chunk_size):
-                end = min(start + chunk_size, n)
+            step = _rows_per_call(n, chunk_size, compile)
+            for start in range(0, n, step):
+                end = min(start + step, n)
                 loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
         ctx.save_for_backward(h, w, logits, lse, target, prev_grad)
         ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype, half_weight is not None)
@@ -149,8 +158,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.contiguous()
         grad_hidden = grad_weight = None
         with torch.autocast(device_type=logits.device.type, enabled=False):
-            for start in range(0, logits.shape[0], chunk_size):
-                end = min(start + chunk_size, logits.shape[0])
+            n = logits.shape[0]
+            step = _rows_per_call(n, chunk_size, compile)
+            for start in range(0, n, step):
+                end = min(start + step, n)
                 grad_fn(logits[start:end], lse[start:end], target[start:end], grad_loss[start:end], ignore_index)
             grad_logits = logits  # now d loss / d logits, in the compute dtype
             if ctx.needs_input_grad[0]:
