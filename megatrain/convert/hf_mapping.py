@@ -92,7 +92,7 @@ def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype:
             "n_inner": cfg.ffn_hidden_size,
             "n_positions": cfg.max_position_embeddings,
             "n_ctx": cfg.max_position_embeddings,
-            "activation_function": "gelu",  # exact erf GELU, as our MLP (GPT-2's default is tanh "gelu_new")
+            "activation_function": _HF_GELU[cfg.gelu_approximation],
             "layer_norm_epsilon": cfg.norm_epsilon,
             "resid_pdrop": cfg.hidden_dropout,
             "embd_pdrop": cfg.hidden_dropout,
@@ -154,17 +154,21 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return float(theta)
 
 
+# Hugging Face's names of the two GELUs (the tanh approximation has three, all the same function).
+_GELU_OF_HF = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+_HF_GELU = {"none": "gelu", "tanh": "gelu_new"}
+
+
 def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfig, str]:
     """GPTConfig (with the padded ``vocab_size``) and the architecture of a Hugging Face config dict."""
     arch = _architecture_of(hf)
     tied = bool(hf.get("tie_word_embeddings", True))
     if arch == GPT2:
         act = hf.get("activation_function", "gelu_new")
-        if act != "gelu":
+        if act not in _GELU_OF_HF:
             raise UnsupportedModelError(
-                f"activation_function {act!r}: megatrain's GPT-2 style MLP uses exact (erf) GELU, so only "
-                "\"gelu\" converts exactly; pass --allow-gelu-approximation to convert anyway (logits will "
-                "differ slightly)")
+                f"activation_function {act!r}: megatrain's GPT-2 style MLP computes exact GELU (\"gelu\") or its "
+                "tanh approximation (\"gelu_new\", \"gelu_pytorch_tanh\", \"gelu_fast\")")
         for key, bad in (("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False),
                          ("add_cross_attention", True)):
             if hf.get(key, not bad) == bad:
@@ -175,7 +179,7 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
             vocab_size=vocab_size, max_position_embeddings=int(hf.get("n_positions", 1024)),
             ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden), position_embedding_type="learned_absolute",
             normalization="LayerNorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
-            add_bias_linear=True, untie_embeddings_and_output_weights=not tied,
+            gelu_approximation=_GELU_OF_HF[act], add_bias_linear=True, untie_embeddings_and_output_weights=not tied,
             hidden_dropout=float(hf.get("resid_pdrop", 0.1)), attention_dropout=float(hf.get("attn_pdrop", 0.1)),
             init_method_std=float(hf.get("initializer_range", 0.02)))
         return cfg, arch

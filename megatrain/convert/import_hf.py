@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="the TP size the vocabulary padding is computed for (as pretrain_gpt.py pads it)")
     p.add_argument("--allow-gelu-approximation", action="store_true",
-                   help="convert GPT-2 models that use tanh-approximated GELU (gelu_new) to exact GELU; "
-                        "their logits will differ slightly")
+                   help="no longer needed: GPT-2 models with tanh-approximated GELU (gelu_new) convert exactly "
+                        "(the trainer computes that GELU by default, as Megatron-LM)")
     return p
 
 
@@ -114,6 +114,8 @@ def pretrain_flags(cfg: GPTConfig, tok_args: dict[str, Any], divisible_by: int) 
         flags += ["--swiglu"]
     if not cfg.add_bias_linear:
         flags += ["--disable-bias-linear"]
+    elif not cfg.swiglu and cfg.gelu_approximation == "none":
+        flags += ["--no-bias-gelu-fusion"]  # exact GELU (the default with biases is the tanh approximation)
     if cfg.untie_embeddings_and_output_weights:
         flags += ["--untie-embeddings-and-output-weights"]
     flags += ["--hidden-dropout", repr(cfg.hidden_dropout), "--attention-dropout", repr(cfg.attention_dropout)]
@@ -129,11 +131,9 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
     if make_vocab_size_divisible_by <= 0 or tensor_model_parallel_size <= 0:
         raise ValueError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be positive")
     hf_config = read_hf_config(hf_path)
-    if allow_gelu_approximation and hf_config.get("activation_function", "gelu") in ("gelu_new", "gelu_pytorch_tanh",
-                                                                                       "gelu_fast"):
-        warnings.warn(f"converting activation_function {hf_config['activation_function']!r} to exact GELU "
-                      "(--allow-gelu-approximation): logits will differ slightly from the original")
-        hf_config = {**hf_config, "activation_function": "gelu"}
+    if allow_gelu_approximation:
+        print(" note: --allow-gelu-approximation is no longer needed: tanh-approximated GELU converts exactly",
+              flush=True)
     if "vocab_size" not in hf_config:
         raise UnsupportedModelError(f"--hf-path {hf_path}: config.json has no vocab_size")
     hf_vocab = int(hf_config["vocab_size"])

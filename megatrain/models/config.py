@@ -28,6 +28,9 @@ class GPTConfig:
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False  # norm weights stored zero-centred: the scale is 1 + weight
     swiglu: bool = False
+    # The GELU MLP's activation: "none" = exact (erf) GELU, "tanh" = its tanh approximation (what
+    # Megatron-LM's default fused bias-GELU computes, and GPT-2's "gelu_new").
+    gelu_approximation: str = "none"
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     # Under autocast the residual stream between layers is in the autocast dtype (Megatron's default);
@@ -66,6 +69,8 @@ class GPTConfig:
             raise ValueError(
                 f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}"
             )
+        if self.gelu_approximation not in ("none", "tanh"):
+            raise ValueError(f"gelu_approximation must be none or tanh, got {self.gelu_approximation!r}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):

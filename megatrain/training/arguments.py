@@ -27,7 +27,6 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--use-flash-attn": "attention always uses PyTorch SDPA, which picks flash attention where it can",
     "--use-mcore-models": "megatrain has one model implementation; the flag changes nothing",
     "--no-masked-softmax-fusion": "attention uses SDPA; softmax fusion is not a separate switch",
-    "--no-bias-gelu-fusion": "fusion is left to torch.compile",
     "--no-bias-dropout-fusion": "fusion is left to torch.compile",
     "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
     "--attention-backend": "attention runs through PyTorch SDPA, which picks the flash / cuDNN / memory-efficient "
@@ -137,6 +136,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--layernorm-epsilon", type=float, default=None, help="old name of --norm-epsilon")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA style)")
+    g.add_argument("--no-bias-gelu-fusion", action="store_true",
+                   help="exact (erf) GELU in the MLP; by default, as Megatron-LM's fused bias-GELU, the GELU "
+                        "of a model with linear biases is the tanh approximation (torch.compile fuses it)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="no biases in linear layers")
@@ -373,7 +375,6 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-mcore-models", action="store_true")
     g.add_argument("--use-legacy-models", action="store_true")
     g.add_argument("--no-masked-softmax-fusion", action="store_true")
-    g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
     g.add_argument("--async-tensor-model-parallel-allreduce", action="store_true")
@@ -481,7 +482,7 @@ _CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "m
 
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
-    from megatrain.training.checkpointing import find_checkpoint, read_meta
+    from megatrain.training.checkpointing import checkpoint_gelu_approximation, find_checkpoint, read_meta
 
     if not args.load:
         _fail("--use-checkpoint-args needs --load")
@@ -496,6 +497,10 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
             taken.append(f"--{name.replace('_', '-')} {config[name]}")
             setattr(args, name, config[name])
     args.group_query_attention = config.get("num_query_groups") != config.get("num_attention_heads")
+    exact_gelu = checkpoint_gelu_approximation(config) == "none"  # a checkpoint from before the field: exact
+    if config and bool(getattr(args, "no_bias_gelu_fusion", False)) != exact_gelu and not config.get("swiglu"):
+        taken.append("--no-bias-gelu-fusion" if exact_gelu else "tanh-approximated GELU (no --no-bias-gelu-fusion)")
+        args.no_bias_gelu_fusion = exact_gelu
     saved = meta.get("args", {})
     if args.seq_length is None and saved.get("seq_length"):
         args.seq_length = saved["seq_length"]

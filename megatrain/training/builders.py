@@ -17,6 +17,13 @@ def padded_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int, t
     return int(math.ceil(orig_vocab_size / multiple) * multiple)
 
 
+def gelu_approximation_from_args(args: argparse.Namespace) -> str:
+    """Megatron-LM's GELU: with linear biases its default fused bias-GELU computes the tanh
+    approximation; ``--no-bias-gelu-fusion`` (or no biases) gives exact GELU."""
+    fused = getattr(args, "add_bias_linear", True) and not getattr(args, "no_bias_gelu_fusion", False)
+    return "tanh" if fused and not args.swiglu else "none"
+
+
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     """GPTConfig from Megatron-style flags; ``vocab_size`` is already padded."""
     return GPTConfig(
@@ -35,6 +42,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConf
         normalization=args.normalization,
         norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu,
+        gelu_approximation=gelu_approximation_from_args(args),
         add_bias_linear=args.add_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         fp32_residual_connection=bool(getattr(args, "fp32_residual_connection", False)),

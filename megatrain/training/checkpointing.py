@@ -623,6 +623,15 @@ def compare_model(ckpt_shapes: dict[str, tuple[int, ...]], model_sd: dict[str, A
                             for k in want if k in ckpt_shapes and tuple(ckpt_shapes[k]) != want[k])}
 
 
+_GELU_NAMES = {"none": "exact GELU", "tanh": "tanh-approximated GELU"}
+
+
+def checkpoint_gelu_approximation(model_config: dict[str, Any]) -> str:
+    """The GELU a checkpoint's model was trained with (checkpoints from before the choice existed
+    used exact GELU)."""
+    return str(model_config.get("gelu_approximation", "none"))
+
+
 def config_differences(saved: dict[str, Any], current: Any) -> list[str]:
     cur = asdict(current) if not isinstance(current, dict) else current
     out = []
@@ -665,6 +674,14 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(f"checkpoint {ckpt} was saved {'with' if saved_1p else 'without'} --apply-layernorm-1p "
                               f"and the flags say {'without' if saved_1p else 'with'} it: its norm weights would "
                               f"mean a different scale; {'add' if saved_1p else 'drop'} --apply-layernorm-1p")
+    saved_cfg = meta.get("model_config", {})
+    if model_config is not None and saved_cfg and not getattr(model_config, "swiglu", True):
+        saved_gelu = checkpoint_gelu_approximation(saved_cfg)
+        if saved_gelu != model_config.gelu_approximation:
+            _warn(f"checkpoint {ckpt} was trained with {_GELU_NAMES[saved_gelu]} and the flags give "
+                  f"{_GELU_NAMES[model_config.gelu_approximation]} (the default with linear biases is the tanh "
+                  f"approximation, as Megatron-LM's fused bias-GELU; --no-bias-gelu-fusion gives exact GELU; "
+                  f"--use-checkpoint-args takes the checkpoint's)")
     fatal = diff["shape"] or (not finetune and (diff["missing"] or diff["unexpected"]))
     if fatal:
         lines = cfg_diff + [f"shape differs: {s}" for s in diff["shape"]]

@@ -423,6 +423,7 @@ class Trainer:
             ready = torch.cuda.Event()
             ready.record()
         self.settle()  # the previous iteration's schedule step comes before this optimizer step
+        self._stop_on_nan_iterations()
         if device_skip:
             self._queue_step_skipping_on_device(found_inf)
         self._pending = _PendingStep(self.state.iteration + 1, flags, ready, grad_norm_t is not None,
@@ -462,6 +463,8 @@ class Trainer:
         if result.nan:
             self.state.nan_iterations += 1
         self.last_result = (iteration, result)
+
+    def _stop_on_nan_iterations(self) -> None:
         if self.state.nan_iterations >= self.args.max_nan_iterations:
             raise SystemExit(f"error: stopping: {self.state.nan_iterations} iterations had a NaN/inf loss or "
                              f"gradient (--max-nan-iterations {self.args.max_nan_iterations}); lower --lr, use "
@@ -619,6 +622,7 @@ class Trainer:
                           f"{peak:.2f} GiB (theoretical {estimate.total / 2**30:.2f} GiB)", flush=True)
                 self.interval = _IntervalStats()
                 t_last = time.time()
+            self._stop_on_nan_iterations()
             if evaluate:
                 self.evaluate_and_print(f"iteration {it}", self.valid_iter, it)
                 t_last = time.time()

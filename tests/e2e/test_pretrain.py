@@ -143,3 +143,19 @@ def test_use_checkpoint_args_and_exit_on_missing_checkpoint(tmp_path):
     missing = run_cmd([sys.executable, "pretrain_gpt.py", *shape, *data, "--train-iters", "2", "--load",
                        str(tmp_path / "empty"), "--exit-on-missing-checkpoint"], check=False)
     assert missing.returncode != 0 and "no complete checkpoint found (--exit-on-missing-checkpoint)" in missing.stderr
+
+
+def test_a_checkpoints_gelu_is_kept_by_use_checkpoint_args_and_warned_about_otherwise(tmp_path):
+    """A model trained with exact GELU (--no-bias-gelu-fusion) and loaded without the flag: a warning
+    names both GELUs; --use-checkpoint-args takes the checkpoint's."""
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--lr", "1e-3",
+            "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--micro-batch-size", "2",
+            "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+    ckpt = tmp_path / "ckpt"
+    run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "1", "--no-bias-gelu-fusion", "--save", str(ckpt)])
+    plain = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "2", "--load", str(ckpt)])
+    assert "trained with exact GELU and the flags give tanh-approximated GELU" in plain.stdout + plain.stderr
+    taken = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "2", "--load", str(ckpt),
+                     "--use-checkpoint-args"])
+    assert "--no-bias-gelu-fusion" in taken.stdout and "trained with exact GELU" not in taken.stdout + taken.stderr
+    assert "] iteration        2/       2 |" in taken.stdout

@@ -33,6 +33,8 @@ VOCAB = 96
 
 STYLES = {
     "gpt2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64),
+    "gpt2_tanh_gelu": dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                           max_position_embeddings=64, gelu_approximation="tanh"),  # exported as "gelu_new"
     "gpt2_untied_nobias": dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                                max_position_embeddings=64, ffn_hidden_size=40, add_bias_linear=False,
                                untie_embeddings_and_output_weights=True),
@@ -105,9 +107,9 @@ def test_export_dtype_and_sharding(tmp_path):
         assert (model(tokens) - hf(tokens).logits).abs().max().item() < 0.1
 
 
-def _hf_gpt2_folder(path: Path, safe: bool) -> "transformers.PreTrainedModel":
+def _hf_gpt2_folder(path: Path, safe: bool, activation: str = "gelu") -> "transformers.PreTrainedModel":
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=48, vocab_size=90,
-                                  activation_function="gelu", tie_word_embeddings=True)
+                                  activation_function=activation, tie_word_embeddings=True)
     torch.manual_seed(3)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
@@ -135,10 +137,12 @@ def _hf_llama_folder(path: Path) -> "transformers.PreTrainedModel":
     return model
 
 
-@pytest.mark.parametrize("source", ["gpt2_bin", "gpt2_safetensors", "llama"])
+@pytest.mark.parametrize("source", ["gpt2_bin", "gpt2_safetensors", "gpt2_gelu_new", "gpt2_gelu_pytorch_tanh", "llama"])
 def test_import_matches_hf_and_round_trip_is_lossless(source, tmp_path):
     src = tmp_path / "src"
-    hf = _hf_llama_folder(src) if source == "llama" else _hf_gpt2_folder(src, safe=source == "gpt2_safetensors")
+    activation = source.removeprefix("gpt2_") if "gelu" in source else "gelu"
+    hf = (_hf_llama_folder(src) if source == "llama"
+          else _hf_gpt2_folder(src, safe=source != "gpt2_bin", activation=activation))
     ckpt = import_hf_model(str(src), str(tmp_path / "ckpt"))
     model, meta = load_model(str(tmp_path / "ckpt"), torch.device("cpu"))
     assert model.config.vocab_size == 128 and meta["args"]["hf_vocab_size"] == hf.config.vocab_size
@@ -162,6 +166,9 @@ def test_import_matches_hf_and_round_trip_is_lossless(source, tmp_path):
     for key in ("vocab_size", "tie_word_embeddings", "n_layer", "n_embd", "n_head", "num_key_value_heads",
                 "intermediate_size", "max_position_embeddings", "n_positions"):
         assert before.get(key) == after.get(key), key
+    if source.startswith("gpt2"):  # the tanh approximation's three names export as one
+        assert after["activation_function"] == ("gelu" if activation == "gelu" else "gelu_new")
+        assert ("--no-bias-gelu-fusion" in meta["args"]["pretrain_flags"]) == (activation == "gelu")
 
 
 def test_refusals(tmp_path):
@@ -183,8 +190,9 @@ def test_refusals(tmp_path):
     with pytest.raises(UnsupportedModelError, match="not supported; supported: GPT2LMHeadModel"):
         gpt_config_from_hf({**llama, "architectures": ["MistralForCausalLM"]}, 128)
     gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 90}
-    with pytest.raises(UnsupportedModelError, match="gelu_new.*--allow-gelu-approximation"):
-        gpt_config_from_hf(gpt2, 128)  # GPT-2's default activation is tanh GELU
+    assert gpt_config_from_hf(gpt2, 128)[0].gelu_approximation == "tanh"  # GPT-2's default: gelu_new
+    with pytest.raises(UnsupportedModelError, match="activation_function 'relu'.*exact GELU"):
+        gpt_config_from_hf({**gpt2, "activation_function": "relu"}, 128)
     with pytest.raises(UnsupportedModelError, match="scale_attn_by_inverse_layer_idx"):
         gpt_config_from_hf({**gpt2, "activation_function": "gelu", "scale_attn_by_inverse_layer_idx": True}, 128)
     # The command line turns them into one error line, not a traceback.

@@ -204,13 +204,31 @@ def test_swiglu_fc1_rows_interleave_gate_and_up():
     torch.testing.assert_close(mlp(x), (F.silu(gate) * up) @ mlp.linear_fc2.weight.T)
 
 
-def test_gelu_mlp_is_exact_gelu():
+@pytest.mark.parametrize("approximation", ["none", "tanh"])
+def test_gelu_mlp_is_exact_gelu_or_its_tanh_approximation(approximation):
     config = gpt2_config()
+    config.gelu_approximation = approximation
     mlp = MLP(config)
-    x = torch.randn(3, 4, 32)
+    x = torch.randn(3, 4, 32) * 3
     hidden = x @ mlp.linear_fc1.weight.T + mlp.linear_fc1.bias
-    expected = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
+    if approximation == "none":
+        expected = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
+    else:  # the formula of Megatron-LM's fused bias-GELU and GPT-2's gelu_new
+        expected = 0.5 * hidden * (1 + torch.tanh(math.sqrt(2 / math.pi) * (hidden + 0.044715 * hidden**3)))
     torch.testing.assert_close(mlp(x), expected @ mlp.linear_fc2.weight.T + mlp.linear_fc2.bias)
+
+
+@pytest.mark.parametrize("flags,expected", [([], "tanh"), (["--no-bias-gelu-fusion"], "none"),
+                                            (["--disable-bias-linear"], "none"), (["--swiglu"], "none")])
+def test_megatron_flags_choose_the_gelu(flags, expected):
+    """Megatron-LM's default fused bias-GELU computes the tanh approximation; without it, or without
+    biases, exact GELU."""
+    from megatrain.training.arguments import parse_args
+    from megatrain.training.builders import model_config_from_args
+    args = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+                       "--max-position-embeddings", "8", "--micro-batch-size", "1", "--mock-data",
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3", *flags])
+    assert model_config_from_args(args, 128).gelu_approximation == expected
 
 
 @pytest.mark.parametrize("style", STYLES)
