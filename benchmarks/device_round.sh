@@ -14,6 +14,7 @@
 #   bash benchmarks/device_round.sh final    # nvidia-h200-x2, ~8 min: final 1.7B/GPT-2 rows, TP=2+SP (+overlap), two-GPU tests
 #   bash benchmarks/device_round.sh next5    # nvidia-h200-x2, ~9 min: NOTES §13 (GPT-2 idle profile, fp8, one-GPU tests)
 #   bash benchmarks/device_round.sh s5       # nvidia-h200-x2, ~8 min: NOTES §14 (deferred settling, held gradients)
+#   bash benchmarks/device_round.sh s5-gelu  # nvidia-h200-x2, ~8 min: tanh against exact GELU, all GPU tests
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, two-GPU tests included
 set -u
 OUT=${OUT:-bench_out}
@@ -140,10 +141,27 @@ case "${1:-1}" in
     timeout 170 python -m pytest -q -m gpu -p no:cacheprovider -k two_gpus tests/e2e/test_fast_path_parity.py \
         > "$OUT/gpu_tests_two_gpu.txt" 2>&1
     ;;
+  s5-gelu)
+    # nvidia-h200-x2, about 8 minutes (NOTES §14): Megatron's tanh-approximated GELU (the new default)
+    # against exact GELU (--no-bias-gelu-fusion), same GPU back to back, on the 1.7B and GPT-2 shapes;
+    # every GPU-only test on the final code. Carry .whl.
+    G="$B --iters 8 --warmup 3 --timeout 80"
+    B1="$B --iters 10 --warmup 4 --timeout 150"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 330 $B1 1.7b --extra "" --extra "--no-bias-gelu-fusion" --output "$OUT/gelu_1.7b.md"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
+     timeout 170 $G gpt2-124m --extra "" --extra "--no-bias-gelu-fusion" --output "$OUT/gelu_gpt2.md"
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    timeout 170 python -m pytest -q -m gpu -p no:cacheprovider -k two_gpus tests/e2e/test_fast_path_parity.py \
+        > "$OUT/gpu_tests_two_gpu.txt" 2>&1
+    ;;
   gpu-tests)
     # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
     timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|s5|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|s5|s5-gelu|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
