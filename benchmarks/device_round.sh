@@ -149,6 +149,7 @@ case "${1:-1}" in
     B1="$B --iters 10 --warmup 4 --timeout 150"
     (export CUDA_VISIBLE_DEVICES=0
      timeout 330 $B1 1.7b --extra "" --extra "--no-bias-gelu-fusion" --output "$OUT/gelu_1.7b.md"
+     timeout 100 $G gpt2-124m --extra "" --output "$OUT/gpt2_again.md"
     ) > "$OUT/gpu0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
      timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1
