@@ -159,10 +159,23 @@ case "${1:-1}" in
     timeout 170 python -m pytest -q -m gpu -p no:cacheprovider -k two_gpus tests/e2e/test_fast_path_parity.py \
         > "$OUT/gpu_tests_two_gpu.txt" 2>&1
     ;;
+  s5-prof)
+    # nvidia-h200-x2, about 3 minutes: the final code's profiles (kernel and idle tables) of the three
+    # target shapes, for where the time goes now (NOTES §14).
+    P="python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 200 $P --shape 1.7b --out /tmp/prof_17b && cp /tmp/prof_17b/kernels.txt "$OUT/prof_1.7b_kernels.txt"
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 80 $P --shape gpt2-124m --out /tmp/prof_gpt2 && cp /tmp/prof_gpt2/kernels.txt "$OUT/prof_gpt2_kernels.txt"
+     timeout 150 $P --shape llama-1.2b --out /tmp/prof_llama && cp /tmp/prof_llama/kernels.txt "$OUT/prof_llama_kernels.txt"
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
   gpu-tests)
     # nvidia-h200-x2, about 6 minutes: every GPU-only test (the two-GPU ones need this kind). Carry .whl.
     timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
     ;;
-  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|s5|s5-gelu|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [1|2|next|next-tp|fusion|final|next5|s5|s5-gelu|s5-prof|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
