@@ -214,13 +214,16 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
         for m in range(n_micro):
             start = (m * dims.dp + dp_rank) * MICRO  # Megatron's order: micro-batch m of every dp rank
             sl = slice(start, start + MICRO)
-            with gradient_sync(model, m == n_micro - 1):
-                if fusion is not None:
-                    fusion.stage()
+            last = m == n_micro - 1
+            with gradient_sync(model, last):
+                if fusion is not None:  # as the trainer: DDP's reduction reads the last micro-batch's gradients
+                    fusion.stage(hold_others=not (last and dims.dp > 1))
                 loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
                 if fusion is not None:
                     fusion.release()
                 (loss / n_micro).backward()
+                if fusion is not None:
+                    fusion.merge_held()
             total += loss.detach()
             if step == 0 and m == 0 and n_micro > 1 and dims.dp > 1:
                 RUN_INFO["unsynced"] = _gradients_unsynced(unwrap(model), dims)
