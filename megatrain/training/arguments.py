@@ -498,7 +498,8 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
             setattr(args, name, config[name])
     args.group_query_attention = config.get("num_query_groups") != config.get("num_attention_heads")
     exact_gelu = checkpoint_gelu_approximation(config) == "none"  # a checkpoint from before the field: exact
-    if config and bool(getattr(args, "no_bias_gelu_fusion", False)) != exact_gelu and not config.get("swiglu"):
+    gelu_mlp_with_bias = config and not config.get("swiglu") and config.get("add_bias_linear", True)
+    if gelu_mlp_with_bias and bool(getattr(args, "no_bias_gelu_fusion", False)) != exact_gelu:
         taken.append("--no-bias-gelu-fusion" if exact_gelu else "tanh-approximated GELU (no --no-bias-gelu-fusion)")
         args.no_bias_gelu_fusion = exact_gelu
     saved = meta.get("args", {})

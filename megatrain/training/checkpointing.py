@@ -668,13 +668,13 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     diff = compare_model(_model_shapes(metadata), model_sd)
     if getattr(model, "is_pipeline_stage", False):
         diff["unexpected"] = []  # the other pipeline stages' tensors
-    cfg_diff = config_differences(meta.get("model_config", {}), model_config) if model_config is not None else []
-    saved_1p = bool(meta.get("model_config", {}).get("apply_layernorm_1p", False))
+    saved_cfg = meta.get("model_config", {})
+    cfg_diff = config_differences(saved_cfg, model_config) if model_config is not None else []
+    saved_1p = bool(saved_cfg.get("apply_layernorm_1p", False))
     if model_config is not None and saved_1p != bool(getattr(model_config, "apply_layernorm_1p", False)):
         raise CheckpointError(f"checkpoint {ckpt} was saved {'with' if saved_1p else 'without'} --apply-layernorm-1p "
                               f"and the flags say {'without' if saved_1p else 'with'} it: its norm weights would "
                               f"mean a different scale; {'add' if saved_1p else 'drop'} --apply-layernorm-1p")
-    saved_cfg = meta.get("model_config", {})
     if model_config is not None and saved_cfg and not getattr(model_config, "swiglu", True):
         saved_gelu = checkpoint_gelu_approximation(saved_cfg)
         if saved_gelu != model_config.gelu_approximation:
