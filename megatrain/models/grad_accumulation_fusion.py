@@ -66,19 +66,12 @@ def _product_float32(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     return (grad_out.t() @ inp).float()
 
 
-@torch.library.custom_op("megatrain::wgrad_float32", mutates_args=())
-def wgrad_new(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def _wgrad_new(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     """grad_out^T @ inp in float32 (opaque to the compiler, like :func:`accumulate_wgrad_`)."""
     return _product_float32(grad_out, inp)
 
 
-@wgrad_new.register_fake
-def _(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    return grad_out.new_empty((grad_out.shape[1], inp.shape[1]), dtype=torch.float32)
-
-
-@torch.library.custom_op("megatrain::accumulate_wgrad_", mutates_args=("main_grad",))
-def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+def _accumulate_wgrad(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
     """main_grad += grad_out^T @ inp in place (an opaque operator: the compiler keeps it as one
     matmul with beta = 1 instead of a matmul and a separate addition)."""
     if not _half_on_cuda(grad_out):
@@ -93,9 +86,29 @@ def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torc
     main_grad.add_(_product_float32(grad_out, inp))
 
 
-@accumulate_wgrad_.register_fake
+# The two operators are registered on the dispatcher directly, with one implementation for every
+# device and no autograd formula (they run inside backward passes): a call costs about a third of
+# what ``torch.library.custom_op``'s Python autograd and view wrappers add (9 against 24 us on a
+# CPU), and a small model's backward calls them once per weight and micro-batch.
+_LIB = torch.library.Library("megatrain", "FRAGMENT")
+_LIB.define("wgrad_float32(Tensor grad_out, Tensor inp) -> Tensor")
+_LIB.define("accumulate_wgrad_(Tensor(a!) main_grad, Tensor grad_out, Tensor inp) -> ()")
+_LIB.impl("wgrad_float32", _wgrad_new, "CompositeExplicitAutograd")
+_LIB.impl("accumulate_wgrad_", _accumulate_wgrad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("megatrain::wgrad_float32", lib=_LIB)
+def _(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    return grad_out.new_empty((grad_out.shape[1], inp.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("megatrain::accumulate_wgrad_", lib=_LIB)
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
     return None
+
+
+wgrad_new = torch.ops.megatrain.wgrad_float32.default
+accumulate_wgrad_ = torch.ops.megatrain.accumulate_wgrad_.default
 
 
 def wgrad_float32(prev: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
