@@ -14,7 +14,7 @@ log line times. Writes into ``--out``:
   profiled device time, mean us), followed by a summary per category (matmul, attention,
   optimizer, cross-entropy/softmax, norms/elementwise, copies, communication, other) and, on a
   GPU, the device's idle time: the gaps between kernels, filed under the kernel that ended each
-  wait (what the host had not queued yet);
+  wait (what the host had not queued yet) and the host operator that queued it, with its callers;
 - ``summary.json``: the same as data, with wall ms per step, device-busy ms per step, peak memory;
 - ``trace.json.gz`` (with ``--trace``): the Chrome/Perfetto trace.
 
@@ -78,24 +78,39 @@ def build_args(shape: str, extra: list[str], steps: int, device: str | None):
     return parse_args(flags)
 
 
-def kernel_intervals(prof: "torch.profiler.profile") -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every device kernel, in start order.
+def kernel_intervals(prof: "torch.profiler.profile") -> list[tuple[float, float, str, str]]:
+    """(start us, end us, name, launcher) of every device kernel, in start order.
 
     Kernel events are the profiler's events on the device, without the device-side copies of
     ``record_function`` ranges (e.g. "Optimizer.step#AdamW.step"): those span kernels that are
-    listed themselves, so counting them would count the kernels twice.
+    listed themselves, so counting them would count the kernels twice. ``launcher``: the host
+    operator that queued the kernel and its callers, innermost first ("aten::zero_ < aten::zeros"),
+    from the profiler's correlation ids ("" where the profiler links none).
     """
     from torch.autograd import DeviceType
 
+    events = prof.events()
+    host_ops = {evt.id: evt for evt in events
+                if getattr(evt, "device_type", DeviceType.CPU) == DeviceType.CPU and not evt.is_async}
     out = []
-    for evt in prof.events():
+    for evt in events:
         if getattr(evt, "device_type", DeviceType.CPU) == DeviceType.CPU:
             continue
         if getattr(evt, "is_user_annotation", False) or "#" in evt.name:
             continue
-        out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
+        out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name,
+                    launcher_chain(host_ops.get(getattr(evt, "linked_correlation_id", 0)))))
     out.sort()
     return out
+
+
+def launcher_chain(op: object, depth: int = 3) -> str:
+    """``op``'s name and its callers' (``cpu_parent``), innermost first, at most ``depth`` names."""
+    names = []
+    while op is not None and len(names) < depth:
+        names.append(op.name)  # type: ignore[attr-defined]
+        op = getattr(op, "cpu_parent", None)
+    return " < ".join(names)
 
 
 def kernel_rows(prof: "torch.profiler.profile", intervals: list[tuple[float, float, str]]) -> list[dict]:
@@ -103,7 +118,7 @@ def kernel_rows(prof: "torch.profiler.profile", intervals: list[tuple[float, flo
     total device microseconds; should a torch version not list kernels, the operators' self device
     time is used instead (names are then aten operators)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for start, end, name in intervals:
+    for start, end, name, *_ in intervals:
         totals[name][0] += 1
         totals[name][1] += end - start
     if not totals:
@@ -116,23 +131,26 @@ def kernel_rows(prof: "torch.profiler.profile", intervals: list[tuple[float, flo
     return rows
 
 
-def idle_gaps(intervals: list[tuple[float, float, str]], min_us: float = 5.0) -> list[dict]:
+def idle_gaps(intervals: list[tuple], min_us: float = 5.0) -> list[dict]:
     """Where the device waited: every stretch of at least ``min_us`` with no kernel running, filed
-    under the kernel that ended the wait (the work the host had not queued yet), totalled by name.
+    under the kernel that ended the wait (the work the host had not queued yet) and the host
+    operator that queued it (``intervals`` of :func:`kernel_intervals`; the launcher may be left
+    out), totalled by the two.
 
-    Rows (largest total first): name, gaps, total_us, max_us.
+    Rows (largest total first): name, launcher, gaps, total_us, max_us.
     """
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     busy_until = None
-    for start, end, name in intervals:
+    for start, end, name, *launcher in intervals:
         if busy_until is not None and start - busy_until >= min_us:
             gap = start - busy_until
-            row = totals[name]
+            row = totals[(name, launcher[0] if launcher else "")]
             row[0] += 1
             row[1] += gap
             row[2] = max(row[2], gap)
         busy_until = end if busy_until is None else max(busy_until, end)
-    rows = [{"name": n, "gaps": int(c), "total_us": t, "max_us": m} for n, (c, t, m) in totals.items()]
+    rows = [{"name": n, "launcher": who, "gaps": int(c), "total_us": t, "max_us": m}
+            for (n, who), (c, t, m) in totals.items()]
     rows.sort(key=lambda r: r["total_us"], reverse=True)
     return rows
 
@@ -141,10 +159,13 @@ def render_gaps(rows: list[dict], steps: int, top: int) -> str:
     total = sum(r["total_us"] for r in rows)
     lines = ["", f"device idle (gaps of 5 us or more between kernels): {total / 1000 / steps:.2f} ms/step in "
              f"{sum(r['gaps'] for r in rows) / steps:.0f} gaps; the kernels that ended the longest waits:",
-             f"{'#':>3} {'idle ms/step':>12} {'gaps/step':>9} {'max us':>8}  kernel after the gap"]
+             f"{'#':>3} {'idle ms/step':>12} {'gaps/step':>9} {'max us':>8}  kernel after the gap  <- host operator that "
+             "queued it < its callers"]
     for i, r in enumerate(rows[:top], 1):
-        name = r["name"] if len(r["name"]) <= 110 else r["name"][:107] + "..."
-        lines.append(f"{i:>3} {r['total_us'] / 1000 / steps:>12.2f} {r['gaps'] / steps:>9.1f} {r['max_us']:>8.0f}  {name}")
+        name = r["name"] if len(r["name"]) <= 80 else r["name"][:77] + "..."
+        who = f"  <- {r['launcher']}" if r.get("launcher") else ""
+        lines.append(f"{i:>3} {r['total_us'] / 1000 / steps:>12.2f} {r['gaps'] / steps:>9.1f} {r['max_us']:>8.0f}  "
+                     f"{name}{who}")
     return "\n".join(lines)
 
 
