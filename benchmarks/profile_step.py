@@ -118,7 +118,7 @@ def kernel_rows(prof: "torch.profiler.profile", intervals: list[tuple[float, flo
     total device microseconds; should a torch version not list kernels, the operators' self device
     time is used instead (names are then aten operators)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for start, end, name, *_ in intervals:
+    for start, end, name, _ in intervals:
         totals[name][0] += 1
         totals[name][1] += end - start
     if not totals:
@@ -131,20 +131,19 @@ def kernel_rows(prof: "torch.profiler.profile", intervals: list[tuple[float, flo
     return rows
 
 
-def idle_gaps(intervals: list[tuple], min_us: float = 5.0) -> list[dict]:
+def idle_gaps(intervals: list[tuple[float, float, str, str]], min_us: float = 5.0) -> list[dict]:
     """Where the device waited: every stretch of at least ``min_us`` with no kernel running, filed
     under the kernel that ended the wait (the work the host had not queued yet) and the host
-    operator that queued it (``intervals`` of :func:`kernel_intervals`; the launcher may be left
-    out), totalled by the two.
+    operator that queued it (``intervals`` of :func:`kernel_intervals`), totalled by the two.
 
     Rows (largest total first): name, launcher, gaps, total_us, max_us.
     """
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     busy_until = None
-    for start, end, name, *launcher in intervals:
+    for start, end, name, launcher in intervals:
         if busy_until is not None and start - busy_until >= min_us:
             gap = start - busy_until
-            row = totals[(name, launcher[0] if launcher else "")]
+            row = totals[(name, launcher)]
             row[0] += 1
             row[1] += gap
             row[2] = max(row[2], gap)
@@ -264,8 +263,8 @@ def main(argv: list[str] | None = None) -> None:
               + (f" | peak {peak_gib:.1f} GiB (profiled steps)" if peak_gib is not None else "")
               + ("" if cuda else " | CPU: operators by self CPU time"))
     table, summary = render(rows, a.top, a.steps, wall_ms, header)
-    table += (f"host waiting for the iterations' flags: {wait_ms:.1f} ms/step (near 0: the host, not the device, "
-              "sets the pace)\n")
+    table += (f"\nhost waiting for the iterations' flags: {wait_ms:.1f} ms/step (near 0: the host, not the device, "
+              "sets the pace)")
     summary["flags_wait_ms_per_step"] = wait_ms
     if cuda:  # where the GPU waited for the host
         gaps = idle_gaps(intervals)

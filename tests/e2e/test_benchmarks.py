@@ -46,16 +46,16 @@ def test_idle_gaps_are_filed_under_the_kernel_that_ended_the_wait():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from profile_step import idle_gaps, render_gaps
 
-    intervals = [(0.0, 10.0, "a"), (5.0, 20.0, "b"),  # overlapping: no gap
-                 (23.0, 30.0, "c"),  # 3 us: below the 5 us floor
-                 (50.0, 60.0, "d"),  # 20 us idle before d
-                 (60.0, 61.0, "a"), (161.0, 170.0, "d")]  # 100 us idle before d
+    intervals = [(0.0, 10.0, "a", ""), (5.0, 20.0, "b", ""),  # overlapping: no gap
+                 (23.0, 30.0, "c", ""),  # 3 us: below the 5 us floor
+                 (50.0, 60.0, "d", ""),  # 20 us idle before d
+                 (60.0, 61.0, "a", ""), (161.0, 170.0, "d", "")]  # 100 us idle before d
     rows = idle_gaps(intervals)
     assert rows == [{"name": "d", "launcher": "", "gaps": 2, "total_us": 120.0, "max_us": 100.0}]
     text = render_gaps(rows, steps=2, top=5)
     assert "0.06 ms/step in 1 gaps" in text and " d" in text
     # with the host operators that queued each kernel: one row per kernel and launcher
-    launched = [(*i, "aten::zero_ < aten::zeros" if i[0] == 161.0 else "aten::fill_") for i in intervals]
+    launched = [(*i[:3], "aten::zero_ < aten::zeros" if i[0] == 161.0 else "aten::fill_") for i in intervals]
     rows = idle_gaps(launched)
     assert [(r["launcher"], r["total_us"]) for r in rows] == [("aten::zero_ < aten::zeros", 100.0), ("aten::fill_", 20.0)]
     assert "d  <- aten::zero_ < aten::zeros" in render_gaps(rows, steps=2, top=5)
