@@ -10,6 +10,7 @@
 #   bash benchmarks/device_round.sh profiles   # nvidia-h200-x2, ~3 min: kernel and idle tables of the three shapes
 #   bash benchmarks/device_round.sh fp8        # nvidia-h200-x2, ~4 min: 1.7B and LLaMA with --fp8-format hybrid (carry .whl)
 #   bash benchmarks/device_round.sh tp         # nvidia-h200-x2, ~7 min: 1.7B TP=2 (SP, no SP, fp8) and the TP=2+SP profile (carry .whl)
+#   bash benchmarks/device_round.sh graphs     # nvidia-h200-x2, ~8 min: GPT-2 with and without --cuda-graph-impl local (twice), LLaMA with it; the CUDA-graph GPU tests
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -62,10 +63,20 @@ case "${1:-table}" in
         --steps 3 --top 60 --out /tmp/prof_tp --extra "--tensor-model-parallel-size 2 --sequence-parallel" \
         && cp /tmp/prof_tp/kernels.txt "$OUT/prof_tp2_sp_kernels.txt"
     ;;
+  graphs)
+    (export CUDA_VISIBLE_DEVICES=0
+     G="--cuda-graph-impl local --cuda-graph-warmup-steps 2"
+     timeout 300 $SMALL gpt2-124m --extra "" --extra "$G" --extra "" --extra "$G" --output "$OUT/graphs_gpt2.md"
+     timeout 170 $LARGE llama-1.2b --extra "$G" --output "$OUT/graphs_llama.md") > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1
+     timeout 420 python -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_cuda_graph.py \
+       tests/e2e/test_fast_path_parity.py -k "cuda_graph" > "$OUT/gpu_tests_graphs.txt" 2>&1) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -212,7 +212,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="torch.compile mode of the compiled region(s); the CUDA-graph modes (reduce-overhead, "
-                        "max-autotune) are refused in training")
+                        "max-autotune) are refused in training (--cuda-graph-impl local is the way to CUDA graphs)")
     g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
                         "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; under tensor parallelism "
@@ -223,6 +223,18 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "add into the fp32 gradient (default where the model is not FSDP2-sharded, tensor- or "
                         "pipeline-parallel, fp8 or fully recomputed); this flag turns that off: autocast casts "
                         "per micro-batch and autograd adds the gradients")
+    g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local", "transformer_engine"],
+                   help="local: record each training micro-batch (batch, forward, loss, backward, gradient "
+                        "accumulation) as one CUDA graph after the warm-up and replay it (one process on CUDA; not "
+                        "with --fp16, recomputation, fp8 or fine-tuning); transformer_engine is refused (no "
+                        "Transformer Engine)")
+    g.add_argument("--cuda-graph-scope", nargs="+", default=[],
+                   help="what the graph holds: full_iteration (the whole micro-batch; the only scope, and the "
+                        "default, of --cuda-graph-impl local); the per-layer scopes (attn, mlp, ...) are refused")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="iterations run without the graph before it is recorded (compilation happens there)")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="the older name of --cuda-graph-impl local")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -514,6 +526,38 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _validate_cuda_graph(args: argparse.Namespace, tp: int, pp: int, cp: int) -> None:
+    """--cuda-graph-impl / --enable-cuda-graph: what a recorded micro-batch can hold."""
+    if args.enable_cuda_graph and args.cuda_graph_impl == "none":
+        args.cuda_graph_impl = "local"
+    impl = args.cuda_graph_impl
+    if impl == "none":
+        if args.cuda_graph_scope:
+            _fail("--cuda-graph-scope needs --cuda-graph-impl local")
+        return
+    if impl == "transformer_engine":
+        _fail("--cuda-graph-impl transformer_engine needs NVIDIA Transformer Engine, which megatrain does not use; "
+              "--cuda-graph-impl local records each whole training micro-batch as a CUDA graph")
+    other = [s for s in args.cuda_graph_scope if s != "full_iteration"]
+    if other:
+        _fail(f"--cuda-graph-scope {' '.join(other)}: megatrain records the whole micro-batch (full_iteration), "
+              "not parts of layers")
+    if args.cuda_graph_warmup_steps < 1:
+        _fail(f"--cuda-graph-warmup-steps must be at least 1 (the first iteration compiles), got "
+              f"{args.cuda_graph_warmup_steps}")
+    if not _runs_on_cuda(args):
+        _fail("--cuda-graph-impl local records CUDA graphs: it needs a CUDA device")
+    refused = [(args.world_size_actual > 1, f"{args.world_size_actual} processes (tensor/pipeline/context/data "
+                                            "parallelism communicate between the graph's kernels)"),
+               (args.fp16, "--fp16 (the dynamic loss scale changes between iterations)"),
+               (args.recompute_granularity is not None, f"--recompute-granularity {args.recompute_granularity}"),
+               (args.fp8_format is not None, f"--fp8-format {args.fp8_format}")]
+    given = [why for bad, why in refused if bad]
+    if given:
+        _fail(f"--cuda-graph-impl local is not supported with {', '.join(given)}; it records the micro-batch of "
+              "one process training in bf16/fp32")
+
+
 def _runs_on_cuda(args: argparse.Namespace) -> bool:
     device = getattr(args, "device", None)
     if device is not None:
@@ -721,7 +765,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail(f"--torch-compile-mode {args.torch_compile_mode} records CUDA graphs, which training does not "
               "support: torch's CUDA graph trees overwrite the activations a micro-batch saved for its backward "
               "(measured on an H200, torch 2.11; pytorch/pytorch#169545); use --torch-compile-mode default or "
-              "max-autotune-no-cudagraphs")
+              "max-autotune-no-cudagraphs; --cuda-graph-impl local records whole micro-batches instead")
+    _validate_cuda_graph(args, tp=tp, pp=pp, cp=cp)
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive, got {args.eval_interval}")
     if args.log_interval <= 0:

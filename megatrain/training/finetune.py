@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 class SFTTrainer(Trainer):
     """The pre-training loop with jsonl examples whose batches carry their own (response-only) loss mask."""
 
+    batches_in_cuda_graph = False  # sft_batch decides on the host whether a batch needs an attention mask
+
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
         a = self.args
         config = SFTConfig(a.seq_length, pack=a.sft_pack, prompt_key=a.sft_prompt_key,

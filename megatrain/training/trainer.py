@@ -9,6 +9,7 @@ over micro-batches; the learning-rate schedule advances by the global batch size
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -36,6 +37,7 @@ from megatrain.training import checkpointing
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
+from megatrain.training.cuda_graph import MicroBatchGraphs
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
 from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
@@ -122,6 +124,10 @@ class _PendingStep:
 class Trainer:
     """Owns the model, optimizer, schedule, scaler, data iterators and counters of one run."""
 
+    # Whether make_batch is device work only (no host synchronisation), so that a CUDA graph of the
+    # micro-batch can hold it (--cuda-graph-impl local).
+    batches_in_cuda_graph = True
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.start_time = time.time()
@@ -195,6 +201,7 @@ class Trainer:
         self.checkpointer = checkpointing.Checkpointer(async_save=bool(getattr(args, "async_save", False)),
                                                        keep_last=getattr(args, "keep_last_checkpoints", None),
                                                        verbose=get_rank() == 0)
+        self.cuda_graphs = self._build_cuda_graphs()
         self._rng_checkpoint: str | None = None
         if args.load:
             self._load(args.load)
@@ -222,6 +229,18 @@ class Trainer:
         with torch.device("meta"):
             model = GPTModel(self.model_config)
         return parallelize_gpt(model, self.dims, self.args, device=self.device, seed=self.args.seed)
+
+    def _build_cuda_graphs(self) -> MicroBatchGraphs | None:
+        a = self.args
+        if getattr(a, "cuda_graph_impl", "none") != "local":
+            return None
+        if self.device.type != "cuda":
+            raise SystemExit(f"error: --cuda-graph-impl local records CUDA graphs; this run is on {self.device}")
+        if not self.batches_in_cuda_graph:
+            raise SystemExit(f"error: --cuda-graph-impl local: {type(self).__name__} builds its batches with host "
+                             "decisions (per-batch attention masks), which a recorded graph cannot hold")
+        assert self.pipeline is None and self.world_size == 1, "arguments.py refuses these"
+        return MicroBatchGraphs(list(self.module.parameters()), self.device, a.cuda_graph_warmup_steps)
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
         """Train/valid/test datasets (hook: fine-tuning returns its own; samples go to ``make_batch``)."""
@@ -319,6 +338,33 @@ class Trainer:
         loss_sum, tokens = self._forward_loss_sum(samples)
         return loss_sum / self._cp_sum(tokens.detach()).clamp(min=1.0)
 
+    def _micro_batch_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """What a training micro-batch back-propagates (times :meth:`_micro_batch_weight`): the loss
+        sum with --calculate-per-token-loss (divided by the global token count after the backward),
+        else :meth:`_forward_loss`'s mean."""
+        if self.per_token_loss:
+            return loss_sum
+        return loss_sum / self._cp_sum(tokens.detach()).clamp(min=1.0)
+
+    def _micro_batch_weight(self, scale: float) -> float:
+        """The factor on a micro-batch's loss in its backward: the loss scale and, for mean losses,
+        1 / micro-batches (x cp: the gradient reduction averages over data x context parallel ranks)."""
+        return scale if self.per_token_loss else scale * self.cp_size / self.num_micro_batches
+
+    def _graphed_micro_batch(self, samples: torch.Tensor, weight: float, totals: torch.Tensor) -> None:
+        """One micro-batch as its CUDA graph records it: batch, forward, backward, the loss (and
+        loss-token count) added into ``totals`` (see :mod:`megatrain.training.cuda_graph`)."""
+        fusion = getattr(self.module, "grad_accumulation_fusion", None)
+        if fusion is not None:
+            fusion.stage()
+        loss_sum, n = self._batch_loss_sum(self.make_batch(samples))
+        if fusion is not None:
+            fusion.release()
+        loss = self._micro_batch_loss(loss_sum, n)
+        totals[0] += loss.detach()
+        totals[1] += n.detach()
+        (loss * weight).backward()
+
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
         return [self._rank_batch(next(data_iter)) for _ in range(self.num_micro_batches)]
@@ -329,6 +375,33 @@ class Trainer:
         if fusion is not None:
             fusion.refresh()
         return fusion
+
+    def _micro_batches_backward(self, fusion: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of the iteration's micro-batches, the gradients summed over them
+        (reduced over data-parallel ranks after the last); (sum of their losses, their loss-token count)."""
+        assert self.train_iter is not None
+        total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        weight = self._micro_batch_weight(scale)
+        batch = self._rank_batch(next(self.train_iter))
+        for i in range(self.num_micro_batches):
+            last = i == self.num_micro_batches - 1
+            # Data-parallel gradient reduction only after the last micro-batch.
+            with gradient_sync(self.model, last):
+                if fusion is not None:  # the gradients so far become the matmuls' addends
+                    fusion.stage(hold_others=not (last and self.dims.replicas > 1))
+                loss_sum, n = self._batch_loss_sum(batch)
+                if fusion is not None:
+                    fusion.release()
+                if not last:  # the next micro-batch's inputs are queued before this backward
+                    batch = self._rank_batch(next(self.train_iter))
+                loss = self._micro_batch_loss(loss_sum, n)
+                total += loss.detach()
+                tokens += n.detach()
+                (loss * weight).backward()
+                if fusion is not None:
+                    fusion.merge_held()
+        return total, tokens
 
     def train_step(self) -> StepResult:
         """One iteration, finished: its result, with the LR schedule (and loss scale) advanced."""
@@ -351,39 +424,27 @@ class Trainer:
         a = self.args
         assert self.train_iter is not None
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            graphs.begin_iteration(lambda: self.optimizer.zero_grad(set_to_none=True))
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         fusion = self._grad_fusion()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        total = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))
-            if self.per_token_loss:
-                tokens = self.pipeline.token_count_on_all_ranks()
+            tokens = self.pipeline.token_count_on_all_ranks() if self.per_token_loss else torch.zeros_like(total)
+        elif graphs is not None and not graphs.warming_up:  # each micro-batch one replay of its graph
+            weight = self._micro_batch_weight(scale)
+            for _ in range(self.num_micro_batches):
+                graphs.run(next(self.train_iter), weight, self._graphed_micro_batch)
+            total, tokens = graphs.totals.unbind()
         else:
-            batch = self._rank_batch(next(self.train_iter))
-            for i in range(self.num_micro_batches):
-                last = i == self.num_micro_batches - 1
-                # Data-parallel gradient reduction only after the last micro-batch.
-                with gradient_sync(self.model, last):
-                    if fusion is not None:  # the gradients so far become the matmuls' addends
-                        fusion.stage(hold_others=not (last and self.dims.replicas > 1))
-                    loss_sum, n = self._batch_loss_sum(batch)
-                    if fusion is not None:
-                        fusion.release()
-                    if not last:  # the next micro-batch's inputs are queued before this backward
-                        batch = self._rank_batch(next(self.train_iter))
-                    if self.per_token_loss:  # loss sums; divided by the global token count below
-                        loss, weight = loss_sum, scale
-                        tokens += n.detach()
-                    else:  # x cp: the gradient reduction averages over data x context parallel ranks
-                        loss = loss_sum / self._cp_sum(n.detach()).clamp(min=1.0)
-                        weight = scale * self.cp_size / self.num_micro_batches
-                    total += loss.detach()
-                    (loss * weight).backward()
-                    if fusion is not None:
-                        fusion.merge_held()
+            with graphs.warmup_stream() if graphs is not None else contextlib.nullcontext():
+                total, tokens = self._micro_batches_backward(fusion, scale)
+        if graphs is not None:
+            graphs.end_iteration()
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None

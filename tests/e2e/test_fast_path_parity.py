@@ -117,6 +117,38 @@ def test_fast_path_trains_like_the_eager_path_on_gpu(fast):
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", [[], ["--calculate-per-token-loss"], ["--no-gradient-accumulation-fusion"]],
+                         ids=["default", "per_token_loss", "no_fusion"])
+def test_cuda_graphs_train_like_the_same_run_without_them_on_gpu(extra):
+    """--cuda-graph-impl local replays the recorded micro-batch (tied embedding and output layer, whose
+    gradient autograd sums from two uses): the same losses as launching it kernel by kernel, and,
+    like every fast path, the eager path's within bf16 tolerance."""
+    plain = _gpu_losses(*extra)
+    graphed = _gpu_losses(*extra, "--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2")
+    worst = max(abs(g - p) / abs(p) for p, g in zip(plain, graphed))
+    assert worst < 2e-3, f"CUDA graphs change the losses by {worst:.3%} relative at worst"
+    eager = _gpu_losses(*EAGER)
+    assert max(abs(g - e) / abs(e) for e, g in zip(eager, graphed)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_train_with_dropout_on_gpu():
+    """With dropout (new masks on every replay: tests/unit/test_cuda_graph.py) the curve follows the
+    run without graphs within the noise of another random stream."""
+    dropout = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    plain = _gpu_losses(*dropout)
+    graphed = _gpu_losses(*dropout, "--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2")
+    assert plain[-1] < plain[0] - 1.0 and graphed[-1] < graphed[0] - 1.0
+    assert max(abs(g - p) / abs(p) for p, g in zip(plain, graphed)) < 5e-2
+    tail_p, tail_g = sum(plain[-10:]) / 10, sum(graphed[-10:]) / 10
+    assert abs(tail_g - tail_p) / tail_p < 2e-2, (tail_p, tail_g)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_trains_like_bf16_on_gpu():
     """--fp8-format hybrid changes the matmuls' maths (fp8 inputs, per-tensor scales), so it is held to a
     looser bound than the bf16 fast paths: 100 steps against the bf16 eager run, every step within 5 %
