@@ -11,6 +11,7 @@
 #   bash benchmarks/device_round.sh fp8        # nvidia-h200-x2, ~4 min: 1.7B and LLaMA with --fp8-format hybrid (carry .whl)
 #   bash benchmarks/device_round.sh tp         # nvidia-h200-x2, ~7 min: 1.7B TP=2 (SP, no SP, fp8) and the TP=2+SP profile (carry .whl)
 #   bash benchmarks/device_round.sh graphs     # nvidia-h200-x2, ~8 min: GPT-2 with and without --cuda-graph-impl local (twice), LLaMA with it; the CUDA-graph GPU tests
+#   bash benchmarks/device_round.sh graph-profiles  # nvidia-h200-x2, ~3 min: kernel and idle tables of GPT-2 and LLaMA with CUDA graphs (GPT-2 also without)
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -24,9 +25,10 @@ B="python benchmarks/throughput.py"
 LARGE="$B --iters 10 --warmup 4 --timeout 150"  # a 1.7B/LLaMA row: ~70 s of compilation, then 14 iterations
 SMALL="$B --iters 8 --warmup 3 --timeout 80"    # a GPT-2 row
 
-profile() {  # profile SHAPE LIMIT_S [extra flags]: the kernel and idle tables as $OUT/prof_SHAPE_kernels.txt
-  timeout "$2" python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40 --shape "$1" --out "/tmp/prof_$1" \
-    ${3:+--extra "$3"} && cp "/tmp/prof_$1/kernels.txt" "$OUT/prof_$1_kernels.txt"
+profile() {  # profile SHAPE LIMIT_S [extra flags [tag]]: the kernel and idle tables as $OUT/prof_SHAPE[_tag]_kernels.txt
+  local name="$1${4:+_$4}"
+  timeout "$2" python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40 --shape "$1" --out "/tmp/prof_$name" \
+    ${3:+--extra "$3"} && cp "/tmp/prof_$name/kernels.txt" "$OUT/prof_${name}_kernels.txt"
 }
 one_gpu_tests() { timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1; }
 two_gpu_tests() {
@@ -73,10 +75,16 @@ case "${1:-table}" in
        tests/e2e/test_fast_path_parity.py -k "cuda_graph" > "$OUT/gpu_tests_graphs.txt" 2>&1) > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;
+  graph-profiles)
+    G="--cuda-graph-impl local --cuda-graph-warmup-steps 2"
+    (export CUDA_VISIBLE_DEVICES=0; profile gpt2-124m 100 "$G" graphs; profile gpt2-124m 80) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; profile llama-1.2b 150 "$G" graphs) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -50,7 +50,10 @@ class MicroBatchGraphs:
         self.weight: float | None = None  # the loss weight recorded in the graph
         self.samples: torch.Tensor | None = None  # the recorded micro-batch's input buffer
         self.totals = torch.zeros(2, device=device)  # loss (sum) and token count of the iteration
-        self.grads: list[torch.Tensor] = []  # the gradients the graph accumulates into
+        # The gradients the graph accumulates into, held as aliases (other tensor objects on the same
+        # memory): autograd takes a gradient tensor over as ``.grad`` without a copy only while nothing
+        # else refers to that tensor object (the gradient-accumulation fusion relies on it).
+        self.grads: list[torch.Tensor] = []
         self.recordings = 0
 
     @property
@@ -65,9 +68,9 @@ class MicroBatchGraphs:
             return
         if not self.grads:  # the first recorded iteration: fixed gradient tensors from now on
             clear_grads()
-            self.grads = [torch.zeros_like(p) for p in self.params]
-            for p, g in zip(self.params, self.grads):
-                p.grad = g
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            self.grads = [p.grad.detach() for p in self.params]
         else:
             torch._foreach_zero_(self.grads)
         self.totals.zero_()
@@ -100,10 +103,11 @@ class MicroBatchGraphs:
         self.graph.replay()
 
     def _gather_grads(self) -> None:
-        """(Recorded after the backward.) Autograd accumulates in place into the fixed gradients,
-        and the gradient-accumulation fusion returns them, updated, as the new gradients; a weight
-        whose gradient autograd summed from several uses (a tied embedding and output layer) got
-        a new tensor: it is copied into the fixed one."""
+        """(Recorded after the backward.) The micro-batch's backward leaves each gradient in its
+        fixed tensor (autograd adds in place; the gradient-accumulation fusion returns the updated
+        tensor and its held gradients are added back into theirs), except where autograd summed a
+        weight's gradient from several uses (a tied embedding and output layer) into a new tensor:
+        that one is copied into the fixed tensor."""
         for p, g in zip(self.params, self.grads):
             if p.grad is None:  # unused in this micro-batch: its gradient stays what it was
                 p.grad = g

@@ -351,19 +351,29 @@ class Trainer:
         1 / micro-batches (x cp: the gradient reduction averages over data x context parallel ranks)."""
         return scale if self.per_token_loss else scale * self.cp_size / self.num_micro_batches
 
-    def _graphed_micro_batch(self, samples: torch.Tensor, weight: float, totals: torch.Tensor) -> None:
-        """One micro-batch as its CUDA graph records it: batch, forward, backward, the loss (and
-        loss-token count) added into ``totals`` (see :mod:`megatrain.training.cuda_graph`)."""
-        fusion = getattr(self.module, "grad_accumulation_fusion", None)
-        if fusion is not None:
-            fusion.stage()
-        loss_sum, n = self._batch_loss_sum(self.make_batch(samples))
+    def _micro_batch_backward(self, batch: dict[str, Any], weight: float, fusion: Any, hold_others: bool,
+                              prefetch: Any = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Forward and backward of one training micro-batch, its gradients added to those so far:
+        (its loss, its loss-token count, ``prefetch()``'s result, called before the backward so that
+        the next micro-batch's inputs are queued first)."""
+        if fusion is not None:  # the gradients so far become the matmuls' addends
+            fusion.stage(hold_others=hold_others)
+        loss_sum, n = self._batch_loss_sum(batch)
         if fusion is not None:
             fusion.release()
+        fetched = prefetch() if prefetch is not None else None
         loss = self._micro_batch_loss(loss_sum, n)
-        totals[0] += loss.detach()
-        totals[1] += n.detach()
         (loss * weight).backward()
+        if fusion is not None:
+            fusion.merge_held()
+        return loss.detach(), n.detach(), fetched
+
+    def _graphed_micro_batch(self, samples: torch.Tensor, weight: float, totals: torch.Tensor) -> None:
+        """One micro-batch as its CUDA graph records it: batch, forward, backward, the loss and the
+        loss-token count added into ``totals`` (see :mod:`megatrain.training.cuda_graph`)."""
+        fusion = getattr(self.module, "grad_accumulation_fusion", None)
+        loss, n, _ = self._micro_batch_backward(self.make_batch(samples), weight, fusion, hold_others=True)
+        totals += torch.stack([loss, n])
 
     def _micro_batches(self, data_iter: Iterator[torch.Tensor]) -> list[dict[str, Any]]:
         """One iteration's micro-batches as model inputs (pipeline parallel runs them all at once)."""
@@ -383,24 +393,18 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         weight = self._micro_batch_weight(scale)
-        batch = self._rank_batch(next(self.train_iter))
+        train_iter = self.train_iter
+        batch = self._rank_batch(next(train_iter))
         for i in range(self.num_micro_batches):
             last = i == self.num_micro_batches - 1
-            # Data-parallel gradient reduction only after the last micro-batch.
+            # Data-parallel gradient reduction only after the last micro-batch, which therefore
+            # cannot hold gradients aside (the reduction reads those autograd accumulates).
             with gradient_sync(self.model, last):
-                if fusion is not None:  # the gradients so far become the matmuls' addends
-                    fusion.stage(hold_others=not (last and self.dims.replicas > 1))
-                loss_sum, n = self._batch_loss_sum(batch)
-                if fusion is not None:
-                    fusion.release()
-                if not last:  # the next micro-batch's inputs are queued before this backward
-                    batch = self._rank_batch(next(self.train_iter))
-                loss = self._micro_batch_loss(loss_sum, n)
-                total += loss.detach()
-                tokens += n.detach()
-                (loss * weight).backward()
-                if fusion is not None:
-                    fusion.merge_held()
+                loss, n, batch = self._micro_batch_backward(
+                    batch, weight, fusion, hold_others=not (last and self.dims.replicas > 1),
+                    prefetch=None if last else lambda: self._rank_batch(next(train_iter)))
+            total += loss
+            tokens += n
         return total, tokens
 
     def train_step(self) -> StepResult:
