@@ -12,6 +12,8 @@
 #   bash benchmarks/device_round.sh tp         # nvidia-h200-x2, ~7 min: 1.7B TP=2 (SP, no SP, fp8) and the TP=2+SP profile (carry .whl)
 #   bash benchmarks/device_round.sh graphs     # nvidia-h200-x2, ~8 min: GPT-2 with and without --cuda-graph-impl local (twice), LLaMA with it; the CUDA-graph GPU tests
 #   bash benchmarks/device_round.sh graph-profiles  # nvidia-h200-x2, ~3 min: kernel and idle tables of GPT-2 and LLaMA with CUDA graphs (GPT-2 also without)
+#   bash benchmarks/device_round.sh final6     # nvidia-h200-x2, ~9.5 min: `graphs`' rows and the GPT-2 graph profile on GPU 0, the one-GPU tests on GPU 1
+#   bash benchmarks/device_round.sh two-gpu-tests  # nvidia-h200-x2, ~3 min: the two-GPU set alone
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -30,7 +32,7 @@ profile() {  # profile SHAPE LIMIT_S [extra flags [tag]]: the kernel and idle ta
   timeout "$2" python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40 --shape "$1" --out "/tmp/prof_$name" \
     ${3:+--extra "$3"} && cp "/tmp/prof_$name/kernels.txt" "$OUT/prof_${name}_kernels.txt"
 }
-one_gpu_tests() { timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1; }
+one_gpu_tests() { timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1; }
 two_gpu_tests() {
   timeout 170 python -m pytest -q -m gpu -p no:cacheprovider -k two_gpus tests/e2e/test_fast_path_parity.py \
     > "$OUT/gpu_tests_two_gpu.txt" 2>&1
@@ -81,10 +83,20 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; profile llama-1.2b 150 "$G" graphs) > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;
+  final6)  # session 6's last one-GPU round: the tests and the graph rows side by side
+    G="--cuda-graph-impl local --cuda-graph-warmup-steps 2"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 300 $SMALL gpt2-124m --extra "" --extra "$G" --extra "" --extra "$G" --output "$OUT/graphs_gpt2.md"
+     timeout 170 $LARGE llama-1.2b --extra "$G" --output "$OUT/graphs_llama.md"
+     profile gpt2-124m 100 "$G" graphs) > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests) &
+    wait
+    ;;
+  two-gpu-tests) two_gpu_tests ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|gpu-tests|two-gpu-tests]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
