@@ -14,6 +14,7 @@
 #   bash benchmarks/device_round.sh graph-profiles  # nvidia-h200-x2, ~3 min: kernel and idle tables of GPT-2 and LLaMA with CUDA graphs (GPT-2 also without)
 #   bash benchmarks/device_round.sh final6     # nvidia-h200-x2, ~9.5 min: `graphs`' rows and the GPT-2 graph profile on GPU 0, the one-GPU tests on GPU 1
 #   bash benchmarks/device_round.sh two-gpu-tests  # nvidia-h200-x2, ~3 min: the two-GPU set alone
+#   bash benchmarks/device_round.sh close6     # nvidia-h200-x2, ~5 min: the two-GPU tests, then 1.7B with CUDA graphs (GPU 0) and without (GPU 1)
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -93,10 +94,17 @@ case "${1:-table}" in
     wait
     ;;
   two-gpu-tests) two_gpu_tests ;;
+  close6)  # the two-GPU tests, then 1.7B with and without CUDA graphs side by side
+    two_gpu_tests
+    G="--cuda-graph-impl local --cuda-graph-warmup-steps 2"
+    (export CUDA_VISIBLE_DEVICES=0; timeout 200 $LARGE 1.7b --extra "$G" --output "$OUT/graphs_1.7b.md") > "$OUT/gpu0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; timeout 200 $LARGE 1.7b --extra "" --output "$OUT/table_1.7b.md") > "$OUT/gpu1.log" 2>&1 &
+    wait
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|gpu-tests|two-gpu-tests]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|gpu-tests|two-gpu-tests|close6]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
