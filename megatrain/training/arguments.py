@@ -526,7 +526,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _validate_cuda_graph(args: argparse.Namespace, tp: int, pp: int, cp: int) -> None:
+def _validate_cuda_graph(args: argparse.Namespace) -> None:
     """--cuda-graph-impl / --enable-cuda-graph: what a recorded micro-batch can hold."""
     if args.enable_cuda_graph and args.cuda_graph_impl == "none":
         args.cuda_graph_impl = "local"
@@ -766,7 +766,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
               "support: torch's CUDA graph trees overwrite the activations a micro-batch saved for its backward "
               "(measured on an H200, torch 2.11; pytorch/pytorch#169545); use --torch-compile-mode default or "
               "max-autotune-no-cudagraphs; --cuda-graph-impl local records whole micro-batches instead")
-    _validate_cuda_graph(args, tp=tp, pp=pp, cp=cp)
+    _validate_cuda_graph(args)
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive, got {args.eval_interval}")
     if args.log_interval <= 0:

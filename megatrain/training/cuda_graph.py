@@ -33,7 +33,7 @@ import torch
 __all__ = ["MicroBatchGraphs"]
 
 # fn(samples on the device, loss weight, totals) runs one micro-batch: forward and backward, adding
-# its loss (and, with per-token loss, its token count) into totals[0] (and totals[1]).
+# its loss into totals[0] and its loss-token count into totals[1].
 MicroBatchFn = Callable[[torch.Tensor, float, torch.Tensor], None]
 
 

@@ -234,12 +234,11 @@ class Trainer:
         a = self.args
         if getattr(a, "cuda_graph_impl", "none") != "local":
             return None
-        if self.device.type != "cuda":
-            raise SystemExit(f"error: --cuda-graph-impl local records CUDA graphs; this run is on {self.device}")
         if not self.batches_in_cuda_graph:
             raise SystemExit(f"error: --cuda-graph-impl local: {type(self).__name__} builds its batches with host "
                              "decisions (per-batch attention masks), which a recorded graph cannot hold")
-        assert self.pipeline is None and self.world_size == 1, "arguments.py refuses these"
+        assert self.device.type == "cuda" and self.pipeline is None and self.world_size == 1, \
+            "arguments.py refuses these"
         return MicroBatchGraphs(list(self.module.parameters()), self.device, a.cuda_graph_warmup_steps)
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
@@ -335,16 +334,16 @@ class Trainer:
     def _forward_loss(self, samples: torch.Tensor) -> torch.Tensor:
         """The micro-batch's mean loss over its loss tokens (with context parallelism, this rank's
         share of it: its tokens' loss over the whole sequence's token count; the shares sum to it)."""
-        loss_sum, tokens = self._forward_loss_sum(samples)
+        return self._mean_loss(*self._forward_loss_sum(samples))
+
+    def _mean_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return loss_sum / self._cp_sum(tokens.detach()).clamp(min=1.0)
 
     def _micro_batch_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """What a training micro-batch back-propagates (times :meth:`_micro_batch_weight`): the loss
         sum with --calculate-per-token-loss (divided by the global token count after the backward),
         else :meth:`_forward_loss`'s mean."""
-        if self.per_token_loss:
-            return loss_sum
-        return loss_sum / self._cp_sum(tokens.detach()).clamp(min=1.0)
+        return loss_sum if self.per_token_loss else self._mean_loss(loss_sum, tokens)
 
     def _micro_batch_weight(self, scale: float) -> float:
         """The factor on a micro-batch's loss in its backward: the loss scale and, for mean losses,
