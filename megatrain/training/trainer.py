@@ -387,7 +387,8 @@ class Trainer:
 
     def _micro_batches_backward(self, fusion: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of the iteration's micro-batches, the gradients summed over them
-        (reduced over data-parallel ranks after the last); (sum of their losses, their loss-token count)."""
+        (reduced over data-parallel ranks after the last); (sum of their losses, their loss-token count
+        with --calculate-per-token-loss, else zero)."""
         assert self.train_iter is not None
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
@@ -403,7 +404,8 @@ class Trainer:
                     batch, weight, fusion, hold_others=not (last and self.dims.replicas > 1),
                     prefetch=None if last else lambda: self._rank_batch(next(train_iter)))
             total += loss
-            tokens += n
+            if self.per_token_loss:  # only the per-token loss reads the count
+                tokens += n
         return total, tokens
 
     def train_step(self) -> StepResult:
