@@ -51,7 +51,7 @@ def _holder_text() -> str:
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, RecursionError):
         os.lseek(fd, 0, os.SEEK_SET)
         data = os.read(fd, 4096).decode("utf-8", "replace")
         holder = json.loads(data)
