@@ -383,7 +383,7 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (bad request line, headers too long...) as one-line JSON too."""
         self.close_connection = True
-        text = message or HTTPStatus(code).phrase
+        text = message or (HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "error")
         self.log_error("code %d, message %s", code, text)
         self._send(code, {"message": " ".join(str(text).split())})
 

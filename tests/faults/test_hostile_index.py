@@ -134,7 +134,7 @@ def test_commands_refuse_with_one_line(tmp_path, case, command):
     craft(prefix)
     argv = commands(prefix, tmp_path)[command]
     proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -175,6 +175,7 @@ def test_valid_files_still_load(tmp_path):
     merged = tmp_path / "merged"
     proc = subprocess.run([sys.executable, "tools/merge_datasets.py", "--input", str(tmp_path / "sentences"),
                            str(tmp_path / "sentences"), "--output-prefix", str(merged)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert len(IndexedDataset(merged)) == 16

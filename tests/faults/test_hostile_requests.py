@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def server(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "run_text_generation_server.py"), "--load",
                              str(root / "ckpt"), "--port", "0", "--device", "cpu", "--max-tokens-to-generate", "4",
                              "--request-body-timeout", "1"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     try:
         line = proc.stdout.readline()
         assert "serving on http://127.0.0.1:" in line, line + (root / "server.log").read_text()
