@@ -383,7 +383,10 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (bad request line, headers too long...) as one-line JSON too."""
         self.close_connection = True
-        text = message or (HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "error")
+        try:
+            text = message or HTTPStatus(code).phrase
+        except ValueError:  # a code http.HTTPStatus does not list
+            text = "error"
         self.log_error("code %d, message %s", code, text)
         self._send(code, {"message": " ".join(str(text).split())})
 
@@ -409,7 +412,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(e.status, {"message": e.message})
         except Exception as e:  # noqa: BLE001 - the server must answer and keep running
             self.close_connection = True
-            self._send(500, {"message": f"internal error: {type(e).__name__}: {e}"})
+            self._send(500, {"message": " ".join(f"internal error: {type(e).__name__}: {e}".split())})
 
     def _stream(self, req: dict[str, Any]) -> None:
         """Answer with server-sent events; a bad request still gets its 4xx before any event."""
