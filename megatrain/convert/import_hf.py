@@ -11,7 +11,6 @@ is recorded so that exporting gives the same rows back.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import warnings
@@ -22,6 +21,7 @@ import torch
 from megatrain.convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
 from megatrain.convert.tokenizer_files import import_hf_tokenizer
 from megatrain.errors import user_errors_exit
+from megatrain.json_input import parse_json
 from megatrain.models.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
@@ -51,8 +51,8 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"--hf-path {hf_path}: no config.json (is it a Hugging Face model folder?)")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        with open(path, "rb") as f:
+            config = parse_json(f.read())
     except ValueError as e:
         raise ValueError(f"--hf-path {path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
@@ -63,9 +63,14 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
 def read_hf_weights(hf_path: str) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face folder (safetensors preferred, pytorch_model.bin loaded safely)."""
     def files_from_index(index_name: str) -> list[str]:
-        with open(os.path.join(hf_path, index_name), encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return sorted(set(weight_map.values()))
+        path = os.path.join(hf_path, index_name)
+        with open(path, "rb") as f:
+            try:
+                weight_map = parse_json(f.read())["weight_map"]
+                return sorted(set(map(str, weight_map.values())))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                reason = f"no {e} entry" if isinstance(e, KeyError) else str(e)
+                raise ValueError(f"--hf-path {path}: not a weight index with a \"weight_map\" object ({reason})") from None
 
     if os.path.isfile(os.path.join(hf_path, "model.safetensors.index.json")):
         files = files_from_index("model.safetensors.index.json")

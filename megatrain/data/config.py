@@ -9,9 +9,10 @@ are copied into `DataConfig` when the namespace has them.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from typing import Optional
+
+from megatrain.json_input import parse_json
 
 __all__ = ["DataConfig", "add_data_args", "DEFAULT_SPLIT"]
 
@@ -109,11 +110,11 @@ class DataConfig:
                 raise ValueError("--per-split-data-args-path cannot be combined with --data-path "
                                  "or --train/valid/test-data-path")
             try:
-                with open(path, encoding="utf-8") as f:
-                    spec = json.load(f)
+                with open(path, "rb") as f:
+                    spec = parse_json(f.read())
             except OSError as e:
                 raise ValueError(f"--per-split-data-args-path: cannot read {path}: {e.strerror}") from None
-            except json.JSONDecodeError as e:
+            except ValueError as e:
                 raise ValueError(f"--per-split-data-args-path: {path} is not valid JSON: {e}") from None
             if not isinstance(spec, dict):
                 raise ValueError(f"--per-split-data-args-path: {path} must hold an object "

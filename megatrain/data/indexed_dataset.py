@@ -111,11 +111,99 @@ def write_index_file(
         f.write(docs.astype("<i8", copy=False).tobytes(order="C"))
 
 
+#: Index entries checked per vectorised step: bounds the temporary arrays (a few x 8 MiB).
+_CHECK_CHUNK = 1 << 20
+
+
+def _validate_sequences(idx_file: str, lengths: np.ndarray, pointers: np.ndarray, dtype: np.dtype) -> None:
+    """Refuse an index whose sequences do not tile the ``.bin`` back to back from byte 0.
+
+    Sequence ``i`` must have a non-negative length and start where sequence ``i-1`` ends
+    (``pointers[i] == pointers[i-1] + lengths[i-1] * itemsize``, ``pointers[0] == 0``); otherwise
+    one sequence would read another's tokens. Checked in chunks straight from the memory map.
+    """
+    n = len(lengths)
+    if n == 0:
+        return
+    itemsize = dtype.itemsize
+    if int(pointers[0]) != 0:
+        raise ValueError(
+            f"{idx_file}: corrupt index: sequence 0 starts at byte {int(pointers[0])} of the .bin, "
+            "expected 0 (the sequences must follow each other from the start of the data)"
+        )
+    for start in range(0, n, _CHECK_CHUNK):
+        stop = min(start + _CHECK_CHUNK, n)
+        chunk_lengths = lengths[start:stop]
+        negative = chunk_lengths < 0
+        # ends[j]: the byte where sequence start+j ends, i.e. where sequence start+j+1 must start.
+        ends = chunk_lengths.astype(np.int64)
+        ends *= itemsize
+        ends += pointers[start:stop]
+        follows = pointers[start + 1 : stop + 1]
+        mismatch = np.zeros(stop - start, dtype=bool)
+        np.not_equal(ends[: len(follows)], follows, out=mismatch[: len(follows)])
+        mismatch |= ends < 0  # int64 wrap-around of crafted huge pointers
+        bad = negative | mismatch
+        if not bad.any():
+            continue
+        j = int(np.argmax(bad))
+        i = start + j
+        if negative[j]:
+            raise ValueError(
+                f"{idx_file}: corrupt index: sequence {i} has negative length {int(chunk_lengths[j])}"
+            )
+        if int(ends[j]) < 0:
+            raise ValueError(
+                f"{idx_file}: corrupt index: sequence {i} (at byte {int(pointers[i])}, "
+                f"{int(lengths[i])} tokens) ends past the largest possible file offset"
+            )
+        raise ValueError(
+            f"{idx_file}: corrupt index: sequence {i + 1} starts at byte {int(pointers[i + 1])} but "
+            f"sequence {i} (at byte {int(pointers[i])}, {int(lengths[i])} tokens of {dtype.name}) ends at "
+            f"byte {int(ends[j])}; the sequence lengths and pointers disagree"
+        )
+
+
+def _validate_documents(idx_file: str, documents: np.ndarray, n_seq: int) -> None:
+    """Refuse document boundaries that do not run from sequence 0 to ``n_seq`` without going back.
+
+    Equal neighbours are empty documents and valid; several sequences per document are
+    sentence-split documents and valid.
+    """
+    n = len(documents)
+    if n == 0:
+        raise ValueError(
+            f"{idx_file}: corrupt index: it has no document boundaries (expected at least the boundary 0)"
+        )
+    if int(documents[0]) != 0:
+        raise ValueError(
+            f"{idx_file}: corrupt index: document boundary 0 is {int(documents[0])}, expected 0"
+        )
+    if int(documents[-1]) != n_seq:
+        raise ValueError(
+            f"{idx_file}: corrupt index: the last document boundary ({n - 1}) is {int(documents[-1])} "
+            f"but the index has {n_seq} sequences (the boundaries must end at the number of sequences)"
+        )
+    for start in range(0, n - 1, _CHECK_CHUNK):
+        stop = min(start + _CHECK_CHUNK, n - 1)
+        decreasing = documents[start + 1 : stop + 1] < documents[start:stop]
+        if decreasing.any():
+            i = start + int(np.argmax(decreasing)) + 1
+            raise ValueError(
+                f"{idx_file}: corrupt index: document boundary {i} is {int(documents[i])}, below "
+                f"boundary {i - 1} ({int(documents[i - 1])}); the boundaries must not decrease"
+            )
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of a ``PREFIX.bin`` / ``PREFIX.idx`` pair.
 
     ``ds[i]`` returns sequence ``i`` as a numpy array that shares memory with the file;
     ``ds.get(i, offset, length)`` returns part of it, also without copying.
+
+    Opening validates the whole index (header, sizes, every pointer against the lengths, the
+    document boundaries) and raises a one-line ``ValueError`` naming the file and the first
+    offending entry, so no sequence can ever read bytes outside its own.
     """
 
     def __init__(self, prefix: str | os.PathLike):
@@ -172,11 +260,13 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(
             buf, dtype="<i8", count=n_doc, offset=HEADER_SIZE + 12 * n_seq
         )
+        _validate_sequences(idx_file, self.sequence_lengths, self.sequence_pointers, self.dtype)
+        _validate_documents(idx_file, self.document_indices, n_seq)
 
     def _check_bin(self, idx_file: str, bin_file: str) -> None:
         self._bin_size = os.path.getsize(bin_file)
         n = len(self.sequence_lengths)
-        if n:
+        if n:  # the pointers are validated: the last sequence ends where the data ends
             expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
         else:
             expected = 0

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator
+
+from megatrain.json_input import parse_json
 
 
 def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, Any]]:
@@ -25,7 +26,7 @@ def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {path}:{lineno}: not valid JSON ({e.msg})") from None
+                obj = parse_json(line)
+            except ValueError as e:
+                raise ValueError(f"{flag} {path}:{lineno}: not valid JSON ({e})") from None
             yield lineno, obj

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
@@ -34,6 +33,8 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
+
+from megatrain.json_input import parse_json
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -271,9 +272,9 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def _load_gpt2_files(vocab_file: str, merge_file: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
     try:
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open(vocab_file, "rb") as f:
+            vocab = parse_json(f.read())
+    except (OSError, ValueError) as e:
         raise ValueError(f"--vocab-file {vocab_file}: cannot read a GPT-2 vocab.json ({e})") from None
     if not isinstance(vocab, dict) or not vocab or not all(
         isinstance(k, str) and isinstance(v, int) for k, v in vocab.items()
@@ -491,10 +492,12 @@ class HuggingFaceTokenizer(MegatrainTokenizer):
             if not os.path.isfile(p):
                 continue
             try:
-                with open(p, encoding="utf-8") as f:
-                    data = json.load(f)
+                with open(p, "rb") as f:
+                    data = parse_json(f.read())
             except (OSError, ValueError) as e:
                 raise ValueError(f"--tokenizer-model: cannot read {p} ({e})") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"--tokenizer-model: {p} must hold a JSON object, not {type(data).__name__}")
             for key in ("eos_token", "bos_token", "pad_token"):
                 v = data.get(key)
                 if isinstance(v, dict):
@@ -711,8 +714,8 @@ def _load_tiktoken_ranks(path: str, max_vocab: int | None) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
     try:
         if path.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                data = parse_json(f.read())
             if not isinstance(data, list):
                 raise ValueError("expected a JSON list of {rank, token_bytes, token_str}")
             for i, item in enumerate(data):

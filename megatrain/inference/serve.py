@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-to-generate", type=int, default=1024)
     p.add_argument("--max-batch-size", type=int, default=16, help="most prompts in one request")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds to wait for a request body to arrive in full before answering 408")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp16", action="store_true")
@@ -39,13 +41,16 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("max_tokens_to_generate", "max_batch_size", "max_request_bytes"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be positive")
+    if not args.request_body_timeout > 0:
+        raise SystemExit("error: --request-body-timeout must be a positive number of seconds")
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must be in 0..65535, got {args.port}")
     model, meta = load_model(args.load, choose_device(args.device), args.ckpt_step)
     model.to(model_dtype(args))
     tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))
     max_prompt = args.max_prompt_tokens or min(model.config.max_position_embeddings, 4096)
-    limits = ServerLimits(max_prompt, args.max_tokens_to_generate, args.max_batch_size, args.max_request_bytes)
+    limits = ServerLimits(max_prompt, args.max_tokens_to_generate, args.max_batch_size, args.max_request_bytes,
+                          args.request_body_timeout)
     try:
         server = make_server(TextGenerationService(model, tokenizer, limits), args.host, args.port, quiet=args.quiet)
     except OSError as e:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from megatrain.inference.text_generation import Completion, SamplingParams, complete
+from megatrain.json_input import parse_json
 
 
 class RequestError(Exception):
@@ -57,6 +58,7 @@ class ServerLimits:
     max_tokens_to_generate: int = 1024
     max_batch_size: int = 16
     max_request_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a body not fully received in this time is answered 408
 
 
 def _is_int(v: Any) -> bool:
@@ -65,6 +67,20 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_SEED_LIMIT = 1 << 63  # torch generators take 64-bit seeds
+
+
+def parse_request_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; anything else raises :class:`RequestError` (400) with one line."""
+    try:
+        req = parse_json(raw, strict=True)
+    except ValueError as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise RequestError(f"the body must be a JSON object, not {type(req).__name__}")
+    return req
 
 
 class TextGenerationService:
@@ -167,8 +183,8 @@ class TextGenerationService:
         if top_p > 0.0 and top_k > 0:
             raise RequestError("cannot set both top-k and top-p samplings.")
         seed = req.get("random_seed", None)
-        if seed is not None and (not _is_int(seed) or seed < 0):
-            raise RequestError("random_seed must be a non-negative integer")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < _SEED_LIMIT):
+            raise RequestError("random_seed must be a non-negative integer below 2**63")
         add_bos = req.get("add_BOS", False)
         if not isinstance(add_bos, bool):
             raise RequestError("add_BOS must be a boolean value")
@@ -214,8 +230,8 @@ class TextGenerationService:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise RequestError("stop must be a non-empty string or a list of up to 4 non-empty strings")
         seed = req.get("seed", None)
-        if seed is not None and not _is_int(seed):
-            raise RequestError("seed must be an integer")
+        if seed is not None and (not _is_int(seed) or not -_SEED_LIMIT <= seed < _SEED_LIMIT):
+            raise RequestError("seed must be an integer from -2**63 to 2**63-1")
         echo = req.get("echo", False)
         if not isinstance(echo, bool):
             raise RequestError("echo must be a boolean")
@@ -355,11 +371,24 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client went away (or stopped reading): nothing left to answer
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (bad request line, headers too long...) as one-line JSON too."""
+        self.close_connection = True
+        try:
+            text = message or HTTPStatus(code).phrase
+        except ValueError:  # a code http.HTTPStatus does not list
+            text = "error"
+        self.log_error("code %d, message %s", code, text)
+        self._send(code, {"message": " ".join(str(text).split())})
 
     def _handle(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -383,7 +412,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(e.status, {"message": e.message})
         except Exception as e:  # noqa: BLE001 - the server must answer and keep running
             self.close_connection = True
-            self._send(500, {"message": f"internal error: {type(e).__name__}: {e}"})
+            self._send(500, {"message": " ".join(f"internal error: {type(e).__name__}: {e}".split())})
 
     def _stream(self, req: dict[str, Any]) -> None:
         """Answer with server-sent events; a bad request still gets its 4xx before any event."""
@@ -413,26 +442,31 @@ class _Handler(BaseHTTPRequestHandler):
             send({"error": {"message": f"{type(e).__name__}: {e}"}})
 
     def _read_json(self) -> dict[str, Any]:
-        length_header = self.headers.get("Content-Length")
-        if length_header is None:
+        """Read exactly Content-Length bytes (within the limits) and parse them (:func:`parse_request_body`)."""
+        limits = self.service.limits
+        values = {v.strip() for v in self.headers.get_all("Content-Length", [])}
+        if not values:
             raise RequestError("a Content-Length header is required", HTTPStatus.LENGTH_REQUIRED)
-        try:
-            length = int(length_header)
-        except ValueError:
-            raise RequestError("Content-Length must be an integer") from None
-        if length < 0:
-            raise RequestError("Content-Length must be non-negative")
-        if length > self.service.limits.max_request_bytes:
-            raise RequestError(f"request body of {length} bytes exceeds the {self.service.limits.max_request_bytes} "
+        if len(values) > 1:
+            raise RequestError("conflicting Content-Length headers")
+        (length_header,) = values
+        if not length_header.isascii() or not length_header.isdigit():
+            raise RequestError(f"Content-Length must be a non-negative integer, got {length_header[:40]!r}")
+        if len(length_header) > 18 or int(length_header) > limits.max_request_bytes:
+            raise RequestError(f"request body of {length_header[:40]} bytes exceeds the {limits.max_request_bytes} "
                                "byte limit", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        raw = self.rfile.read(length)
+        length = int(length_header)
+        self.connection.settimeout(limits.body_timeout_s)
         try:
-            req = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(f"the body is not valid JSON: {e}") from None
-        if not isinstance(req, dict):
-            raise RequestError("the body must be a JSON object")
-        return req
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(f"the body was not received within {limits.body_timeout_s:g} s "
+                               f"(Content-Length {length})", HTTPStatus.REQUEST_TIMEOUT) from None
+        finally:
+            self.connection.settimeout(None)
+        if len(raw) != length:
+            raise RequestError(f"the body ended after {len(raw)} of its {length} bytes (Content-Length)")
+        return parse_request_body(raw)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._handle("GET")

@@ -430,17 +430,32 @@ def build_parser(prog: str = "pretrain_gpt.py") -> MegatronArgumentParser:
     return p
 
 
+def _yaml_reason(e: Exception) -> str:
+    """One line from a PyYAML error: the problem and where it is (its text spans several lines)."""
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if problem:
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        context = getattr(e, "context", None)
+        return f"{problem}{where}" + (f" ({context})" if context else "")
+    return " ".join(str(e).split())
+
+
 def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     """Read ``--config`` YAML; keys are flag names with or without dashes (``num-layers`` or ``num_layers``)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f) or {}  # safe_load: plain data only, no Python object tags
     except FileNotFoundError:
         raise SystemExit(f"--config: file not found: {path}")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--config: cannot read {path} ({e})")
+    except RecursionError:
+        raise SystemExit(f"--config: {path} is not valid YAML: collections nested too deeply to parse")
     except yaml.YAMLError as e:
-        raise SystemExit(f"--config: {path} is not valid YAML: {e}")
+        raise SystemExit(f"--config: {path} is not valid YAML: {_yaml_reason(e)}")
     if not isinstance(data, dict):
         raise SystemExit(f"--config: {path} must hold a mapping of flag names to values")
     dests = {a.dest: a for a in parser._actions}

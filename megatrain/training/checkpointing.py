@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from megatrain.atomic_io import atomic_write_bytes, atomic_write_text
+from megatrain.json_input import parse_json
 
 # Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"), so
 # every rank's entries are distinct (pipeline stages hold different parameters) and a checkpoint
@@ -587,8 +588,16 @@ def find_checkpoint(load: str, step: int | None = None) -> str | None:
 
 
 def read_meta(ckpt: str) -> dict[str, Any]:
-    with open(os.path.join(ckpt, META), encoding="utf-8") as f:
-        return json.load(f)
+    path = os.path.join(ckpt, META)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        meta = parse_json(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: must hold a JSON object, not {type(meta).__name__}")
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------- loading
