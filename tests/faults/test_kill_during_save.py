@@ -236,8 +236,6 @@ def test_sigint_during_a_save_loses_nothing_and_resumes_identically(sigint_run, 
     assert max(resumed.losses) == ITERS
 
 
-@pytest.mark.xfail(strict=True, reason="Ctrl-C in pretrain_gpt.py prints a traceback (during a save, DCP's "
-                                       "CheckpointException wrapping KeyboardInterrupt) instead of one line")
 def test_sigint_during_a_save_is_reported_in_one_line(sigint_run):
     run, _ = sigint_run
     assert run.returncode != 0
