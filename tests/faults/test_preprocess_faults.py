@@ -285,6 +285,7 @@ def test_read_only_output_directory_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------------------
 MEASURE = r"""
 import json, random, resource, string, sys, time
+import numpy as np
 from megatrain.data.tokenizers import TokenizerConfig, build_tokenizer
 vocab, merges, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tok = build_tokenizer(TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))
