@@ -10,11 +10,13 @@ A *sequence* is a run of tokens (one document, or one sentence with ``--split-se
 it, from 0 to S. Files written here are byte-identical to Megatron-LM's for the same ids.
 
 This module owns the memory-mapped reader :class:`IndexedDataset` and the atomic writer
-:class:`IndexedDatasetWriter` (temporary names, renamed only by :meth:`finalize`).
+:class:`IndexedDatasetWriter` (temporary names, renamed only by :meth:`finalize`; an aborted
+writer removes only the files it created).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
@@ -357,15 +359,21 @@ class IndexedDatasetWriter:
         parent = os.path.dirname(os.path.abspath(self.prefix))
         if not os.path.isdir(parent):
             raise ValueError(f"output directory {parent} for prefix {self.prefix!r} does not exist")
-        tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp_bin = bin_path(self.prefix) + tag
-        self._tmp_idx = idx_path(self.prefix) + tag
-        self._bin_file = open(self._tmp_bin, "wb")
+        self._tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tmp_bin = bin_path(self.prefix) + self._tag
+        self._tmp_idx = idx_path(self.prefix) + self._tag
+        #: every path this writer made (temporary files, kept previous pairs), removed by abort
+        self._created: list[str] = []
+        self._published: list[str] = []  # final names replaced by publish(), undone by abort()
+        self._backups: dict[str, str] = {}  # final name -> hard link to the file it replaced
+        self._state = "closed"  # open -> prepared -> published -> closed
+        self._bin_file = open(self._tmp_bin, "xb")
+        self._created.append(self._tmp_bin)
+        self._state = "open"
         self._lengths: list[int] = []
         self._length_arrays: list[np.ndarray] = []
         self._documents: list[int] = [0]
         self._n_sequences = 0
-        self._closed = False
 
     # -- adding data --------------------------------------------------------------------
     def _as_array(self, ids) -> np.ndarray:
@@ -386,7 +394,7 @@ class IndexedDatasetWriter:
         return arr.astype(self.dtype.newbyteorder("<"), copy=False)
 
     def _write(self, arr: np.ndarray) -> None:
-        if self._closed:
+        if self._state != "open":
             raise ValueError(f"writer for {self.prefix} is already finalized or aborted")
         if arr.size:
             self._bin_file.write(arr.tobytes(order="C"))
@@ -466,7 +474,7 @@ class IndexedDatasetWriter:
                 f"cannot merge {other.prefix} (dtype {other.dtype.name}) into {self.prefix} "
                 f"(dtype {self.dtype.name}): all datasets must share one dtype"
             )
-        if self._closed:
+        if self._state != "open":
             raise ValueError(f"writer for {self.prefix} is already finalized or aborted")
         offset = self._n_sequences
         self._flush_lengths()
@@ -490,7 +498,14 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> str:
         """Write the index and move both files to their final names; returns the prefix."""
-        if self._closed:
+        self.prepare()
+        self.publish()
+        self.commit()
+        return self.prefix
+
+    def prepare(self) -> None:
+        """Make both files complete and durable under their temporary names (nothing final yet)."""
+        if self._state != "open":
             raise ValueError(f"writer for {self.prefix} is already finalized or aborted")
         try:
             self._bin_file.flush()
@@ -500,39 +515,111 @@ class IndexedDatasetWriter:
             lengths = (
                 np.concatenate(self._length_arrays) if self._length_arrays else np.zeros(0, np.int32)
             )
+            self._created.append(self._tmp_idx)
             write_index_file(self._tmp_idx, self.dtype, lengths, self._documents)
-            # .bin first: a reader never sees an .idx whose .bin is missing or stale.
-            os.replace(self._tmp_bin, bin_path(self.prefix))
-            try:
-                os.replace(self._tmp_idx, idx_path(self.prefix))
-            except BaseException:
-                os.remove(bin_path(self.prefix))
-                raise
+            with open(self._tmp_idx, "rb") as f:
+                os.fsync(f.fileno())
         except BaseException:
             self.abort()
             raise
-        self._closed = True
-        return self.prefix
+        self._state = "prepared"
+
+    def publish(self) -> None:
+        """Rename the prepared pair to ``PREFIX.bin`` / ``PREFIX.idx``, ``.bin`` first.
+
+        Two names cannot be replaced in one atomic step, so the order decides what a reader
+        can see in between. ``.bin`` goes first and ``.idx`` last, so the ``.idx`` is the
+        commit point:
+
+        * a new prefix: until the ``.idx`` appears the dataset does not exist (readers and
+          ``dataset_exists`` need both files), and once it exists its ``.bin`` is final. The
+          other order would show a complete-looking ``.idx`` with no ``.bin`` behind it.
+        * replacing a pair: a reader opening between the two renames pairs the old ``.idx``
+          with the new ``.bin`` (the other order gives the new ``.idx`` with the old ``.bin``;
+          neither order avoids a mixed pair). `IndexedDataset` compares the ``.bin`` size with
+          the one the ``.idx`` describes and refuses the pair; only a replacement of exactly
+          the same byte size can pass, which is why writers of one prefix are serialised by a
+          lock (preprocessing takes ``PREFIX.lock``) and why a prefix should not be read while
+          it is being regenerated.
+
+        Existing files under the final names are kept as hard links until :meth:`commit`, so
+        :meth:`abort` after a publish puts the previous pair back.
+        """
+        if self._state != "prepared":
+            raise ValueError(f"writer for {self.prefix} is not prepared (call prepare() first)")
+        self._state = "publishing"
+        try:
+            for final in (bin_path(self.prefix), idx_path(self.prefix)):
+                if os.path.lexists(final) and not os.path.isdir(final):
+                    backup = final + self._tag.replace(".tmp-", ".old-")
+                    try:
+                        os.link(final, backup, follow_symlinks=False)
+                    except OSError:
+                        continue  # no hard links here: an abort can only remove what we published
+                    self._created.append(backup)
+                    self._backups[final] = backup
+            for tmp, final in ((self._tmp_bin, bin_path(self.prefix)), (self._tmp_idx, idx_path(self.prefix))):
+                os.replace(tmp, final)
+                self._created.remove(tmp)
+                self._published.append(final)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "published"
+
+    @property
+    def is_published(self) -> bool:
+        """Published under the final names and not yet committed (an abort would undo it)."""
+        return self._state == "published"
+
+    def commit(self) -> None:
+        """Forget the previous pair kept by :meth:`publish`; the new pair stays."""
+        if self._state != "published":
+            raise ValueError(f"writer for {self.prefix} is not published")
+        self._drop_backups()
+        self._published = []
+        self._state = "closed"
+
+    def _drop_backups(self) -> None:
+        for backup in list(self._backups.values()):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(backup)
+            self._created.remove(backup)
+        self._backups = {}
 
     def abort(self) -> None:
-        """Drop everything written so far; nothing is left under the final or temporary names."""
-        self._closed = True
+        """Undo everything this writer did: its temporary files are removed and, after a
+        :meth:`publish` not yet committed, the previous pair is put back under the final names
+        (or, where there was none, what it published is removed). Files it did not create are
+        never touched."""
+        self._state = "closed"
         try:
             self._bin_file.close()
         except OSError:
             pass
-        for p in (self._tmp_bin, self._tmp_idx):
-            try:
+        for final in reversed(self._published):
+            backup = self._backups.pop(final, None)
+            if backup is not None:
+                self._created.remove(backup)  # the previous file: kept, whatever happens next
+                with contextlib.suppress(OSError):
+                    os.replace(backup, final)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(final)
+        self._published = []
+        self._drop_backups()
+        for p in self._created:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(p)
-            except FileNotFoundError:
-                pass
+        self._created = []
+        self._state = "closed"
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
-            if not self._closed:
+            if self._state == "open":
                 self.finalize()
         else:
             self.abort()
@@ -540,5 +627,5 @@ class IndexedDatasetWriter:
 
     def __del__(self):
         # A writer dropped without finalize() must not leave temporary files behind.
-        if not getattr(self, "_closed", True):
+        if getattr(self, "_state", "closed") != "closed":
             self.abort()

@@ -15,13 +15,18 @@ Behaviour worth knowing (also in docs/data.md):
 * Blank lines in jsonl files are skipped and counted. Malformed JSON, a missing key, a value
   that is not text, non-UTF-8 bytes or text the tokenizer rejects stop the run with
   ``FILE:LINE: reason``; ``--skip-bad-lines`` skips such lines, counts them and reports.
-* Outputs appear only when complete: a crash or Ctrl-C leaves no ``.bin/.idx`` under the
-  final names (and no temporary files).
+* Outputs appear only when complete: a crash, Ctrl-C or SIGTERM leaves no ``.bin/.idx``
+  under the final names (and no temporary files); with several outputs (``--json-keys``)
+  they are renamed together once all are complete. An interrupted or failed run removes
+  only files it created itself.
+* Each output prefix is locked (``PREFIX.lock``, naming the holder) for the whole run: a
+  second run on the same prefix stops at once with one line saying who holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import gzip
 import json
@@ -29,8 +34,10 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import socket
 import sys
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -39,6 +46,7 @@ import numpy as np
 
 from megatrain.data.indexed_dataset import IndexedDatasetWriter, best_dtype
 from megatrain.data.tokenizers import MegatrainTokenizer, TokenizerConfig, add_tokenizer_args, build_tokenizer
+from megatrain.locking import Lock, LockHeld, acquire
 
 __all__ = [
     "PreprocessConfig",
@@ -355,8 +363,25 @@ class _Encoder:
 _WORKER: _Encoder | None = None
 
 
-def _worker_init(cfg: PreprocessConfig, files: list[str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to kill this process when its parent ends (Linux), however it ends."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent was already gone before the request
+        os._exit(1)
+
+
+def _worker_init(cfg: PreprocessConfig, files: list[str], parent_pid: int) -> None:
+    # Ctrl-C reaches the whole process group: only the parent acts on it. SIGTERM (sent by
+    # the parent's pool on shutdown) ends a worker at once and quietly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent_pid)
     global _WORKER
     _WORKER = _Encoder(cfg, files)
 
@@ -375,7 +400,7 @@ def _encoded_chunks(cfg: PreprocessConfig, files: list[str], encoder: _Encoder) 
         return
     methods = mp.get_all_start_methods()
     ctx = mp.get_context("fork" if "fork" in methods else None)
-    pool = ctx.Pool(cfg.workers, initializer=_worker_init, initargs=(cfg, files))
+    pool = ctx.Pool(cfg.workers, initializer=_worker_init, initargs=(cfg, files, os.getpid()))
     try:
         pending: deque = deque()
         limit = 2 * cfg.workers + 2
@@ -449,6 +474,8 @@ class PreprocessStats:
     bad_lines: int = 0
     bad_reasons: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    #: True once every output is in place under its final name
+    outputs_written: bool = False
 
 
 def _check_config(cfg: PreprocessConfig) -> None:
@@ -476,39 +503,123 @@ def _reason_kind(message: str) -> str:
     return "other"
 
 
+def _prepare_output_dir(cfg: PreprocessConfig) -> None:
+    """Create the directory of ``--output-prefix``; one clear error when that cannot be done."""
+    flag = f"--output-prefix {cfg.output_prefix}"
+    out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
+    probe = out_dir
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if os.path.lexists(probe) and not os.path.isdir(probe):
+        raise PreprocessError(f"{flag}: {probe} is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise PreprocessError(f"{flag}: cannot create the output directory {out_dir} ({e.strerror})") from None
+
+
+def _lock_outputs(cfg: PreprocessConfig, prefixes: list[str]) -> list[Lock]:
+    """``PREFIX.lock`` for every output prefix, so no two runs write the same files."""
+    flag = f"--output-prefix {cfg.output_prefix}"
+    locks: list[Lock] = []
+    try:
+        for prefix in prefixes:
+            locks.append(acquire(prefix + ".lock", flag))
+    except BaseException as e:
+        for lock in locks:
+            lock.release()
+        if isinstance(e, LockHeld):
+            raise PreprocessError(str(e)) from None
+        if isinstance(e, OSError):
+            raise PreprocessError(e.strerror or str(e)) from None
+        raise
+    for prefix, lock in zip(prefixes, locks):
+        _remove_leftovers_of_dead_holder(prefix, lock)
+    return locks
+
+
+def _remove_leftovers_of_dead_holder(prefix: str, lock: Lock) -> None:
+    """Temporary files of a run on this prefix that was killed (kill -9, power loss) before it
+    could clean up: its lock was taken over, and its files carry its pid in their names."""
+    holder = lock.stale_holder or {}
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return
+    base = glob.escape(prefix)
+    removed = 0
+    for pattern in (f"{base}.bin.tmp-{pid}-*", f"{base}.idx.tmp-{pid}-*", f"{base}.partition*.tmp-{pid}-*"):
+        for path in glob.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                removed += 1
+    if removed:
+        print(f"removed {removed} temporary file(s) of {prefix} left by pid {pid}, which ended without "
+              "cleaning up", file=sys.stderr)
+
+
+def _remove_files(prefixes: list[str]) -> None:
+    for p in prefixes:
+        for ext in (".bin", ".idx"):
+            try:
+                os.remove(p + ext)
+            except FileNotFoundError:
+                pass
+
+
 def preprocess(cfg: PreprocessConfig, stats: PreprocessStats | None = None) -> list[str]:
-    """Run the whole conversion; returns the output prefixes (one per json key)."""
+    """Run the whole conversion; returns the output prefixes (one per json key).
+
+    Every output prefix is locked (``PREFIX.lock``) for the whole run. The outputs are written
+    under temporary names and renamed only once all of them are complete; on any failure or
+    interruption this run removes exactly the files it created (its temporary files, its
+    partitions) and puts back whatever it had already replaced, never anything else.
+    """
     _check_config(cfg)
     files = expand_inputs(cfg.input)
     stats = stats if stats is not None else PreprocessStats()
+    _prepare_output_dir(cfg)
+    prefixes = cfg.output_prefixes()
+    locks = _lock_outputs(cfg, prefixes)
+    try:
+        return _preprocess_locked(cfg, files, prefixes, stats)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _preprocess_locked(cfg: PreprocessConfig, files: list[str], prefixes: list[str],
+                       stats: PreprocessStats) -> list[str]:
     encoder = _Encoder(cfg, files)
     if cfg.append_eod and encoder.eod is None:
         raise PreprocessError(
             f"--append-eod: the {cfg.tokenizer.tokenizer_type} tokenizer has no end-of-document token"
         )
-    out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    prefixes = cfg.output_prefixes()
     n_parts = 1 if cfg.keep_sequential_samples else cfg.partitions
+    run_tag = f"tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     part_prefixes = {
-        key: [f"{prefix}.partition{k}.tmp{os.getpid()}" for k in range(n_parts)]
+        key: [f"{prefix}.partition{k}.{run_tag}" for k in range(n_parts)]
         for key, prefix in zip(cfg.json_keys, prefixes)
     }
-    writers: dict[str, list[IndexedDatasetWriter]] = {}
-    finals: list[IndexedDatasetWriter] = []
+    made_parts: list[str] = []  # partition datasets this run finalized (temporary, removed at the end)
+    writers: list[IndexedDatasetWriter] = []  # every writer of this run, aborted on failure
     total = None
     if not any(f.endswith(".gz") for f in files):
         total = sum(os.path.getsize(f) for f in files)
     progress = _Progress(cfg, total)
     start = time.time()
+    chunks = None
     try:
+        key_writers: dict[str, list[IndexedDatasetWriter]] = {}
         for key, prefix in zip(cfg.json_keys, prefixes):
-            if n_parts == 1:
-                writers[key] = [IndexedDatasetWriter(prefix, encoder.dtype)]
-            else:
-                writers[key] = [IndexedDatasetWriter(p, encoder.dtype) for p in part_prefixes[key]]
+            names = [prefix] if n_parts == 1 else part_prefixes[key]
+            key_writers[key] = []
+            for name in names:
+                w = IndexedDatasetWriter(name, encoder.dtype)
+                writers.append(w)
+                key_writers[key].append(w)
         reported = 0
-        for result in _encoded_chunks(cfg, files, encoder):
+        chunks = _encoded_chunks(cfg, files, encoder)
+        for result in chunks:
             if result.errors:
                 if not cfg.skip_bad_lines:
                     raise PreprocessError(
@@ -524,9 +635,9 @@ def preprocess(cfg: PreprocessConfig, stats: PreprocessStats | None = None) -> l
             for key in cfg.json_keys:
                 kr = result.keys[key]
                 if n_parts == 1:
-                    writers[key][0].add_documents(kr.ids, kr.sequence_lengths, kr.sequences_per_doc)
+                    key_writers[key][0].add_documents(kr.ids, kr.sequence_lengths, kr.sequences_per_doc)
                 else:
-                    _add_round_robin(writers[key], kr, result, n_parts, stats.lines)
+                    _add_round_robin(key_writers[key], kr, result, n_parts, stats.lines)
             tokens = sum(int(result.keys[k].ids.size) for k in cfg.json_keys)
             stats.documents += n_docs
             stats.tokens += tokens
@@ -536,45 +647,49 @@ def preprocess(cfg: PreprocessConfig, stats: PreprocessStats | None = None) -> l
             stats.empty_documents += result.n_empty_docs
             stats.empty_sentences += result.n_empty_sentences
             progress.update(n_docs, tokens, result.nbytes)
+        chunks.close()
         if n_parts == 1:
-            for key in cfg.json_keys:
-                writers[key][0].finalize()
+            finals = writers
         else:
-            for key in cfg.json_keys:
-                for w in writers[key]:
-                    w.finalize()
+            for w in writers:
+                made_parts.append(w.prefix)
+                w.finalize()
+            finals = []
             for key, prefix in zip(cfg.json_keys, prefixes):
                 final = IndexedDatasetWriter(prefix, encoder.dtype)
+                writers.append(final)
                 finals.append(final)
                 for p in part_prefixes[key]:
                     final.add_index(p)
-                final.finalize()
-    except BaseException:
-        for ws in writers.values():
-            for w in ws:
-                w.abort()
         for w in finals:
-            w.abort()
-        # With several keys, one output may already be final when another fails: remove it,
-        # so that a run leaves either all of its outputs or none.
-        if len(prefixes) > 1 or n_parts > 1:
-            for prefix in prefixes:
-                if os.path.exists(prefix + ".idx") and os.path.getmtime(prefix + ".idx") >= start:
-                    for ext in (".bin", ".idx"):
-                        try:
-                            os.remove(prefix + ext)
-                        except FileNotFoundError:
-                            pass
+            w.prepare()
+        # Every output is complete under its temporary names: rename them one after the
+        # other. Until the last rename, a failure (or an interruption) puts back the files
+        # that the renames replaced, so the run leaves all of its outputs or none of them.
+        for w in finals:
+            w.publish()
+        stats.outputs_written = True
+        for w in finals:
+            w.commit()
+    except BaseException as e:
+        if chunks is not None:
+            chunks.close()  # stops the worker pool before anything is removed
+        for w in reversed(writers):
+            if stats.outputs_written and w in finals:
+                if w.is_published:
+                    w.commit()  # past the last rename: the new outputs stay
+            else:
+                w.abort()  # its own temporary files; puts back what it replaced, if it had published
+        if isinstance(e, OSError):
+            name = getattr(e, "filename2", None) or e.filename
+            where = f" {name}" if name else ""
+            raise PreprocessError(
+                f"--output-prefix {cfg.output_prefix}: cannot write{where} ({e.strerror or e})"
+            ) from None
         raise
     finally:
         progress.close()
-        for key in part_prefixes:
-            for p in part_prefixes[key]:
-                for ext in (".bin", ".idx"):
-                    try:
-                        os.remove(p + ext)
-                    except FileNotFoundError:
-                        pass
+        _remove_files(made_parts)
     stats.seconds = time.time() - start
     return prefixes
 
@@ -683,17 +798,59 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     )
 
 
+class _Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the main process (``signum`` says which)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """In the main process, SIGTERM and SIGINT raise `_Interrupted` (once: a second signal
+    during the clean-up that follows is ignored); forked children get the default actions."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != main_pid:  # a child forked before it reset its handlers
+            if signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Interrupted(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
 def main(argv: Sequence[str] | None = None) -> list[str]:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     stats = PreprocessStats()
     try:
-        prefixes = preprocess(cfg, stats)
+        with _signals_interrupt():
+            prefixes = preprocess(cfg, stats)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    except KeyboardInterrupt:
-        print("interrupted: no output files were written", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:
+        code = 128 + e.signum if isinstance(e, _Interrupted) else 130
+        if stats.outputs_written:
+            print("interrupted: the output files had already been written completely", file=sys.stderr)
+        else:
+            print("interrupted: no output files were written", file=sys.stderr)
+        raise SystemExit(code) from None
     secs = max(stats.seconds, 1e-9)
     print(
         f"Processed {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1024 / 1024:.2f} MB "

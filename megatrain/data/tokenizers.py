@@ -20,6 +20,9 @@ Types and what they need:
 The GPT-2 BPE runs on ``tiktoken`` when the vocabulary's ids are the merge ranks tiktoken
 would use (checked at load; true for the real GPT-2 files and for files written by
 ``megatrain train-tokenizer``), else on Hugging Face ``tokenizers``. Both give GPT-2's ids.
+On the tiktoken paths (GPT-2 BPE and ``TikTokenizer``) pre-tokenized pieces longer than a few
+thousand characters (a long line without spaces) are encoded in windows joined at a token both
+windows agree on: the same ids in bounded time and memory (see ``megatrain.data.long_pieces``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from megatrain.data.long_pieces import LongPieceEncoder
 from megatrain.json_input import parse_json
 
 __all__ = [
@@ -384,6 +388,7 @@ class GPT2BPETokenizer(MegatrainTokenizer):
                 mergeable_ranks=mergeable,
                 special_tokens=special,
             )
+            self._long = LongPieceEncoder(self._tiktoken, GPT2_PATTERN, mergeable)
         else:
             self._hf = _hf_byte_level_bpe(vocab, merges)
 
@@ -415,18 +420,20 @@ class GPT2BPETokenizer(MegatrainTokenizer):
 
     def tokenize(self, text: str) -> list[int]:
         if self._tiktoken is not None:
-            return self._tiktoken.encode_ordinary(text)
+            return self._long.encode(text)
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def tokenize_to_numpy(self, text: str, dtype=np.int32) -> np.ndarray:
         if self._tiktoken is not None:
-            arr = self._tiktoken.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-            return arr.astype(dtype, copy=False)
+            return self._long.encode_to_numpy(text).astype(dtype, copy=False)
         return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=dtype)
 
     def batch_tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         if self._tiktoken is not None:
-            return self._tiktoken.encode_ordinary_batch(list(texts))
+            texts = list(texts)
+            if any(self._long.has_long_piece(t) for t in texts):
+                return [self._long.encode(t) for t in texts]
+            return self._tiktoken.encode_ordinary_batch(texts)
         return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -790,6 +797,7 @@ class TikTokenizer(MegatrainTokenizer):
         )
         self._special_ids = special_ids
         self._ranks = shifted
+        self._long = LongPieceEncoder(self._model, pat, shifted)
         self._unk, self._bos, self._eos = special_ids["<unk>"], special_ids["<s>"], special_ids["</s>"]
 
     @property
@@ -821,14 +829,16 @@ class TikTokenizer(MegatrainTokenizer):
         return {i: t for t, i in self.vocab.items()}
 
     def tokenize(self, text: str) -> list[int]:
-        return self._model.encode_ordinary(text)
+        return self._long.encode(text)
 
     def tokenize_to_numpy(self, text: str, dtype=np.int32) -> np.ndarray:
-        arr = self._model.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-        return arr.astype(dtype, copy=False)
+        return self._long.encode_to_numpy(text).astype(dtype, copy=False)
 
     def batch_tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._model.encode_ordinary_batch(list(texts))
+        texts = list(texts)
+        if any(self._long.has_long_piece(t) for t in texts):
+            return [self._long.encode(t) for t in texts]
+        return self._model.encode_ordinary_batch(texts)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._model.decode([int(i) for i in ids], errors="replace")
