@@ -46,6 +46,7 @@ import numpy as np
 
 from megatrain.data.indexed_dataset import IndexedDatasetWriter, best_dtype
 from megatrain.data.tokenizers import MegatrainTokenizer, TokenizerConfig, add_tokenizer_args, build_tokenizer
+from megatrain.json_input import parse_json
 from megatrain.locking import Lock, LockHeld, acquire
 
 __all__ = [
@@ -228,6 +229,12 @@ def parse_line(raw: bytes, fmt: str, json_keys: Sequence[str], where: str) -> di
         data = json.loads(line)
     except json.JSONDecodeError as e:
         return f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+    except (RecursionError, ValueError):  # nested too deep, an integer of thousands of digits
+        try:
+            parse_json(line)
+        except ValueError as e:
+            return f"{where}: invalid JSON ({e})"
+        return f"{where}: invalid JSON"
     if not isinstance(data, dict):
         return f"{where}: expected a JSON object, got {type(data).__name__}"
     out = {}
@@ -623,7 +630,7 @@ def _preprocess_locked(cfg: PreprocessConfig, files: list[str], prefixes: list[s
             if result.errors:
                 if not cfg.skip_bad_lines:
                     raise PreprocessError(
-                        f"{result.errors[0][1]}\n(use --skip-bad-lines to skip and count such lines)"
+                        f"{result.errors[0][1]} (use --skip-bad-lines to skip and count such lines)"
                     )
                 for _, msg in result.errors:
                     stats.bad_reasons[_reason_kind(msg)] += 1

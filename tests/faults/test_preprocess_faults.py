@@ -322,3 +322,16 @@ def test_a_2mb_line_without_spaces_tokenizes_in_bounded_memory_and_time(tmp_path
     # windowed one a few windows' worth, beside the ids themselves (16 MB as int64).
     assert m["rss_growth_mb"] < 28, m
     assert m["line_s"] < 3 * m["words_s"] + 1.0, m  # as fast per byte as ordinary text, give or take
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_json_nested_too_deep_or_a_huge_number_is_one_line_naming_the_line(tmp_path, workers):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"text": "1 2"}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"
+                   + '{"text": ' + "1" * 5000 + "}\n")
+    proc = run(inp, tmp_path / "out", "--workers", workers)
+    assert_one_line_error(proc, f"{inp}:2: invalid JSON", "nested too deeply", "--skip-bad-lines")
+    proc = run(inp, tmp_path / "out", "--workers", workers, "--skip-bad-lines")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{inp}:3: invalid JSON (a number has more than 4300 digits)" in proc.stderr
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 1
