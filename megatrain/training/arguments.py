@@ -266,13 +266,15 @@ def _add_lr_args(p: argparse.ArgumentParser) -> None:
                    help="peak LR of the input embedding and output layer (their own schedule)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum LR of the input embedding and output layer (default --min-lr)")
-    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+    # Megatron-LM's two spellings of each, and the names before its scheduler was renamed.
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", "--override-lr-scheduler",
+                   action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on --load, train with the flags' LR and weight-decay schedule where it differs from the "
                         "checkpoint's (the step count is still the checkpoint's); without this flag or "
                         "--use-checkpoint-opt_param-scheduler a difference is refused")
     g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
-                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   "--use-checkpoint-lr-scheduler", action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on --load, train with the checkpoint's LR and weight-decay schedule where it differs "
                         "from the flags'")
 

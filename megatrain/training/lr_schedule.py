@@ -381,9 +381,15 @@ class LRScheduler:
             raise ValueError("give only one of --override-opt_param-scheduler and "
                              "--use-checkpoint-opt_param-scheduler")
         c = self.cfg
+        # megatrain's extra values count only where they act (Megatron's nine always count).
+        inert = set()
+        if "WSD" not in (c.lr_decay_style, state_dict.get("lr_decay_style")):
+            inert |= {"lr_wsd_decay_steps", "lr_wsd_decay_style"}
+        if c.decoupled_lr is None and state_dict.get("decoupled_lr") is None:
+            inert.add("decoupled_min_lr")
         differences = []
         for key, name, what, default_flags in _SCHEDULE_VALUES:
-            if key not in state_dict or _same(state_dict[key], getattr(c, name)):
+            if key not in state_dict or name in inert or _same(state_dict[key], getattr(c, name)):
                 continue
             saved, ours = state_dict[key], getattr(c, name)
             differences.append(f"{what} ({c.flags.get(name, default_flags)}): checkpoint "
@@ -434,7 +440,7 @@ class LRScheduler:
         """A value for a message; sample counts also in iterations when training by iterations."""
         n = self.cfg.iteration_samples
         if name.endswith("_steps") and isinstance(value, (int, float)):
-            text = f"{value:g} samples"
+            text = f"{int(value) if float(value).is_integer() else value} samples"
             if n and float(value) % n == 0:
                 text += f" ({int(value) // n} iterations)"
             return text

@@ -273,3 +273,18 @@ def test_config_from_sample_args():
 def test_warmup_must_be_shorter_than_decay():
     with pytest.raises(ValueError, match="warmup"):
         LRScheduleConfig(lr=LR, lr_decay_steps=100, lr_warmup_steps=100)
+
+
+def test_values_that_do_not_act_are_not_compared():
+    """The WSD anneal without a WSD style and --decoupled-min-lr without --decoupled-lr change
+    nothing; Megatron's own values (here the weight-decay length, inert under a constant style)
+    are compared as Megatron does."""
+    saved = LRScheduler(None, LRScheduleConfig(lr=LR, lr_decay_steps=16_000_000, lr_wsd_decay_style="linear",
+                                               decoupled_min_lr=1e-5)).state_dict()
+    s = LRScheduler(None, LRScheduleConfig(lr=LR, lr_decay_steps=16_000_000, wd_incr_steps=8_000_000,
+                                           iteration_samples=1000))
+    with pytest.raises(ScheduleMismatch) as e:
+        s.load_state_dict(saved)
+    assert str(e.value).splitlines()[1:-1] == [
+        "  weight-decay increment length (--train-iters/--train-samples): checkpoint 16000000 samples "
+        "(16000 iterations), flags 8000000 samples (8000 iterations)"]
