@@ -682,8 +682,8 @@ def config_differences(saved: dict[str, Any], current: Any) -> list[str]:
         if theirs is None or theirs == ours:
             continue
         if isinstance(ours, bool):
-            with_it = [(v != (name in _INVERTED_FLAGS)) for v in (theirs, ours)]
-            line = f"{flag}: checkpoint {'with' if with_it[0] else 'without'}, flags {'with' if with_it[1] else 'without'}"
+            given = ["with" if v != (name in _INVERTED_FLAGS) else "without" for v in (theirs, ours)]
+            line = f"{flag}: checkpoint {given[0]}, flags {given[1]}"
         else:
             line = f"{flag}: checkpoint {theirs}, flags {ours}"
         if name == "apply_layernorm_1p":
