@@ -266,12 +266,17 @@ def _add_lr_args(p: argparse.ArgumentParser) -> None:
                    help="peak LR of the input embedding and output layer (their own schedule)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum LR of the input embedding and output layer (default --min-lr)")
-    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+    # Megatron-LM's two spellings of each, and the names before its scheduler was renamed.
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", "--override-lr-scheduler",
+                   action="store_true",
                    dest="override_opt_param_scheduler",
-                   help="on --load, take the LR schedule from the flags instead of the checkpoint")
+                   help="on --load, train with the flags' LR and weight-decay schedule where it differs from the "
+                        "checkpoint's (the step count is still the checkpoint's); without this flag or "
+                        "--use-checkpoint-opt_param-scheduler a difference is refused")
     g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
-                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
-                   help="on --load, take the LR schedule from the checkpoint (the default here)")
+                   "--use-checkpoint-lr-scheduler", action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on --load, train with the checkpoint's LR and weight-decay schedule where it differs "
+                        "from the flags'")
 
 
 def _at_least_one(text: str) -> int:
@@ -295,8 +300,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error when no checkpoint is found (default: start fresh)")
     g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model's shape (layers, sizes, heads, positions, norms, ...) from the --load "
-                        "checkpoint instead of the flags")
+                   help="take the model configuration (every value a resume compares: layers, sizes, heads, "
+                        "positions, norms, ...) from the --load checkpoint instead of the flags")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background; the loop waits only for a copy to host memory")
     g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",
@@ -500,16 +505,15 @@ def _fail(message: str) -> None:
     raise SystemExit(f"error: {message}")
 
 
-# GPTConfig fields that --use-checkpoint-args takes from the checkpoint (same names as the flags' dests).
-_CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-                          "ffn_hidden_size", "kv_channels", "num_query_groups", "position_embedding_type",
-                          "rotary_base", "rotary_percent", "normalization", "norm_epsilon", "swiglu",
-                          "add_bias_linear", "untie_embeddings_and_output_weights", "apply_layernorm_1p")
-
-
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
-    from megatrain.training.checkpointing import checkpoint_gelu_approximation, find_checkpoint, read_meta
+    from megatrain.training.checkpointing import (CONFIG_CHECKS, checkpoint_gelu_approximation, find_checkpoint,
+                                                  read_meta)
+
+    # Every model-config field a resume compares (the flags' dests have the same names); the padded
+    # vocabulary follows the tokenizer and resume_vocab_size, the GELU is taken below.
+    model_args = [name for name, (how, _) in CONFIG_CHECKS.items()
+                  if how in ("compare", "rope", "learned") and name != "vocab_size"]
 
     if not args.load:
         _fail("--use-checkpoint-args needs --load")
@@ -519,7 +523,7 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     meta = read_meta(ckpt)
     config = meta.get("model_config", {})
     taken = []
-    for name in _CHECKPOINT_MODEL_ARGS:
+    for name in model_args:
         if name in config and getattr(args, name, None) != config[name]:
             taken.append(f"--{name.replace('_', '-')} {config[name]}")
             setattr(args, name, config[name])
@@ -692,6 +696,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail("give exactly one of --train-iters and --train-samples")
     if args.lr is None:
         _fail("--lr is required")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("give only one of --override-opt_param-scheduler (the flags' schedule wins) and "
+              "--use-checkpoint-opt_param-scheduler (the checkpoint's wins)")
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters")
 

@@ -42,7 +42,7 @@ import shutil
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
 
 import numpy as np
@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from megatrain.atomic_io import atomic_write_bytes, atomic_write_text
 from megatrain.json_input import parse_json
+from megatrain.models.config import GPTConfig
 
 # Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"), so
 # every rank's entries are distinct (pipeline stages hold different parameters) and a checkpoint
@@ -68,10 +69,39 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # One process without torch.distributed is an intended way to save (also from the async writer thread).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-# Fields of the model config that decide which tensors exist and their shapes.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                "ffn_hidden_size", "kv_channels", "num_query_groups", "position_embedding_type", "normalization",
-                "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+# How each GPTConfig field is compared between a checkpoint and the flags (docs/checkpoints.md has
+# the same table). "compare": a difference changes the model's numbers (or its tensors) and is
+# refused unless --use-checkpoint-args takes the checkpoint's value (--finetune: a warning);
+# "rope": compared only when both use rotary positions; "learned": only with learned positions
+# (with RoPE there is no position table and the value changes nothing); "warn": a warning (the
+# GELU of --no-bias-gelu-fusion, a fused-kernel choice in Megatron-LM); "no": may legitimately
+# differ. The value is the flag named in the message.
+CONFIG_CHECKS: dict[str, tuple[str, str]] = {
+    "num_layers": ("compare", "--num-layers"),
+    "hidden_size": ("compare", "--hidden-size"),
+    "num_attention_heads": ("compare", "--num-attention-heads"),
+    "vocab_size": ("compare", "--vocab-size"),  # padded; resume_vocab_size keeps the checkpoint's when it fits
+    "max_position_embeddings": ("learned", "--max-position-embeddings"),
+    "ffn_hidden_size": ("compare", "--ffn-hidden-size"),
+    "kv_channels": ("compare", "--kv-channels"),
+    "num_query_groups": ("compare", "--num-query-groups"),
+    "position_embedding_type": ("compare", "--position-embedding-type"),
+    "rotary_base": ("rope", "--rotary-base"),
+    "rotary_percent": ("rope", "--rotary-percent"),
+    "normalization": ("compare", "--normalization"),
+    "norm_epsilon": ("compare", "--norm-epsilon"),
+    "apply_layernorm_1p": ("compare", "--apply-layernorm-1p"),
+    "swiglu": ("compare", "--swiglu"),
+    "gelu_approximation": ("warn", "--no-bias-gelu-fusion"),
+    "add_bias_linear": ("compare", "--disable-bias-linear"),
+    "untie_embeddings_and_output_weights": ("compare", "--untie-embeddings-and-output-weights"),
+    "fp32_residual_connection": ("no", "--fp32-residual-connection"),  # precision of the residual stream
+    "hidden_dropout": ("no", "--hidden-dropout"),
+    "attention_dropout": ("no", "--attention-dropout"),
+    "init_method_std": ("no", "--init-method-std"),  # initialisation only; the loaded weights replace it
+}
+# Boolean fields whose flag means False.
+_INVERTED_FLAGS = {"add_bias_linear"}
 
 
 class CheckpointError(ValueError):
@@ -642,15 +672,35 @@ def checkpoint_gelu_approximation(model_config: dict[str, Any]) -> str:
 
 
 def config_differences(saved: dict[str, Any], current: Any) -> list[str]:
+    """One line per model-config value that the checkpoint's config (``saved``, from its meta.json)
+    and ``current`` (a GPTConfig or its dict) disagree on and that :data:`CONFIG_CHECKS` compares,
+    naming the flag and both values. A field the checkpoint does not record counts as the
+    GPTConfig default (the behaviour before the field existed)."""
+    if not saved:  # a checkpoint that records no model config
+        return []
     cur = asdict(current) if not isinstance(current, dict) else current
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    positions = {saved.get("position_embedding_type", defaults["position_embedding_type"]),
+                 cur.get("position_embedding_type")}
+    compared = {"compare": True, "rope": positions == {"rope"}, "learned": positions == {"learned_absolute"}}
     out = []
-    for name in SHAPE_FIELDS:
-        if name in saved and name in cur and saved[name] != cur[name]:
-            hint = ""
-            if name == "vocab_size":
-                hint = (" (the padded vocabulary; it depends on --make-vocab-size-divisible-by x "
-                        "--tensor-model-parallel-size: choose them so the padding matches)")
-            out.append(f"--{name.replace('_', '-')}: checkpoint {saved[name]}, flags {cur[name]}{hint}")
+    for name, (how, flag) in CONFIG_CHECKS.items():
+        if not compared.get(how, False) or name not in cur:
+            continue
+        ours, theirs = cur[name], saved.get(name, defaults.get(name))
+        if theirs is None or theirs == ours:
+            continue
+        if isinstance(ours, bool):
+            given = ["with" if v != (name in _INVERTED_FLAGS) else "without" for v in (theirs, ours)]
+            line = f"{flag}: checkpoint {given[0]}, flags {given[1]}"
+        else:
+            line = f"{flag}: checkpoint {theirs}, flags {ours}"
+        if name == "apply_layernorm_1p":
+            line += " (the norm weights would mean another scale)"
+        if name == "vocab_size":
+            line += (" (the padded vocabulary; it depends on --make-vocab-size-divisible-by x "
+                     "--tensor-model-parallel-size: choose them so the padding matches)")
+        out.append(line)
     return out
 
 
@@ -667,9 +717,11 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
                     finetune: bool = False) -> dict[str, Any]:
     """Load model (and optimizer, RNG) state in place; returns the checkpoint's meta data.
 
-    Raises CheckpointError listing the differences when the checkpoint's tensors do not fit the model.
+    Raises CheckpointError listing the differences when the checkpoint's tensors do not fit the model
+    or its model config differs from ``model_config`` in a value :data:`CONFIG_CHECKS` compares.
     With ``finetune`` tensors that exist in both with the same shape are loaded, the model's others
-    keep their values (a warning names them).
+    keep their values, and config differences are a warning. Without ``model_config`` (exporters,
+    inference: the model is built from the checkpoint's own config) no config is compared.
     """
     meta = read_meta(ckpt)
     metadata = read_dcp_metadata(ckpt)
@@ -679,11 +731,6 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         diff["unexpected"] = []  # the other pipeline stages' tensors
     saved_cfg = meta.get("model_config", {})
     cfg_diff = config_differences(saved_cfg, model_config) if model_config is not None else []
-    saved_1p = bool(saved_cfg.get("apply_layernorm_1p", False))
-    if model_config is not None and saved_1p != bool(getattr(model_config, "apply_layernorm_1p", False)):
-        raise CheckpointError(f"checkpoint {ckpt} was saved {'with' if saved_1p else 'without'} --apply-layernorm-1p "
-                              f"and the flags say {'without' if saved_1p else 'with'} it: its norm weights would "
-                              f"mean a different scale; {'add' if saved_1p else 'drop'} --apply-layernorm-1p")
     if model_config is not None and saved_cfg and not getattr(model_config, "swiglu", True):
         saved_gelu = checkpoint_gelu_approximation(saved_cfg)
         if saved_gelu != model_config.gelu_approximation:
@@ -691,7 +738,7 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
                   f"{_GELU_NAMES[model_config.gelu_approximation]} (the default with linear biases is the tanh "
                   f"approximation, as Megatron-LM's fused bias-GELU; --no-bias-gelu-fusion gives exact GELU; "
                   f"--use-checkpoint-args takes the checkpoint's)")
-    fatal = diff["shape"] or (not finetune and (diff["missing"] or diff["unexpected"]))
+    fatal = diff["shape"] or (not finetune and (diff["missing"] or diff["unexpected"] or cfg_diff))
     if fatal:
         lines = cfg_diff + [f"shape differs: {s}" for s in diff["shape"]]
         if not finetune:
@@ -700,8 +747,11 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(f"checkpoint {ckpt} does not match the model built from the flags:\n  "
                               + "\n  ".join(lines[:40]) + (f"\n  ... and {len(lines) - 40} more" if len(lines) > 40
                                                           else "")
-                              + ("" if finetune else "\n(--finetune loads only the tensors both have, when "
-                                                     "their shapes agree)"))
+                              + "\n(--use-checkpoint-args builds the checkpoint's model"
+                              + ("" if finetune else "; --finetune loads only the tensors both have, when "
+                                                     "their shapes agree") + ")")
+    if finetune and cfg_diff:  # as Megatron-LM, --finetune does not hold the model to the checkpoint's
+        _warn(f"--finetune: the model differs from checkpoint {ckpt}'s: " + "; ".join(cfg_diff))
     if finetune and (diff["missing"] or diff["unexpected"]):
         _warn(f"--finetune: {len(diff['missing'])} tensors keep their initial values (not in the checkpoint: "
               f"{', '.join(diff['missing'][:8])}); {len(diff['unexpected'])} checkpoint tensors are not used")

@@ -27,17 +27,30 @@ parameter group's ``wd_mult`` (0 for biases and norm weights).
 Per parameter group, ``max_lr`` / ``min_lr`` / ``start_wd`` / ``end_wd`` keys
 override the schedule's values (Megatron's parameter-group overrides) and an
 ``lr_mult`` key (Megatron's older per-group multiplier) scales the result.
+
+Resuming (:meth:`LRScheduler.load_state_dict`) follows Megatron-LM's
+``OptimizerParamScheduler``: the step count always comes from the checkpoint; every
+schedule value the checkpoint holds must equal the flags' unless
+``--use-checkpoint-opt_param-scheduler`` (the checkpoint's values win) or
+``--override-opt_param-scheduler`` (the flags' values win) says which side to take.
+Megatron's state holds the peak and minimum lr, warmup and decay lengths, decay style
+and the weight-decay schedule; megatrain's also holds ``--lr-warmup-init``, the WSD
+anneal and ``--decoupled-lr``/``--decoupled-min-lr``, compared the same way.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+class ScheduleMismatch(ValueError):
+    """The checkpoint's learning-rate schedule cannot be taken with the flags (the message says why)."""
 
 
 @dataclass
@@ -64,6 +77,14 @@ class LRScheduleConfig:
     end_weight_decay: float | None = None
     weight_decay_incr_style: str = "constant"
     wd_incr_steps: int | None = None
+    # --decoupled-lr / --decoupled-min-lr: the bounds of the groups marked ``is_decoupled_lr``
+    # (the input embedding and output layer); None: no such groups / --min-lr.
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    # For messages only: the flags each value came from (field name -> text) and the samples
+    # of one iteration (--global-batch-size under --train-iters) to show lengths in iterations.
+    flags: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    iteration_samples: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.start_weight_decay is None:
@@ -144,6 +165,7 @@ def lr_schedule_config_from_args(args: Any) -> LRScheduleConfig:
     train_samples = _arg(args, "train_samples")
     gbs = _arg(args, "global_batch_size")
     warmup_fraction = _arg(args, "lr_warmup_fraction")
+    flags: dict[str, str] = {}
     if train_iters:
         if train_samples:
             raise ValueError("give only one of --train-iters and --train-samples")
@@ -155,32 +177,45 @@ def lr_schedule_config_from_args(args: Any) -> LRScheduleConfig:
         decay_iters = _arg(args, "lr_decay_iters")
         if decay_iters is None:
             decay_iters = train_iters
+            flags["lr_decay_steps"] = "--train-iters x --global-batch-size; --lr-decay-iters defaults to --train-iters"
+        else:
+            flags["lr_decay_steps"] = "--lr-decay-iters x --global-batch-size"
         lr_decay_steps = decay_iters * gbs
         wd_incr_steps = train_iters * gbs
+        flags["wd_incr_steps"] = "--train-iters x --global-batch-size: the increment spans the run"
         wsd_iters = _arg(args, "lr_wsd_decay_iters")
         wsd_steps = wsd_iters * gbs if wsd_iters is not None else None
+        flags["lr_wsd_decay_steps"] = "--lr-wsd-decay-iters x --global-batch-size"
         warmup_iters = _arg(args, "lr_warmup_iters", 0) or 0
         if warmup_fraction is not None:
             if warmup_iters:
                 raise ValueError("give only one of --lr-warmup-fraction and --lr-warmup-iters")
             lr_warmup_steps: float = warmup_fraction * lr_decay_steps
+            flags["lr_warmup_steps"] = "--lr-warmup-fraction x the decay length"
         else:
             lr_warmup_steps = warmup_iters * gbs
+            flags["lr_warmup_steps"] = "--lr-warmup-iters x --global-batch-size"
     elif train_samples:
         if _arg(args, "lr_decay_iters") is not None or _arg(args, "lr_warmup_iters", 0):
             raise ValueError("--lr-decay-iters/--lr-warmup-iters need --train-iters; "
                              "with --train-samples use --lr-decay-samples/--lr-warmup-samples")
         decay_samples = _arg(args, "lr_decay_samples")
         lr_decay_steps = decay_samples if decay_samples is not None else train_samples
+        flags["lr_decay_steps"] = ("--lr-decay-samples" if decay_samples is not None else
+                                   "--train-samples; --lr-decay-samples defaults to --train-samples")
         wd_incr_steps = train_samples
+        flags["wd_incr_steps"] = "--train-samples: the increment spans the run"
         wsd_steps = _arg(args, "lr_wsd_decay_samples")
+        flags["lr_wsd_decay_steps"] = "--lr-wsd-decay-samples"
         warmup_samples = _arg(args, "lr_warmup_samples", 0) or 0
         if warmup_fraction is not None:
             if warmup_samples:
                 raise ValueError("give only one of --lr-warmup-fraction and --lr-warmup-samples")
             lr_warmup_steps = warmup_fraction * lr_decay_steps
+            flags["lr_warmup_steps"] = "--lr-warmup-fraction x the decay length"
         else:
             lr_warmup_steps = warmup_samples
+            flags["lr_warmup_steps"] = "--lr-warmup-samples"
     else:
         raise ValueError("give one of --train-iters and --train-samples")
 
@@ -213,6 +248,10 @@ def lr_schedule_config_from_args(args: Any) -> LRScheduleConfig:
         end_weight_decay=end_wd,
         weight_decay_incr_style=incr_style,
         wd_incr_steps=wd_incr_steps,
+        decoupled_lr=_arg(args, "decoupled_lr"),
+        decoupled_min_lr=_arg(args, "decoupled_min_lr"),
+        flags=flags,
+        iteration_samples=gbs if train_iters else None,
     )
 
 
@@ -321,45 +360,114 @@ class LRScheduler:
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Plain data, with Megatron's key names."""
-        c = self.cfg
-        return {
-            "max_lr": c.lr,
-            "min_lr": c.min_lr,
-            "lr_warmup_steps": c.lr_warmup_steps,
-            "lr_warmup_init": c.lr_warmup_init,
-            "lr_decay_steps": c.lr_decay_steps,
-            "lr_decay_style": c.lr_decay_style,
-            "lr_wsd_decay_steps": c.lr_wsd_decay_steps,
-            "lr_wsd_decay_style": c.lr_wsd_decay_style,
-            "start_wd": c.start_weight_decay,
-            "end_wd": c.end_weight_decay,
-            "wd_incr_style": c.weight_decay_incr_style,
-            "wd_incr_steps": c.wd_incr_steps,
-            "num_steps": self.num_steps,
-        }
+        """Plain data, with Megatron's key names (and megatrain's for the values Megatron lacks)."""
+        out: dict[str, Any] = {key: getattr(self.cfg, name) for key, name, _, _ in _SCHEDULE_VALUES}
+        out["num_steps"] = self.num_steps
+        return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], *, use_checkpoint_values: bool = True) -> None:
-        """Restore the step count and, by default, the schedule stored in the checkpoint.
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, use_checkpoint: bool = False,
+                        override: bool = False) -> list[str]:
+        """Restore the step count and settle every schedule value with the checkpoint's, as
+        Megatron-LM's ``OptimizerParamScheduler.load_state_dict`` does; returns notes to print.
 
-        ``use_checkpoint_values=True`` is Megatron's default
-        (``--use-checkpoint-opt_param-scheduler``): the checkpoint's schedule wins.
-        ``False`` (``--override-opt_param-scheduler``) keeps this scheduler's configuration
-        and only restores the step count.
+        Neither flag: a value that differs raises :class:`ScheduleMismatch` listing every
+        difference, one line each. ``use_checkpoint`` (``--use-checkpoint-opt_param-scheduler``):
+        the checkpoint's values replace the flags'. ``override`` (``--override-opt_param-scheduler``):
+        the flags' values are kept. In every case the step count is the checkpoint's, so warmup
+        and decay continue where the saved run stopped. Values the checkpoint does not hold keep
+        the flags'. Call :meth:`apply_group_bounds` after the optimizer state is loaded.
         """
-        if use_checkpoint_values:
-            c = self.cfg
-            mapping = {
-                "lr": "max_lr", "min_lr": "min_lr", "lr_warmup_steps": "lr_warmup_steps",
-                "lr_warmup_init": "lr_warmup_init", "lr_decay_steps": "lr_decay_steps",
-                "lr_decay_style": "lr_decay_style", "lr_wsd_decay_steps": "lr_wsd_decay_steps",
-                "lr_wsd_decay_style": "lr_wsd_decay_style", "start_weight_decay": "start_wd",
-                "end_weight_decay": "end_wd", "weight_decay_incr_style": "wd_incr_style",
-                "wd_incr_steps": "wd_incr_steps",
-            }
-            for field_name, key in mapping.items():
-                if key in state_dict:
-                    setattr(c, field_name, state_dict[key])
-            c.validate()
+        if use_checkpoint and override:
+            raise ValueError("give only one of --override-opt_param-scheduler and "
+                             "--use-checkpoint-opt_param-scheduler")
+        c = self.cfg
+        # megatrain's extra values count only where they act (Megatron's nine always count).
+        inert = set()
+        if "WSD" not in (c.lr_decay_style, state_dict.get("lr_decay_style")):
+            inert |= {"lr_wsd_decay_steps", "lr_wsd_decay_style"}
+        if c.decoupled_lr is None and state_dict.get("decoupled_lr") is None:
+            inert.add("decoupled_min_lr")
+        differences = []
+        for key, name, what, default_flags in _SCHEDULE_VALUES:
+            if key not in state_dict or name in inert or _same(state_dict[key], getattr(c, name)):
+                continue
+            saved, ours = state_dict[key], getattr(c, name)
+            differences.append(f"{what} ({c.flags.get(name, default_flags)}): checkpoint "
+                               f"{self._show(name, saved)}, flags {self._show(name, ours)}")
+            if use_checkpoint:
+                setattr(c, name, saved)
+        notes = []
+        if differences and not (use_checkpoint or override):
+            raise ScheduleMismatch(
+                "the learning-rate schedule of the flags differs from the checkpoint's:\n  "
+                + "\n  ".join(differences)
+                + "\n(--override-opt_param-scheduler trains with the flags' values, "
+                  "--use-checkpoint-opt_param-scheduler with the checkpoint's; the step count is restored either way)")
+        if differences:
+            side = "the checkpoint's" if use_checkpoint else "the flags'"
+            flag = "--use-checkpoint-opt_param-scheduler" if use_checkpoint else "--override-opt_param-scheduler"
+            notes.append(f" note: {flag}: training with {side} learning-rate schedule where they differ:\n   "
+                         + "\n   ".join(differences))
+        if use_checkpoint:
+            try:
+                c.validate()
+            except ValueError as e:
+                raise ScheduleMismatch(f"the checkpoint's learning-rate schedule is not valid: {e}") from None
         self.num_steps = 0
         self.step(int(state_dict["num_steps"]))
+        return notes
+
+    def apply_group_bounds(self) -> None:
+        """Write the schedule's peak and minimum lr into the groups' ``max_lr``/``min_lr`` and
+        recompute their lr: the default groups take ``lr``/``min_lr``, the ``is_decoupled_lr``
+        groups ``decoupled_lr``/``decoupled_min_lr`` (default ``min_lr``).
+
+        Loading an optimizer state restores the saved groups' bounds; this makes the settled
+        schedule (:meth:`load_state_dict`) the one that runs. Groups with bounds of their own
+        (neither kind) keep them.
+        """
+        c = self.cfg
+        for group in self.param_groups:
+            if group.get("is_decoupled_lr", False):
+                if c.decoupled_lr is not None:
+                    group["max_lr"] = c.decoupled_lr
+                    group["min_lr"] = c.min_lr if c.decoupled_min_lr is None else c.decoupled_min_lr
+            elif group.get("default_config", True):
+                group["max_lr"], group["min_lr"] = c.lr, c.min_lr
+        self.step(0)
+
+    def _show(self, name: str, value: Any) -> str:
+        """A value for a message; sample counts also in iterations when training by iterations."""
+        n = self.cfg.iteration_samples
+        if name.endswith("_steps") and isinstance(value, (int, float)):
+            text = f"{int(value) if float(value).is_integer() else value} samples"
+            if n and float(value) % n == 0:
+                text += f" ({int(value) // n} iterations)"
+            return text
+        return "none" if value is None else str(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+# (state-dict key, LRScheduleConfig field, what it is, its flags when the config does not say).
+# The first nine are Megatron-LM's OptimizerParamScheduler state; megatrain adds the rest.
+_SCHEDULE_VALUES = (
+    ("max_lr", "lr", "learning rate", "--lr"),
+    ("min_lr", "min_lr", "minimum learning rate", "--min-lr"),
+    ("lr_warmup_steps", "lr_warmup_steps", "warmup", "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"),
+    ("lr_decay_steps", "lr_decay_steps", "decay length", "--lr-decay-iters/--lr-decay-samples"),
+    ("lr_decay_style", "lr_decay_style", "decay style", "--lr-decay-style"),
+    ("start_wd", "start_weight_decay", "start weight decay", "--start-weight-decay/--weight-decay"),
+    ("end_wd", "end_weight_decay", "end weight decay", "--end-weight-decay/--weight-decay"),
+    ("wd_incr_steps", "wd_incr_steps", "weight-decay increment length", "--train-iters/--train-samples"),
+    ("wd_incr_style", "weight_decay_incr_style", "weight-decay increment style", "--weight-decay-incr-style"),
+    ("lr_warmup_init", "lr_warmup_init", "warmup initial learning rate", "--lr-warmup-init"),
+    ("lr_wsd_decay_steps", "lr_wsd_decay_steps", "WSD anneal length", "--lr-wsd-decay-iters/--lr-wsd-decay-samples"),
+    ("lr_wsd_decay_style", "lr_wsd_decay_style", "WSD anneal style", "--lr-wsd-decay-style"),
+    ("decoupled_lr", "decoupled_lr", "decoupled learning rate", "--decoupled-lr"),
+    ("decoupled_min_lr", "decoupled_min_lr", "decoupled minimum learning rate", "--decoupled-min-lr"),
+)

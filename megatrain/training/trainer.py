@@ -176,7 +176,8 @@ class Trainer:
         self.model = self._build_model()  # DDP wrapper or the (sharded) model itself
         self.module = unwrap(self.model)  # the GPTModel, for its methods and state dicts
         self.optimizer = build_optimizer(self.module, OptimizerConfig(
-            optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
             decoupled_lr=getattr(args, "decoupled_lr", None), decoupled_min_lr=getattr(args, "decoupled_min_lr", None)))
         self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(args))
@@ -277,6 +278,18 @@ class Trainer:
         if ckpt is None:
             print_rank0(f"WARNING: no checkpoint found in --load {load}; starting from scratch")
             return
+        # The schedule as Megatron restores it: not under --finetune or --no-load-optim; settled
+        # first (a mismatch is refused before any tensor is read).
+        saved_schedule = None if a.finetune or a.no_load_optim else checkpointing.read_meta(ckpt).get("scheduler")
+        if saved_schedule is not None:
+            try:
+                notes = self.scheduler.load_state_dict(
+                    saved_schedule, use_checkpoint=a.use_checkpoint_opt_param_scheduler,
+                    override=a.override_opt_param_scheduler)
+            except ValueError as e:
+                raise SystemExit(f"error: --load {ckpt}: {e}") from None
+            for note in notes:
+                print_rank0(note)
         try:
             meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
                                                  load_optim=not (a.finetune or a.no_load_optim),
@@ -289,8 +302,15 @@ class Trainer:
         if not a.finetune:
             ts = meta["train_state"]
             self.state = TrainState(**ts)
-            if "scheduler" in meta and not a.override_opt_param_scheduler and not a.no_load_optim:
-                self.scheduler.load_state_dict(meta["scheduler"])
+            if saved_schedule is not None:
+                if a.override_opt_param_scheduler and self.scheduler.num_steps != self.state.consumed_train_samples:
+                    # Megatron: under the override the schedule follows the consumed samples.
+                    print_rank0(f" note: --override-opt_param-scheduler: the schedule's step count "
+                                f"({self.scheduler.num_steps}) is set to the consumed samples "
+                                f"({self.state.consumed_train_samples})")
+                    self.scheduler.num_steps = self.state.consumed_train_samples
+            # A loaded optimizer state brings the saved groups' lr bounds; the settled schedule's run.
+            self.scheduler.apply_group_bounds()
             if self.scaler is not None and meta.get("loss_scaler") and not a.no_load_optim:
                 self.scaler.load_state_dict(meta["loss_scaler"])
         print_rank0(f" loaded checkpoint from {ckpt} at iteration {meta['train_state']['iteration']}"

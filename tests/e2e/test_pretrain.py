@@ -130,13 +130,14 @@ def test_use_checkpoint_args_and_exit_on_missing_checkpoint(tmp_path):
              "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--apply-layernorm-1p"]
     ckpt = tmp_path / "ckpt"
     run_cmd([sys.executable, "pretrain_gpt.py", *shape, *data, "--train-iters", "2", "--save", str(ckpt)])
-    proc = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "3", "--load", str(ckpt),
+    longer = ["--train-iters", "3", "--override-opt_param-scheduler"]  # a longer run: the flags' schedule
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *data, *longer, "--load", str(ckpt),
                     "--use-checkpoint-args", "--exit-on-missing-checkpoint"])
     assert "note: --use-checkpoint-args took the model shape from" in proc.stdout
     assert "--num-layers 3" in proc.stdout and "--apply-layernorm-1p True" in proc.stdout
     assert "loaded checkpoint" in proc.stdout and "] iteration        3/       3 |" in proc.stdout
     wrong = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--num-layers", "2", "--hidden-size", "64",
-                     "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "3", "--load", str(ckpt),
+                     "--num-attention-heads", "4", "--seq-length", "32", *longer, "--load", str(ckpt),
                      "--use-checkpoint-args"])
     assert "--hidden-size 48" in wrong.stdout and "] iteration        3/       3 |" in wrong.stdout
     (tmp_path / "empty").mkdir()
@@ -153,9 +154,10 @@ def test_a_checkpoints_gelu_is_kept_by_use_checkpoint_args_and_warned_about_othe
             "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
     ckpt = tmp_path / "ckpt"
     run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "1", "--no-bias-gelu-fusion", "--save", str(ckpt)])
-    plain = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "2", "--load", str(ckpt)])
+    longer = ["--train-iters", "2", "--override-opt_param-scheduler"]  # a longer run: the flags' schedule
+    plain = run_cmd([sys.executable, "pretrain_gpt.py", *data, *longer, "--load", str(ckpt)])
     assert "trained with exact GELU and the flags give tanh-approximated GELU" in plain.stdout + plain.stderr
-    taken = run_cmd([sys.executable, "pretrain_gpt.py", *data, "--train-iters", "2", "--load", str(ckpt),
+    taken = run_cmd([sys.executable, "pretrain_gpt.py", *data, *longer, "--load", str(ckpt),
                      "--use-checkpoint-args"])
     assert "--no-bias-gelu-fusion" in taken.stdout and "trained with exact GELU" not in taken.stdout + taken.stderr
     assert "] iteration        2/       2 |" in taken.stdout

@@ -177,6 +177,75 @@ def test_shape_mismatch_lists_differences_and_finetune_loads_compatible_subset(t
     assert torch.equal(target.output_layer.weight, before)  # not in the checkpoint: keeps its value
 
 
+def test_config_differences_with_the_same_shapes_are_refused_one_line_each(tmp_path, capsys):
+    """Other heads over the same hidden size (same tensor shapes) or another norm epsilon change
+    the model's numbers: refused, every difference named; --finetune warns; dropout and the
+    initialisation may differ."""
+    model, opt = _trained()
+    path = _save(tmp_path, 1, model, opt)
+    other = GPTConfig(**{**CONFIG.__dict__, "num_attention_heads": 4, "kv_channels": None, "num_query_groups": None,
+                         "norm_epsilon": 1e-6})
+    with pytest.raises(CheckpointError) as e:
+        checkpointing.load_checkpoint(path, GPTModel(other), opt, model_config=other)
+    lines = str(e.value).splitlines()
+    assert lines[1:5] == ["  --num-attention-heads: checkpoint 2, flags 4", "  --kv-channels: checkpoint 8, flags 4",
+                          "  --num-query-groups: checkpoint 2, flags 4", "  --norm-epsilon: checkpoint 1e-05, flags 1e-06"]
+    assert len(lines) == 6 and "--use-checkpoint-args" in lines[5] and "shape differs" not in str(e.value)
+    target = GPTModel(other)
+    checkpointing.load_checkpoint(path, target, None, model_config=other, finetune=True, load_rng=False)
+    assert "--finetune: the model differs" in capsys.readouterr().out
+    assert torch.equal(target.embedding.word_embeddings.weight, model.embedding.word_embeddings.weight)
+    free = GPTConfig(**{**CONFIG.__dict__, "hidden_dropout": 0.3, "attention_dropout": 0.2, "init_method_std": 0.5,
+                        "fp32_residual_connection": True})
+    checkpointing.load_checkpoint(path, GPTModel(free), None, model_config=free, load_rng=False)
+
+
+def test_config_differences_field_by_field():
+    rope = GPTConfig(**{**CONFIG.__dict__, "position_embedding_type": "rope"})
+    saved = dict(rope.__dict__)
+
+    def diff(**changes):
+        return checkpointing.config_differences(saved, GPTConfig(**{**rope.__dict__, **changes}))
+
+    assert diff(rotary_base=500000.0) == ["--rotary-base: checkpoint 10000.0, flags 500000.0"]
+    assert diff(rotary_percent=0.5) == ["--rotary-percent: checkpoint 1.0, flags 0.5"]
+    assert diff(max_position_embeddings=4096) == []  # no position table with RoPE
+    assert diff(add_bias_linear=False) == ["--disable-bias-linear: checkpoint without, flags with"]
+    assert diff(swiglu=True, ffn_hidden_size=64) == ["--swiglu: checkpoint without, flags with"]
+    assert diff(apply_layernorm_1p=True)[0].startswith("--apply-layernorm-1p: checkpoint without, flags with")
+    assert diff(normalization="RMSNorm") == ["--normalization: checkpoint LayerNorm, flags RMSNorm"]
+    assert diff(gelu_approximation="tanh", hidden_dropout=0.5) == []  # a warning elsewhere; regularisation
+    learned = dict(CONFIG.__dict__)
+    assert checkpointing.config_differences(learned, GPTConfig(**{**CONFIG.__dict__, "rotary_base": 5.0})) == []
+    assert checkpointing.config_differences(learned, GPTConfig(**{**CONFIG.__dict__, "max_position_embeddings": 16})) \
+        == ["--max-position-embeddings: checkpoint 8, flags 16"]
+    assert checkpointing.config_differences(learned, rope) == [
+        "--position-embedding-type: checkpoint learned_absolute, flags rope"]
+    # A field the checkpoint predates counts as its default; a checkpoint with no config is not compared.
+    del learned["norm_epsilon"]
+    assert checkpointing.config_differences(learned, GPTConfig(**{**CONFIG.__dict__, "norm_epsilon": 1e-6})) == [
+        "--norm-epsilon: checkpoint 1e-05, flags 1e-06"]
+    assert checkpointing.config_differences({}, rope) == []
+
+
+def test_every_model_config_field_has_a_comparison_decision_and_a_flag():
+    """A new GPTConfig field must be placed in CONFIG_CHECKS; each compared one (but the padded
+    vocabulary) is a flag's dest, so --use-checkpoint-args can take it from the checkpoint."""
+    from dataclasses import fields
+
+    from megatrain.training.arguments import build_parser
+
+    assert set(checkpointing.CONFIG_CHECKS) == {f.name for f in fields(GPTConfig)}
+    assert {how for how, _ in checkpointing.CONFIG_CHECKS.values()} == {"compare", "rope", "learned", "warn", "no"}
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions}
+    options = {o for a in parser._actions for o in a.option_strings}
+    for name, (how, flag) in checkpointing.CONFIG_CHECKS.items():
+        assert flag in options, flag
+        if how in ("compare", "rope", "learned") and name != "vocab_size":
+            assert name in dests, name
+
+
 class _Evil:
     def __init__(self, path: str):
         self.path = path

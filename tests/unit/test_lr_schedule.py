@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megatrain.training.lr_schedule import LRScheduleConfig, LRScheduler, lr_schedule_config_from_args
+from megatrain.training.lr_schedule import (LRScheduleConfig, LRScheduler, ScheduleMismatch,
+                                            lr_schedule_config_from_args)
 
 LR, MIN_LR = 1.0e-3, 1.0e-4
 
@@ -145,29 +146,92 @@ def test_step_writes_param_groups_with_multipliers():
     assert g2["lr"] == pytest.approx(0.5 * 1e-3)
 
 
-def test_state_dict_round_trip():
+def _wsd_schedule() -> LRScheduler:
     cfg = LRScheduleConfig(lr=LR, min_lr=MIN_LR, lr_decay_style="WSD", lr_decay_steps=1000, lr_warmup_steps=37.5,
                            lr_wsd_decay_steps=300, lr_wsd_decay_style="cosine", start_weight_decay=0.0,
                            end_weight_decay=0.1, weight_decay_incr_style="linear", wd_incr_steps=900)
     a = LRScheduler(_optimizer(), cfg)
     for _ in range(37):
         a.step(23)
+    return a
+
+
+def test_state_dict_round_trip():
+    a = _wsd_schedule()
     sd = a.state_dict()
     # Plain data only.
     assert all(isinstance(v, (int, float, str, type(None))) for v in sd.values())
     opt_b = _optimizer()
-    b = LRScheduler(opt_b, LRScheduleConfig(lr=5.0, lr_decay_steps=10))  # different schedule: checkpoint wins
-    b.load_state_dict(sd)
+    b = LRScheduler(opt_b, LRScheduleConfig(lr=5.0, lr_decay_steps=10))  # another schedule: the checkpoint's taken
+    notes = b.load_state_dict(sd, use_checkpoint=True)
+    assert len(notes) == 1 and "--use-checkpoint-opt_param-scheduler" in notes[0] and "checkpoint 0.001, flags 5.0" \
+        in notes[0]
     assert b.num_steps == 37 * 23
     assert b.state_dict() == sd
     for ga, gb in zip(a.optimizer.param_groups, opt_b.param_groups):
         assert ga["lr"] == gb["lr"] and ga["weight_decay"] == gb["weight_decay"]
     for step in (0, 700, 851, 1000):
         assert a.get_lr(step) == b.get_lr(step)
-    # Keeping this run's schedule restores only the step count.
-    c = LRScheduler(None, LRScheduleConfig(lr=5.0, lr_decay_steps=2000))
-    c.load_state_dict(sd, use_checkpoint_values=False)
-    assert c.num_steps == 37 * 23 and c.cfg.lr == 5.0
+    # The same schedule: nothing to settle, no note.
+    same = LRScheduler(_optimizer(), LRScheduleConfig(**{k: getattr(a.cfg, k) for k in (
+        "lr", "min_lr", "lr_decay_style", "lr_decay_steps", "lr_warmup_steps", "lr_wsd_decay_steps",
+        "lr_wsd_decay_style", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style", "wd_incr_steps")}))
+    assert same.load_state_dict(sd) == [] and same.num_steps == 37 * 23
+
+
+def test_a_different_schedule_is_refused_one_line_per_value():
+    """Megatron's default: every value the checkpoint holds must equal the flags'."""
+    sd = _wsd_schedule().state_dict()
+    cfg = LRScheduleConfig(lr=2 * LR, min_lr=MIN_LR, lr_decay_style="WSD", lr_decay_steps=2000,
+                           lr_warmup_steps=37.5, lr_wsd_decay_steps=300, lr_wsd_decay_style="cosine",
+                           start_weight_decay=0.0, end_weight_decay=0.1, weight_decay_incr_style="linear",
+                           wd_incr_steps=900, flags={"lr_decay_steps": "--lr-decay-iters x --global-batch-size"},
+                           iteration_samples=100)
+    s = LRScheduler(_optimizer(), cfg)
+    with pytest.raises(ScheduleMismatch) as e:
+        s.load_state_dict(sd)
+    lines = str(e.value).splitlines()
+    assert lines[1:3] == ["  learning rate (--lr): checkpoint 0.001, flags 0.002",
+                          "  decay length (--lr-decay-iters x --global-batch-size): checkpoint 1000 samples "
+                          "(10 iterations), flags 2000 samples (20 iterations)"]
+    assert len(lines) == 4 and "--override-opt_param-scheduler" in lines[3] \
+        and "--use-checkpoint-opt_param-scheduler" in lines[3]
+    assert s.num_steps == 0 and s.cfg.lr == 2 * LR  # nothing taken
+    with pytest.raises(ValueError, match="only one of --override-opt_param-scheduler and --use-checkpoint"):
+        s.load_state_dict(sd, use_checkpoint=True, override=True)
+
+
+def test_override_keeps_the_flags_values_and_restores_the_step_count():
+    """Megatron restores num_steps under --override-opt_param-scheduler too: warmup is not repeated."""
+    sd = _wsd_schedule().state_dict()
+    c = LRScheduler(_optimizer(), LRScheduleConfig(lr=5.0, lr_decay_steps=2000, lr_warmup_steps=100))
+    notes = c.load_state_dict(sd, override=True)
+    assert c.num_steps == 37 * 23 and c.cfg.lr == 5.0 and c.cfg.lr_decay_steps == 2000
+    assert "--override-opt_param-scheduler" in notes[0] and "learning rate (--lr): checkpoint 0.001, flags 5.0" \
+        in notes[0]
+    assert c.current_lr() == pytest.approx(5.0 * (1 - (851 - 100) / 1900))  # past warmup, on the flags' decay
+
+
+def test_group_bounds_follow_the_settled_schedule():
+    """A loaded optimizer state brings the saved groups' max_lr/min_lr; apply_group_bounds puts the
+    settled schedule's (default groups: --lr/--min-lr; decoupled: --decoupled-lr/--decoupled-min-lr)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
+    from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, min_lr=1e-4))
+    s = LRScheduler(opt, LRScheduleConfig(lr=2e-3, min_lr=2e-4, lr_decay_steps=10, decoupled_lr=9e-3))
+    opt.param_groups[0]["is_decoupled_lr"] = True  # as --decoupled-lr marks the embedding's group
+    s.step(20)  # past the decay: min lr
+    s.apply_group_bounds()
+    assert opt.param_groups[0]["max_lr"] == 9e-3 and opt.param_groups[0]["min_lr"] == 2e-4
+    assert [g["lr"] for g in opt.param_groups[1:]] == [2e-4] * (len(opt.param_groups) - 1)
+
+
+def test_config_from_args_names_the_flags_of_each_length():
+    cfg = lr_schedule_config_from_args(_args(train_iters=100))
+    assert "--lr-decay-iters defaults to --train-iters" in cfg.flags["lr_decay_steps"]
+    assert "--train-iters" in cfg.flags["wd_incr_steps"] and cfg.iteration_samples == 8
+    cfg = lr_schedule_config_from_args(_args(train_iters=100, lr_decay_iters=50, decoupled_lr=1e-2))
+    assert cfg.flags["lr_decay_steps"] == "--lr-decay-iters x --global-batch-size" and cfg.decoupled_lr == 1e-2
 
 
 def _args(**kw):
@@ -209,3 +273,18 @@ def test_config_from_sample_args():
 def test_warmup_must_be_shorter_than_decay():
     with pytest.raises(ValueError, match="warmup"):
         LRScheduleConfig(lr=LR, lr_decay_steps=100, lr_warmup_steps=100)
+
+
+def test_values_that_do_not_act_are_not_compared():
+    """The WSD anneal without a WSD style and --decoupled-min-lr without --decoupled-lr change
+    nothing; Megatron's own values (here the weight-decay length, inert under a constant style)
+    are compared as Megatron does."""
+    saved = LRScheduler(None, LRScheduleConfig(lr=LR, lr_decay_steps=16_000_000, lr_wsd_decay_style="linear",
+                                               decoupled_min_lr=1e-5)).state_dict()
+    s = LRScheduler(None, LRScheduleConfig(lr=LR, lr_decay_steps=16_000_000, wd_incr_steps=8_000_000,
+                                           iteration_samples=1000))
+    with pytest.raises(ScheduleMismatch) as e:
+        s.load_state_dict(saved)
+    assert str(e.value).splitlines()[1:-1] == [
+        "  weight-decay increment length (--train-iters/--train-samples): checkpoint 16000000 samples "
+        "(16000 iterations), flags 8000000 samples (8000 iterations)"]
