@@ -210,10 +210,12 @@ def checksum_problem(directory: str, markers: Iterable[Marker], threads: int | N
         for name in sorted(m.files):
             want, have = m.checksums[name].split(" "), got[name].split(" ")
             if want != have:
-                block = next(i for i, (a, b) in enumerate(zip(want, have)) if a != b) if len(want) == len(have) else 0
-                return (f"{name} is damaged: its content differs from the checksum in {m.name} (at bytes "
-                        f"{block * BLOCK}-{min((block + 1) * BLOCK, m.files[name]) - 1}; the file changed after "
-                        f"it was written; --no-verify-checkpoint-checksums skips this check)")
+                where = ""
+                if len(want) > 1:
+                    block = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), 0)
+                    where = f" in bytes {block * BLOCK}-{min((block + 1) * BLOCK, m.files[name]) - 1}"
+                return (f"{name} is damaged: its content differs from its checksum in {m.name}{where} (it changed "
+                        f"after it was written; --no-verify-checkpoint-checksums skips this check)")
     return None
 
 

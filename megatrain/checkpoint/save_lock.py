@@ -8,6 +8,10 @@ interrupted run left under them: tracker files being replaced (``latest_checkpoi
 .XXXXXXXX.tmp``, the names `megatrain.atomic_io.atomic_path` uses) and ``iter_NNNNNNN.tmp`` /
 ``iter_NNNNNNN.deleting`` directories (a save or a retention deletion cut short). Nothing else in
 SAVE is touched.
+
+Processes forked while the lock is held (data loader workers) close their copy of its file
+descriptor: an flock lasts while any copy is open, so a killed run's orphaned workers would
+otherwise keep its lock for a while.
 """
 
 from __future__ import annotations
@@ -120,4 +124,18 @@ def take_save_lock(save: str, what: str | None = None) -> Lock | None:
         raise SystemExit(outcome[0])
     if lock is not None:
         atexit.register(lock.release)
+        _close_in_forked_children(lock)
     return lock
+
+
+def _close_in_forked_children(lock: Lock) -> None:
+    def forget() -> None:  # in the child: drop its reference only (the parent keeps the lock)
+        if lock.fd >= 0:
+            try:
+                os.close(lock.fd)
+            except OSError:
+                pass
+            lock.fd = -1
+
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=forget)

@@ -672,8 +672,8 @@ def _find(load: str, step: int | None, verify: Any = None) -> str | None:
         ckpt = checkpoint_dir(load, step)
         problem = problem_of(ckpt)
         if problem:
-            have = [it for it in _iterations_in(load) if is_complete(checkpoint_dir(load, it))]
-            raise SystemExit(f"error: --ckpt-step {step}: {ckpt}: {problem}; complete checkpoints in --load: "
+            have = [it for it in _iterations_in(load) if it != step and is_complete(checkpoint_dir(load, it))]
+            raise SystemExit(f"error: --ckpt-step {step}: {ckpt}: {problem}; other complete checkpoints in --load: "
                              f"{', '.join(map(str, sorted(have))) or 'none'}")
         return ckpt
     tracker = os.path.join(load, TRACKER)
@@ -909,11 +909,12 @@ def _refuse_non_finite(ckpt: str, sd: dict[str, Any], allow: bool) -> None:
     if not bad:
         return
     names = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+    count = f"{len(bad)} tensor{'s' if len(bad) > 1 else ''}"
     if allow:
-        _warn(f"checkpoint {ckpt} holds NaN/Inf values in {len(bad)} tensors ({names}); loading them "
+        _warn(f"checkpoint {ckpt} holds NaN/Inf values in {count} ({names}); loading them "
               f"(--allow-non-finite-checkpoint)")
         return
-    raise CheckpointError(f"checkpoint {ckpt} holds NaN/Inf values in {len(bad)} tensors ({names}); training "
+    raise CheckpointError(f"checkpoint {ckpt} holds NaN/Inf values in {count} ({names}); training "
                           f"from it would produce NaN losses (load an earlier checkpoint, or pass "
                           f"--allow-non-finite-checkpoint to load it anyway)")
 
