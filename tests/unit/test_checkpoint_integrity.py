@@ -194,7 +194,8 @@ def test_non_finite_values_are_refused_on_load_unless_allowed(tmp_path, capsys):
     with pytest.raises(CheckpointError) as e:
         checkpointing.load_checkpoint(ckpt, fresh, fresh_opt)
     message = str(e.value)
-    assert "\n" not in message and "NaN/Inf values in 2 tensors" in message and "--allow-non-finite-checkpoint" in message
+    assert "\n" not in message and "NaN/Inf values in 2 tensors" in message
+    assert "--allow-non-finite-checkpoint" in message
     assert "model.embedding.word_embeddings.weight" in message and "exp_avg" in message
     checkpointing.load_checkpoint(ckpt, fresh, fresh_opt, allow_non_finite=True)
     assert torch.isnan(fresh.embedding.word_embeddings.weight[3, 1])
@@ -264,3 +265,25 @@ def test_only_our_leftover_temporaries_are_removed_and_only_by_the_holder(tmp_pa
     assert "removed what an interrupted run left" in capsys.readouterr().out
     assert sorted(os.listdir(save)) == sorted([*keep, save_lock.LOCK_NAME])
     lock.release()
+
+
+def test_the_hf_import_locks_its_save_directory(tmp_path):
+    from megatrain.convert.export_hf import export_checkpoint
+    from megatrain.convert.import_hf import import_hf_model
+
+    model = GPTModel(CONFIG)
+    model.init_weights(3)
+    checkpointing.save_checkpoint(str(tmp_path / "ckpt"), TrainState(iteration=1), model, None, {},
+                                  argparse.Namespace(), CONFIG, save_optim=False)
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"), progress=False)
+    dst = tmp_path / "imported"
+    dst.mkdir()
+    held = acquire(dst / save_lock.LOCK_NAME, "a training run")
+    with pytest.raises(SystemExit) as e:
+        import_hf_model(str(tmp_path / "hf"), str(dst), make_vocab_size_divisible_by=8)
+    held.release()
+    assert f"--save {dst} is in use by pid {os.getpid()}" in str(e.value)
+    assert os.listdir(dst) == []  # nothing was written
+    import_hf_model(str(tmp_path / "hf"), str(dst), make_vocab_size_divisible_by=8)
+    assert checkpointing.find_checkpoint(str(dst)) == str(dst / "iter_0000000")
+    assert not (dst / save_lock.LOCK_NAME).exists()
