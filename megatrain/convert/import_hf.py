@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatrain.checkpoint.save_lock import take_save_lock
 from megatrain.convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
 from megatrain.convert.tokenizer_files import import_hf_tokenizer
 from megatrain.errors import user_errors_exit
@@ -153,6 +154,18 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
     if missing or unexpected:
         raise UnsupportedModelError(f"conversion produced missing {missing} / unexpected {unexpected} tensors")
 
+    lock = take_save_lock(save)  # nothing else writes into --save meanwhile (a training run, another import)
+    try:
+        return _write(hf_path, save, model, cfg, architecture, hf_vocab, padded, make_vocab_size_divisible_by,
+                      tensor_model_parallel_size)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _write(hf_path: str, save: str, model: GPTModel, cfg: Any, architecture: str, hf_vocab: int, padded: int,
+           make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> str:
+    """The tokenizer files and the checkpoint of a converted model, written into ``save`` (locked)."""
     tok_args = import_hf_tokenizer(hf_path, os.path.join(save, "tokenizer"), architecture)
     if not tok_args:
         warnings.warn(f"--hf-path {hf_path}: no tokenizer files found; pass tokenizer flags when training")

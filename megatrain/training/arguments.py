@@ -306,6 +306,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints in the background; the loop waits only for a copy to host memory")
     g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",
                    help="after each save delete all but the newest K complete checkpoints (default: keep all)")
+    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
+                   help="megatrain extension: on --load, check the files' sizes only, not their checksums "
+                        "(verifying reads the whole checkpoint once)")
+    g.add_argument("--allow-non-finite-checkpoint", action="store_true",
+                   help="megatrain extension: load a checkpoint whose model or optimizer state holds NaN/Inf "
+                        "(refused by default)")
 
 
 def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
@@ -517,7 +523,9 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
 
     if not args.load:
         _fail("--use-checkpoint-args needs --load")
-    ckpt = find_checkpoint(args.load, args.ckpt_step)
+    # Only meta.json is read here (every process on its own, before torch.distributed starts); the
+    # trainer verifies the checkpoint's checksums before loading it, its ranks sharing the reads.
+    ckpt = find_checkpoint(args.load, args.ckpt_step, verify=False)
     if ckpt is None:
         _fail(f"--use-checkpoint-args: no checkpoint found in --load {args.load}")
     meta = read_meta(ckpt)

@@ -9,7 +9,7 @@ Layout (guide §3.5)::
                                                model config, layout, args (plain JSON)
         rng_rank00000.pt                       RNG states of each rank (tensors only; weights_only)
         complete_rank00000.json                per-rank completeness marker: the files the rank
-                                               wrote and their sizes; written last
+                                               wrote, their sizes and checksums; written last
 
 Writing: every rank writes its shards and RNG file into ``iter_XXXXXXX.tmp``, then its marker;
 after all markers exist rank 0 renames the directory to ``iter_XXXXXXX`` and only then replaces
@@ -17,14 +17,21 @@ after all markers exist rank 0 renames the directory to ``iter_XXXXXXX`` and onl
 (ignored and cleaned up later) or a complete checkpoint.
 
 Loading: `find_checkpoint` checks completeness (markers of every rank, listed files present with
-their sizes, metadata) and falls back, with a warning, to the newest older complete checkpoint.
+their sizes and checksums, metadata; `megatrain.checkpoint.integrity`) and falls back, with a
+warning, to the newest older complete checkpoint; a checkpoint named by the user (an ``iter_``
+directory, ``--ckpt-step``) that does not check out is refused. The checksums are verified by all
+ranks together, each reading the files of its share of the markers.
 `load_checkpoint` compares the checkpoint's tensor shapes with the model and refuses a mismatch
 with a list of the differences (``finetune=True`` loads the tensors both have, same shape).
 Nothing in a checkpoint is unpickled beyond plain data: DCP's ``.metadata`` is checked with a
 restricted unpickler first, non-tensor items and RNG files load with ``weights_only=True``.
 
+`load_checkpoint` refuses NaN/Inf in the loaded model and optimizer state unless told otherwise.
+
 `Checkpointer` adds ``--async-save`` (the state is copied to host memory, the files are written
-by a background thread while training continues) and ``--keep-last-checkpoints K`` retention.
+by a background thread while training continues) and ``--keep-last-checkpoints K`` retention. A
+save that fails writing (disk full, quota, I/O error) raises `CheckpointSaveError`, one line,
+after removing its own ``iter_XXXXXXX.tmp``; earlier checkpoints and the tracker stay as they were.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from megatrain.atomic_io import atomic_write_bytes, atomic_write_text
+from megatrain.checkpoint import integrity
 from megatrain.json_input import parse_json
 from megatrain.models.config import GPTConfig
 
@@ -64,7 +72,8 @@ OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 DCP_METADATA = ".metadata"
-FORMAT_VERSION = 2
+# 2: completeness markers with sizes; 3: and checksums (format 2 checkpoints still load).
+FORMAT_VERSION = 3
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # One process without torch.distributed is an intended way to save (also from the async writer thread).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -108,6 +117,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used with the current flags (the message says why)."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save that could not be written (the message names the directory and the system's reason)."""
+
+
 @dataclass
 class TrainState:
     """Counters that make a run resumable."""
@@ -134,7 +147,7 @@ def checkpoint_dir(save: str, iteration: int) -> str:
 
 
 def _marker_name(rank: int) -> str:
-    return f"complete_rank{rank:05d}.json"
+    return integrity.marker_name(rank)
 
 
 def _rng_name(rank: int) -> str:
@@ -151,11 +164,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if _dist_on() else 1
-
-
-def _barrier(group: Any = None) -> None:
-    if _dist_on():
-        dist.barrier(group=group)
 
 
 def _warn(message: str) -> None:
@@ -292,42 +300,127 @@ class _PendingSave:
     keep_last: int | None
     group: Any = None
     started: float = 0.0
+    published: bool = False  # rank 0: the directory has its final name
+
+
+def _os_error(error: BaseException | None, seen: set[int] | None = None) -> OSError | None:
+    """The OSError behind ``error``: itself, its cause or context, or a rank's failure inside DCP's
+    CheckpointException."""
+    seen = set() if seen is None else seen
+    if error is None or id(error) in seen:
+        return None
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno is not None:
+        return error
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            found = _os_error(failure[0] if isinstance(failure, tuple) and failure else failure, seen)
+            if found is not None:
+                return found
+    return _os_error(error.__cause__, seen) or _os_error(error.__context__, seen)
+
+
+def _os_error_text(error: BaseException) -> str | None:
+    """``error``'s system reason in one line ("No space left on device (writing __0_0.distcp)"), or None."""
+    e = _os_error(error)
+    if e is None:
+        return None
+    where = os.path.basename(str(e.filename)) if e.filename else None
+    return (e.strerror or os.strerror(e.errno or 0)) + (f" (writing {where})" if where else "")
+
+
+def _failure_message(p: _PendingSave, reason: str, published: bool) -> str:
+    if published:
+        return (f"--save {p.save}: the checkpoint of iteration {p.iteration} is in {p.final} but {TRACKER} could "
+                f"not be updated: {reason}")
+    return (f"--save {p.save}: cannot write the checkpoint of iteration {p.iteration}: {reason}; the earlier "
+            f"checkpoints and {TRACKER} are unchanged")
+
+
+def _save_failed(p: _PendingSave, error: BaseException) -> BaseException:
+    """The error to raise for a save that failed on every rank at once (DCP shares its failures).
+
+    A file-system error becomes a one-line CheckpointSaveError and rank 0 removes the save's
+    temporary directory; other errors (bugs, interrupts) are returned as they are, the directory
+    then left for the next save's clean-up.
+    """
+    if isinstance(error, CheckpointSaveError):
+        return error
+    reason = _os_error_text(error)
+    if reason is None:
+        return error
+    if p.rank == 0 and not p.published:
+        shutil.rmtree(p.tmp, ignore_errors=True)
+    return CheckpointSaveError(_failure_message(p, reason, p.published))
+
+
+def _agree(p: _PendingSave, error: BaseException | None) -> None:
+    """A barrier of the save's ranks that also tells each whether one failed; then every rank raises
+    (`_save_failed`'s rules, with the first failing rank's reason)."""
+    reason = None if error is None else (_os_error_text(error) or f"{type(error).__name__}: {error}")
+    entries: list[Any] = [(reason, p.published)]
+    if _dist_on():
+        entries = [None] * _world()
+        dist.all_gather_object(entries, (reason, p.published), group=p.group)
+    failed = next(((r, e) for r, e in enumerate(entries) if e[0] is not None), None)
+    if failed is None:
+        return
+    rank, (reason, published) = failed
+    if p.rank == 0 and not published:
+        shutil.rmtree(p.tmp, ignore_errors=True)
+    if error is not None and _os_error(error) is None:
+        raise error
+    raise CheckpointSaveError(_failure_message(p, (f"rank {rank}: " if len(entries) > 1 else "") + reason,
+                                               published))
 
 
 def _finish(p: _PendingSave) -> None:
     """After this rank's shards are written: RNG, meta, marker; rank 0 publishes the checkpoint."""
-    if p.rng is not None:
-        buf = io.BytesIO()
-        torch.save(p.rng, buf)
-        atomic_write_bytes(os.path.join(p.tmp, _rng_name(p.rank)), buf.getvalue(), fsync=True)
-    if p.rank == 0 and p.meta is not None:
-        atomic_write_text(os.path.join(p.tmp, META), json.dumps(p.meta, indent=1, sort_keys=True), fsync=True)
-    mine = [n for n in os.listdir(p.tmp)
-            if n.startswith(f"__{p.rank}_") or n == _rng_name(p.rank) or (p.rank == 0 and n in (META, DCP_METADATA))]
-    for name in mine:  # the data must be on disk before the marker says so
-        with open(os.path.join(p.tmp, name), "rb") as f:
-            os.fsync(f.fileno())
-    marker = {"rank": p.rank, "world_size": p.world, "iteration": p.iteration,
-              "files": {n: os.path.getsize(os.path.join(p.tmp, n)) for n in sorted(mine)}}
-    atomic_write_text(os.path.join(p.tmp, _marker_name(p.rank)), json.dumps(marker, sort_keys=True), fsync=True)
-    _barrier(p.group)
+    error: BaseException | None = None
+    try:
+        if p.rng is not None:
+            buf = io.BytesIO()
+            torch.save(p.rng, buf)
+            atomic_write_bytes(os.path.join(p.tmp, _rng_name(p.rank)), buf.getvalue(), fsync=True)
+        if p.rank == 0 and p.meta is not None:
+            atomic_write_text(os.path.join(p.tmp, META), json.dumps(p.meta, indent=1, sort_keys=True), fsync=True)
+        mine = [n for n in os.listdir(p.tmp) if n.startswith(f"__{p.rank}_") or n == _rng_name(p.rank)
+                or (p.rank == 0 and n in (META, DCP_METADATA))]
+        for name in mine:  # the data must be on disk before the marker says so
+            with open(os.path.join(p.tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        atomic_write_text(os.path.join(p.tmp, _marker_name(p.rank)),
+                          integrity.marker_text(p.tmp, p.rank, p.world, p.iteration, mine), fsync=True)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in _agree
+        error = e
+    _agree(p, error)
     if p.rank == 0:
-        missing = [r for r in range(p.world) if not os.path.isfile(os.path.join(p.tmp, _marker_name(r)))]
-        if missing:
-            raise RuntimeError(f"checkpoint {p.tmp}: ranks {missing} did not complete; not publishing it")
-        _fsync_dir(p.tmp)
-        old = None
-        if os.path.exists(p.final):  # saving the same iteration again: keep the old one until the new is in place
-            old = p.final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(p.final, old)
-        os.replace(p.tmp, p.final)
-        _fsync_dir(p.save)
-        atomic_write_text(os.path.join(p.save, TRACKER), f"{p.iteration}\n", fsync=True)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        _clean_up(p.save, p.iteration, p.keep_last)
-    _barrier(p.group)
+        try:
+            _publish(p)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it in _agree
+            error = e
+    _agree(p, error)
+
+
+def _publish(p: _PendingSave) -> None:
+    """Rank 0, once every rank's marker is written: rename the directory, update the tracker, retention."""
+    missing = [r for r in range(p.world) if not os.path.isfile(os.path.join(p.tmp, _marker_name(r)))]
+    if missing:
+        raise RuntimeError(f"checkpoint {p.tmp}: ranks {missing} did not complete; not publishing it")
+    _fsync_dir(p.tmp)
+    old = None
+    if os.path.exists(p.final):  # saving the same iteration again: keep the old one until the new is in place
+        old = p.final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(p.final, old)
+    os.replace(p.tmp, p.final)
+    p.published = True
+    _fsync_dir(p.save)
+    atomic_write_text(os.path.join(p.save, TRACKER), f"{p.iteration}\n", fsync=True)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    _clean_up(p.save, p.iteration, p.keep_last)
 
 
 def _iterations_in(save: str) -> list[int]:
@@ -417,12 +510,19 @@ class Checkpointer:
         final = checkpoint_dir(save, state.iteration)
         tmp = final + ".tmp"
         rank, world = _rank(), _world()
+        error: BaseException | None = None
         if rank == 0:
-            os.makedirs(save, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-        _barrier()
+            try:
+                os.makedirs(save, exist_ok=True)
+                if os.path.exists(tmp):
+                    shutil.rmtree(tmp)
+                os.makedirs(tmp)
+            except OSError as e:
+                error = e
+        try:
+            _agree(_PendingSave(save, state.iteration, tmp, final, rank, world, None, None, None), error)
+        except CheckpointSaveError as e:
+            raise CheckpointSaveError(str(e)) from None
         with_optim = bool(save_optim and optimizer is not None)
         if with_optim:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)
@@ -439,9 +539,15 @@ class Checkpointer:
         pending = _PendingSave(save, state.iteration, tmp, final, rank, world, meta,
                                rng_state() if save_rng else None, self.keep_last)
         if not self.async_save:
-            with _single_process_quiet():
-                dcp.save(to_save, checkpoint_id=tmp)
-            _finish(pending)
+            try:
+                with _single_process_quiet():
+                    dcp.save(to_save, checkpoint_id=tmp)
+                _finish(pending)
+            except BaseException as e:
+                failure = _save_failed(pending, e)
+                if failure is e:
+                    raise
+                raise failure from None
             return SaveReport(final, time.perf_counter() - t0, False)
         pending.group = self._async_group()
         pending.started = time.perf_counter()
@@ -468,9 +574,15 @@ class Checkpointer:
 
     def _background(self, future: Any, pending: _PendingSave) -> None:
         try:
-            upload = getattr(future, "upload_completion", future)  # AsyncSaveResponse in newer torch
-            upload.result()
-            _finish(pending)
+            try:
+                upload = getattr(future, "upload_completion", future)  # AsyncSaveResponse in newer torch
+                upload.result()
+                _finish(pending)
+            except BaseException as e:
+                failure = _save_failed(pending, e)
+                if failure is e:
+                    raise
+                raise failure from None
             self.last_write_s = time.perf_counter() - pending.started
             if self.verbose and pending.rank == 0:
                 print(f" checkpoint at iteration {pending.iteration:7d} written in the background to "
@@ -485,6 +597,8 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, CheckpointSaveError):
+                raise CheckpointSaveError(f"the background checkpoint save failed: {err}") from None
             raise RuntimeError(f"the background checkpoint save failed: {err}") from err
 
     def close(self) -> None:
@@ -515,49 +629,71 @@ def save_checkpoint(save: str, state: TrainState, model: torch.nn.Module, optimi
 
 # ---------------------------------------------------------------------------------------------- finding
 
-def checkpoint_problem(ckpt: str) -> str | None:
-    """Why ``ckpt`` cannot be loaded (missing, incomplete, truncated), or None when it is complete."""
+def _markers(ckpt: str) -> tuple[list[integrity.Marker], str | None]:
+    """The checkpoint's completeness markers, checked against its files' sizes: (markers, problem or None)."""
     if not os.path.isdir(ckpt):
-        return "no such directory"
+        return [], "no such directory"
     try:
         meta = read_meta(ckpt)
     except FileNotFoundError:
-        return f"{META} is missing"
-    except (OSError, ValueError) as e:
-        return f"{META} is unreadable ({e})"
+        return [], f"{META} is missing"
+    except (OSError, ValueError, RecursionError) as e:
+        return [], f"{META} is unreadable ({str(e).splitlines()[0][:200]})"
+    if not isinstance(meta, dict):
+        return [], f"{META} is not a JSON object"
     if not os.path.isfile(os.path.join(ckpt, DCP_METADATA)):
-        return f"DCP {DCP_METADATA} is missing"
-    if int(meta.get("format_version", 1)) < 2:
-        return None  # written before completeness markers existed
-    world = int(meta.get("world_size", 1))
+        return [], f"DCP {DCP_METADATA} is missing"
+    version, world = meta.get("format_version", 1), meta.get("world_size", 1)
+    if not isinstance(version, int) or not isinstance(world, int) or world < 1:
+        return [], f"{META} is damaged (format_version {version!r}, world_size {world!r})"
+    if version < 2:
+        return [], None  # written before completeness markers existed
+    markers = []
     for rank in range(world):
-        path = os.path.join(ckpt, _marker_name(rank))
         try:
-            with open(path, encoding="utf-8") as f:
-                files = json.load(f)["files"]
+            marker = integrity.read_marker(ckpt, rank)
         except FileNotFoundError:
-            return f"rank {rank} did not finish ({_marker_name(rank)} is missing)"
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"{_marker_name(rank)} is unreadable ({e})"
-        for name, size in files.items():
-            file = os.path.join(ckpt, name)
-            if not os.path.isfile(file):
-                return f"{name} is missing"
-            actual = os.path.getsize(file)
-            if actual != size:
-                return f"{name} has {actual} bytes, {size} were written (truncated or changed)"
-    return None
+            return [], f"rank {rank} did not finish ({_marker_name(rank)} is missing)"
+        except OSError as e:
+            return [], f"{_marker_name(rank)} is unreadable ({e.strerror or e})"
+        except integrity.MarkerError as e:
+            return [], str(e)
+        problem = integrity.size_problem(ckpt, marker)
+        if problem:
+            return [], problem
+        if version >= 3 and marker.checksums is None:
+            return [], f"{marker.name} holds no checksums (checkpoint format {version} writes them; edited or damaged)"
+        markers.append(marker)
+    return markers, None
+
+
+def checkpoint_problem(ckpt: str, verify: bool = False) -> str | None:
+    """Why ``ckpt`` cannot be loaded (missing, incomplete, truncated), or None when it is complete.
+
+    With ``verify`` every file's content is also checked against its checksums (this reads the
+    whole checkpoint; `find_checkpoint` shares that work out over the ranks).
+    """
+    markers, problem = _markers(ckpt)
+    if problem is None and verify:
+        problem = integrity.checksum_problem(ckpt, markers)
+    return problem
 
 
 def is_complete(ckpt: str) -> bool:
     return checkpoint_problem(ckpt) is None
 
 
-def _find(load: str, step: int | None) -> str | None:
+def _find(load: str, step: int | None, verify: Any = None) -> str | None:
+    """`find_checkpoint` on one process; ``verify(ckpt)`` returns a checksum problem or None."""
+
+    def problem_of(ckpt: str) -> str | None:
+        problem = checkpoint_problem(ckpt)
+        return verify(ckpt) if problem is None and verify is not None else problem
+
     if os.path.isfile(os.path.join(load, META)) or _ITER_RE.match(os.path.basename(os.path.normpath(load))):
-        problem = checkpoint_problem(load)
+        problem = problem_of(load)
         if problem:
-            raise SystemExit(f"error: --load {load}: the checkpoint is incomplete: {problem}")
+            raise SystemExit(f"error: --load {load}: the checkpoint is not usable: {problem}")
         return load
     if not os.path.isdir(load):
         if step is not None:
@@ -565,16 +701,16 @@ def _find(load: str, step: int | None) -> str | None:
         return None  # as in Megatron: `--save D --load D` starts from scratch on the first launch
     if step is not None:
         ckpt = checkpoint_dir(load, step)
-        problem = checkpoint_problem(ckpt)
+        problem = problem_of(ckpt)
         if problem:
-            have = [it for it in _iterations_in(load) if is_complete(checkpoint_dir(load, it))]
-            raise SystemExit(f"error: --ckpt-step {step}: {ckpt}: {problem}; complete checkpoints in --load: "
+            have = [it for it in _iterations_in(load) if it != step and is_complete(checkpoint_dir(load, it))]
+            raise SystemExit(f"error: --ckpt-step {step}: {ckpt}: {problem}; other complete checkpoints in --load: "
                              f"{', '.join(map(str, sorted(have))) or 'none'}")
         return ckpt
     tracker = os.path.join(load, TRACKER)
     newest: int | None = None
     if os.path.isfile(tracker):
-        text = open(tracker, encoding="utf-8").read().strip()
+        text = open(tracker, encoding="utf-8", errors="replace").read(100).strip()
         try:
             newest = int(text)
         except ValueError:
@@ -589,7 +725,7 @@ def _find(load: str, step: int | None) -> str | None:
         _warn(f"--load {load}: no {TRACKER}; looking for the newest complete checkpoint")
     for it in candidates:
         ckpt = checkpoint_dir(load, it)
-        problem = checkpoint_problem(ckpt)
+        problem = problem_of(ckpt)
         if problem is None:
             return ckpt
         _warn(f"checkpoint {ckpt} is not usable ({problem}); falling back to an earlier one")
@@ -597,24 +733,59 @@ def _find(load: str, step: int | None) -> str | None:
                      + (f" (iterations tried: {', '.join(map(str, candidates))})" if candidates else ""))
 
 
-def find_checkpoint(load: str, step: int | None = None) -> str | None:
+def _verify_share(ckpt: str, rank: int, world: int) -> str | None:
+    """The checksum problem among the files of the markers ``m`` with ``m % world == rank`` (this rank's share:
+    at the saving layout, the files this rank wrote and mostly reads), or None."""
+    markers, problem = _markers(ckpt)
+    if problem is not None:
+        return problem
+    return integrity.checksum_problem(ckpt, [m for m in markers if m.rank % world == rank])
+
+
+def find_checkpoint(load: str, step: int | None = None, *, verify: bool = True) -> str | None:
     """The directory to load from ``--load`` (a SAVE dir or an iter_ dir), or None when there is none.
 
-    Rank 0 decides (with warnings for skipped broken checkpoints) and tells the other ranks.
+    Rank 0 decides (with warnings for skipped broken checkpoints) and tells the other ranks. With
+    ``verify`` (the default) the files' checksums are verified too: on one process by it, in a job
+    by every rank for its share of the files, the candidate being refused when any rank finds a
+    changed file.
     """
     if not _dist_on() or _world() == 1:
-        return _find(load, step)
+        return _find(load, step, (lambda ckpt: integrity.checksum_problem(ckpt, _markers(ckpt)[0])) if verify
+                     else None)
+    rank, world = _rank(), _world()
+
+    def verify_together(ckpt: str) -> str | None:  # rank 0, while the others wait in the loop below
+        dist.broadcast_object_list([("verify", ckpt)], src=0)
+        return _gather_problem(_verify_share(ckpt, rank, world))
+
     result: list[Any] = [None]
-    if _rank() == 0:
+    if rank == 0:
         try:
-            result[0] = ("ok", _find(load, step))
+            result[0] = ("ok", _find(load, step, verify_together if verify else None))
         except SystemExit as e:
             result[0] = ("error", str(e))
-    dist.broadcast_object_list(result, src=0)
+        except BaseException as e:  # the other ranks must not wait for a decision that never comes
+            dist.broadcast_object_list([("error", f"error: --load {load}: rank 0 failed: {e!r}")], src=0)
+            raise
+        dist.broadcast_object_list(result, src=0)
+    else:
+        while True:
+            dist.broadcast_object_list(result, src=0)
+            if result[0][0] != "verify":
+                break
+            _gather_problem(_verify_share(result[0][1], rank, world))
     kind, value = result[0]
     if kind == "error":
         raise SystemExit(value)
     return value
+
+
+def _gather_problem(problem: str | None) -> str | None:
+    """The first rank's problem of all ranks' (every rank calls this)."""
+    problems: list[Any] = [None] * _world()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
 
 
 def read_meta(ckpt: str) -> dict[str, Any]:
@@ -714,14 +885,15 @@ def _model_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
 
 def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                     load_optim: bool = True, load_rng: bool = True, model_config: Any = None,
-                    finetune: bool = False) -> dict[str, Any]:
+                    finetune: bool = False, allow_non_finite: bool = False) -> dict[str, Any]:
     """Load model (and optimizer, RNG) state in place; returns the checkpoint's meta data.
 
     Raises CheckpointError listing the differences when the checkpoint's tensors do not fit the model
     or its model config differs from ``model_config`` in a value :data:`CONFIG_CHECKS` compares.
     With ``finetune`` tensors that exist in both with the same shape are loaded, the model's others
     keep their values, and config differences are a warning. Without ``model_config`` (exporters,
-    inference: the model is built from the checkpoint's own config) no config is compared.
+    inference: the model is built from the checkpoint's own config) no config is compared. A loaded
+    tensor holding NaN/Inf is refused (on every rank alike) unless ``allow_non_finite``.
     """
     meta = read_meta(ckpt)
     metadata = read_dcp_metadata(ckpt)
@@ -769,6 +941,7 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         sd = {"model": {k: v for k, v in model_sd.items() if k not in set(diff["missing"])}}
     with _single_process_quiet():
         dcp.load(sd, checkpoint_id=ckpt, planner=_SafeLoadPlanner(allow_partial_load=partial))
+    _refuse_non_finite(ckpt, sd, allow_non_finite)
     if partial:
         full = dict(model_sd)
         full.update(sd["model"])
@@ -783,6 +956,26 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     if load_rng:
         restore_rng(ckpt, meta)
     return meta
+
+
+def _refuse_non_finite(ckpt: str, sd: dict[str, Any], allow: bool) -> None:
+    """CheckpointError (on every rank) naming the loaded tensors with NaN/Inf values; a warning with ``allow``."""
+    bad = integrity.non_finite_tensors(sd)
+    if _dist_on() and _world() > 1:
+        everyone: list[Any] = [None] * _world()
+        dist.all_gather_object(everyone, bad)
+        bad = sorted({name for names in everyone for name in names})
+    if not bad:
+        return
+    names = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+    count = f"{len(bad)} tensor{'s' if len(bad) > 1 else ''}"
+    if allow:
+        _warn(f"checkpoint {ckpt} holds NaN/Inf values in {count} ({names}); loading them "
+              f"(--allow-non-finite-checkpoint)")
+        return
+    raise CheckpointError(f"checkpoint {ckpt} holds NaN/Inf values in {count} ({names}); training "
+                          f"from it would produce NaN losses (load an earlier checkpoint, or pass "
+                          f"--allow-non-finite-checkpoint to load it anyway)")
 
 
 def restore_rng(ckpt: str, meta: dict[str, Any] | None = None) -> bool:

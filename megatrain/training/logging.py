@@ -158,7 +158,7 @@ def format_validation_line(
     ``loss`` is the ``lm loss`` value or a mapping of loss names to values. ``prefix``
     replaces ``iteration N`` (Megatron prints ``iteration N on validation set`` /
     ``... on test set`` after training); ``suffix`` follows ``validation`` (``-0`` for
-    the first of several validation sets). PPL is ``exp(min(20, loss))``.
+    the first of several validation sets). PPL is ``exp(min(20, loss))`` (NaN for a NaN loss).
     """
     losses = {"lm loss": loss} if not isinstance(loss, Mapping) else loss
     where = prefix if prefix is not None else f"iteration {iteration}"
@@ -170,8 +170,9 @@ def format_validation_line(
 
 
 def validation_ppl(loss: float) -> float:
-    """Megatron's perplexity: exp of the loss capped at 20."""
-    return math.exp(min(20, loss))
+    """Megatron's perplexity: exp of the loss capped at 20 (NaN for a NaN loss, which ``min`` would
+    turn into the cap)."""
+    return math.nan if math.isnan(loss) else math.exp(min(20, loss))
 
 
 def format_validation_block(line: str) -> str:

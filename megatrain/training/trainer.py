@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megatrain.checkpoint.save_lock import take_save_lock
 from megatrain.data.batch import make_batch
 from megatrain.data.config import DataConfig
 from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
@@ -142,6 +143,8 @@ class Trainer:
             raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "
                              f"launcher started {self.world_size} processes; set WORLD_SIZE before parsing (torchrun "
                              f"does; under srun call megatrain.parallel.distributed.setup_env_from_slurm first)")
+        # Before anything is written to --save: one run at a time writes there (held until close()).
+        self._save_lock = take_save_lock(args.save) if args.save else None
         try:
             self.dims = ParallelDims.from_args(args, self.world_size)
         except ValueError as e:
@@ -161,7 +164,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(args)
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
-        self._found_checkpoint = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None
+        self._found_checkpoint = checkpointing.find_checkpoint(
+            args.load, args.ckpt_step, verify=not getattr(args, "no_verify_checkpoint_checksums", False)) \
+            if args.load else None
         if args.load and self._found_checkpoint is None and getattr(args, "exit_on_missing_checkpoint", False):
             raise SystemExit(f"error: --load {args.load}: no complete checkpoint found "
                              "(--exit-on-missing-checkpoint)")
@@ -294,7 +299,8 @@ class Trainer:
             meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
                                                  load_optim=not (a.finetune or a.no_load_optim),
                                                  load_rng=False,
-                                                 model_config=self.model_config, finetune=a.finetune)
+                                                 model_config=self.model_config, finetune=a.finetune,
+                                                 allow_non_finite=getattr(a, "allow_non_finite_checkpoint", False))
         except checkpointing.CheckpointError as e:
             raise SystemExit(f"error: --load {load}: {e}") from None
         if not (a.finetune or a.no_load_rng):
@@ -753,10 +759,15 @@ class Trainer:
                               memory={"mem-max-allocated-bytes": mem_gib * 2**30} if mem_gib is not None else None)
 
     def close(self) -> None:
-        """Finish a background checkpoint save (it must complete before exit), close the writers."""
-        self.housekeeping.close()
-        self.checkpointer.close()
-        self.writer.close()
+        """Finish a background checkpoint save (it must complete before exit), close the writers,
+        release the --save lock."""
+        try:
+            self.housekeeping.close()
+            self.checkpointer.close()
+            self.writer.close()
+        finally:
+            if self._save_lock is not None:
+                self._save_lock.release()
 
 
 def _summed(value: torch.Tensor, size: int, mesh: Any) -> torch.Tensor:
