@@ -5,6 +5,10 @@ A lock is a small file (``SAVE/.megatrain.lock``, ``PREFIX.lock``) that the hold
 ``flock`` when its process ends in any way (kill -9 included), so a lock file left behind by a
 dead run is detected as stale and taken over; a live holder's details go into the one-line
 error the second run prints. The holder removes the file when it releases the lock.
+
+A process forked while holding a lock (data loader or tokenizer workers) closes its copy of the
+lock's file descriptor at once: an ``flock`` lasts while any copy is open, so the orphaned workers
+of a killed run would otherwise keep its lock.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -25,7 +30,7 @@ class LockHeld(RuntimeError):
     """Another live process holds the lock (the message names it and the lock file)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Lock:
     """A held lock: release it with `release` (or use `exclusive_lock` as a context manager)."""
 
@@ -36,12 +41,29 @@ class Lock:
     def release(self) -> None:
         if self.fd < 0:
             return
+        _HELD.discard(self)
         with contextlib.suppress(OSError):
             # Remove the file only while it is still ours (same inode), before unlocking it.
             if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
                 os.remove(self.path)
         os.close(self.fd)
         self.fd = -1
+
+
+# Locks this process holds; a forked child closes its copies of their file descriptors.
+_HELD: "weakref.WeakSet[Lock]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for lock in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(lock.fd)
+        lock.fd = -1
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _holder_text() -> str:
@@ -99,7 +121,9 @@ def acquire(path: str | os.PathLike, what: str) -> Lock:
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, _holder_text().encode("utf-8"))
-        return Lock(path, fd, stale)
+        lock = Lock(path, fd, stale)
+        _HELD.add(lock)
+        return lock
     raise LockHeld(f"{what}: could not take the lock file {path} (it keeps being replaced)")
 
 

@@ -9,9 +9,8 @@ interrupted run left under them: tracker files being replaced (``latest_checkpoi
 ``iter_NNNNNNN.deleting`` directories (a save or a retention deletion cut short). Nothing else in
 SAVE is touched.
 
-Processes forked while the lock is held (data loader workers) close their copy of its file
-descriptor: an flock lasts while any copy is open, so a killed run's orphaned workers would
-otherwise keep its lock for a while.
+Processes forked while the lock is held (data loader workers) close their copy of it
+(`megatrain.locking`).
 """
 
 from __future__ import annotations
@@ -124,18 +123,4 @@ def take_save_lock(save: str, what: str | None = None) -> Lock | None:
         raise SystemExit(outcome[0])
     if lock is not None:
         atexit.register(lock.release)
-        _close_in_forked_children(lock)
     return lock
-
-
-def _close_in_forked_children(lock: Lock) -> None:
-    def forget() -> None:  # in the child: drop its reference only (the parent keeps the lock)
-        if lock.fd >= 0:
-            try:
-                os.close(lock.fd)
-            except OSError:
-                pass
-            lock.fd = -1
-
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=forget)

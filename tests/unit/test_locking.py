@@ -66,3 +66,23 @@ def test_unwritable_directory_is_one_clear_error(tmp_path):
     target.write_text("")
     with pytest.raises(OSError, match="cannot create the lock file"):
         acquire(target / "x.lock", "--save x")
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    path = tmp_path / "x.lock"
+    lock = acquire(path, "what")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (its fork hooks have run by now): says so, then sleeps
+        os.write(w, b"x")
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert os.read(r, 1) == b"x"
+        os.close(lock.fd)  # as if the parent died: only the child's copy could hold the flock now
+        lock.fd = -1
+        again = acquire(path, "what")
+        again.release()
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
