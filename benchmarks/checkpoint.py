@@ -9,7 +9,8 @@ The model (fp32 weights) and AdamW state (two fp32 moments) are written through
 checkpoint size, synchronous save and load throughput (GB/s = 1e9 bytes of checkpoint files per
 second, median of --repeats), and for --async-save the time the caller was blocked (first save,
 which allocates the host buffers, and the later ones) and the time until the background write
-was complete. One process; the files go to --dir (default: a temporary directory).
+was complete; and the time `find_checkpoint` spends verifying every file's checksums (page cache
+warm: the files were just written). One process; the files go to --dir (default: a temporary directory).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run(shape: str, device: torch.device, root: str, repeats: int) -> dict:
     model, opt, config = _build(shape, device)
     args = argparse.Namespace(benchmark=shape)
     params = sum(p.numel() for p in model.parameters())
-    saves, loads, size = [], [], 0
+    saves, loads, verifies, finds, size = [], [], [], [], 0
     for i in range(repeats):
         save = os.path.join(root, f"sync{i}")
         _sync(device)
@@ -78,6 +79,12 @@ def run(shape: str, device: torch.device, root: str, repeats: int) -> dict:
         path = Checkpointer(verbose=False).save(save, TrainState(iteration=1), model, opt, {}, args, config).path
         saves.append(time.perf_counter() - t0)
         size = _size(path)
+        t0 = time.perf_counter()
+        assert checkpointing.find_checkpoint(save, verify=False) == path
+        finds.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        assert checkpointing.find_checkpoint(save) == path  # the default: every file's checksums verified
+        verifies.append(time.perf_counter() - t0 - finds[-1])
         t0 = time.perf_counter()
         checkpointing.load_checkpoint(path, model, opt, model_config=config, load_rng=False)
         _sync(device)
@@ -99,6 +106,7 @@ def run(shape: str, device: torch.device, root: str, repeats: int) -> dict:
     return {"shape": shape, "device": _device_name(device), "parameters": params, "size_gb": gb,
             "save_s": statistics.median(saves), "save_gbps": gb / statistics.median(saves),
             "load_s": statistics.median(loads), "load_gbps": gb / statistics.median(loads),
+            "verify_s": statistics.median(verifies),
             "async_blocked_first_s": blocked[0], "async_blocked_s": statistics.median(blocked[1:]),
             "async_total_s": statistics.median(written[1:])}
 
@@ -117,13 +125,15 @@ def _device_name(device: torch.device) -> str:
     return f"CPU {cpu} ({os.cpu_count()} cores)"
 
 
-HEADER = ("| date | device | shape | parameters | checkpoint GB | save GB/s | load GB/s | async: loop blocked "
-          "(first save) | async: loop blocked | async: written after |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| date | device | shape | parameters | checkpoint GB | save GB/s | load GB/s | checksum verification "
+          "on load | async: loop blocked (first save) | async: loop blocked | async: written after |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(r: dict) -> str:
     return (f"| {datetime.date.today()} | {r['device']} | {r['shape']} | {r['parameters'] / 1e6:.0f}M | "
             f"{r['size_gb']:.2f} | {r['save_gbps']:.2f} | {r['load_gbps']:.2f} | "
+            f"{r['verify_s']:.2f} s ({r['size_gb'] / max(r['verify_s'], 1e-9):.1f} GB/s) | "
             f"{r['async_blocked_first_s'] * 1000:.0f} ms | {r['async_blocked_s'] * 1000:.0f} ms | "
             f"{r['async_total_s']:.2f} s |")
 
