@@ -98,8 +98,35 @@ class _RefusedGlobal(pickle.UnpicklingError):
     pass
 
 
-class DcpMetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the exact (module, name) pairs of `ALLOWED_GLOBALS`."""
+# The classes whose instances a pickle may fill with state (BUILD), and how.
+_STATEFUL = {cls for cls in ALLOWED_GLOBALS.values()
+             if isinstance(cls, type) and dataclasses.is_dataclass(cls)}
+_OWN_SETSTATE = {cls for cls in _STATEFUL if "__setstate__" in vars(cls)}  # TensorProperties
+
+
+def _load_build(self: DcpMetadataUnpickler) -> None:
+    """BUILD, restricted: only an instance (never a class) of an allowed dataclass gets state, through
+    its class's own ``__setstate__`` or as a dict of its fields; no attribute is ever set with setattr."""
+    state = self.stack.pop()
+    inst = self.stack[-1]
+    cls = type(inst)
+    if cls not in _STATEFUL:
+        raise _RefusedGlobal(f"refusing to set the state of a {cls.__name__} object")
+    if cls in _OWN_SETSTATE:
+        cls.__setstate__(inst, state)
+        return
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
+        raise _RefusedGlobal(f"refusing state other than the fields of {cls.__name__}")
+    inst.__dict__.update(state)
+
+
+class DcpMetadataUnpickler(pickle._Unpickler):  # the Python implementation, whose opcodes can be restricted
+    """An unpickler that resolves only the exact (module, name) pairs of `ALLOWED_GLOBALS` and fills
+    only instances of DCP's metadata dataclasses with state."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         try:
