@@ -6,7 +6,9 @@ dataclass. `DcpMetadataUnpickler` resolves a global only when its (module, name)
 `ALLOWED_GLOBALS`, a table built here from direct imports of exactly the objects DCP pickles
 (its metadata dataclasses, the filesystem ``_StorageInfo``, ``torch.Size``, dtypes, the strided
 layout, ``pathlib`` paths); the table maps each pair to that object, so no dotted name, module
-attribute or other member of those modules is ever looked up. After unpickling, `load_dcp_metadata`
+attribute or other member of those modules is ever looked up. State (``BUILD``) is given only to
+instances of DCP's metadata dataclasses, never set as attributes of a class or any other object,
+which is why the unpickler is Python's pure-Python one. After unpickling, `load_dcp_metadata`
 checks the whole structure (types, sizes, and that every shard it names is a plain file name in
 the checkpoint directory) before anything uses it.
 
