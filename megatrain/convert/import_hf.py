@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from megatrain.checkpoint.errors import CheckpointError
+from megatrain.checkpoint.safe_pickle import load_tensors_file
 from megatrain.checkpoint.save_lock import take_save_lock
 from megatrain.convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
 from megatrain.convert.tokenizer_files import import_hf_tokenizer
@@ -94,9 +96,11 @@ def read_hf_weights(hf_path: str) -> dict[str, torch.Tensor]:
             tensors.update(load_file(path))
         else:
             try:
-                loaded = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - the unpickler raises many kinds
-                raise ValueError(f"--hf-path {path}: cannot be loaded safely as tensors only ({e})") from None
+                loaded = load_tensors_file(path)
+            except CheckpointError as e:
+                raise ValueError(f"--hf-path {e}") from None
+            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                raise ValueError(f"--hf-path {path}: not a state dict of tensors")
             tensors.update(loaded)
     return tensors
 

@@ -23,8 +23,10 @@ directory, ``--ckpt-step``) that does not check out is refused. The checksums ar
 ranks together, each reading the files of its share of the markers.
 `load_checkpoint` compares the checkpoint's tensor shapes with the model and refuses a mismatch
 with a list of the differences (``finetune=True`` loads the tensors both have, same shape).
-Nothing in a checkpoint is unpickled beyond plain data: DCP's ``.metadata`` is checked with a
-restricted unpickler first, non-tensor items and RNG files load with ``weights_only=True``.
+Nothing in a checkpoint is unpickled beyond plain data (`megatrain.checkpoint.safe_pickle`): DCP's
+``.metadata`` is read with an exact allowlist and handed to DCP, which never opens it itself
+(`megatrain.checkpoint.dcp_reader`); tensors, non-tensor items and RNG files load with
+``weights_only=True``.
 
 `load_checkpoint` refuses NaN/Inf in the loaded model and optimizer state unless told otherwise.
 
@@ -42,7 +44,6 @@ import inspect
 import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -56,12 +57,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from megatrain.atomic_io import atomic_write_bytes, atomic_write_text
 from megatrain.checkpoint import integrity
+from megatrain.checkpoint.dcp_reader import load_dcp
+from megatrain.checkpoint.errors import CheckpointError
+from megatrain.checkpoint.safe_pickle import load_tensors_file, read_dcp_metadata
 from megatrain.json_input import parse_json
 from megatrain.models.config import GPTConfig
 
@@ -111,10 +113,6 @@ CONFIG_CHECKS: dict[str, tuple[str, str]] = {
 }
 # Boolean fields whose flag means False.
 _INVERTED_FLAGS = {"add_bias_linear"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used with the current flags (the message says why)."""
 
 
 class CheckpointSaveError(CheckpointError):
@@ -210,50 +208,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------- safety
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` allowing only its own plain classes (no callables from elsewhere)."""
-
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                ("pathlib", "PureWindowsPath"), ("builtins", "set"), ("builtins", "frozenset"),
-                ("builtins", "slice")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or module.endswith(".metadata"):
-                return obj
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-
-def read_dcp_metadata(ckpt: str) -> Any:
-    """DCP's ``.metadata`` of a checkpoint, read with a restricted unpickler (CheckpointError if unsafe)."""
-    path = os.path.join(ckpt, DCP_METADATA)
-    try:
-        with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a plain DCP metadata file ({e}); refusing to load it") from None
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor items are loaded with ``weights_only=True``."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -940,7 +894,7 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     if partial:
         sd = {"model": {k: v for k, v in model_sd.items() if k not in set(diff["missing"])}}
     with _single_process_quiet():
-        dcp.load(sd, checkpoint_id=ckpt, planner=_SafeLoadPlanner(allow_partial_load=partial))
+        load_dcp(sd, ckpt, metadata, allow_partial_load=partial)
     _refuse_non_finite(ckpt, sd, allow_non_finite)
     if partial:
         full = dict(model_sd)
@@ -992,5 +946,9 @@ def restore_rng(ckpt: str, meta: dict[str, Any] | None = None) -> bool:
         _warn(f"checkpoint {ckpt} has no RNG state for rank {_rank()} (saved with {meta.get('world_size')} "
               f"ranks); this rank keeps its seeded RNG")
         return False
-    set_rng_state(torch.load(rng_file, weights_only=True))
+    state = load_tensors_file(rng_file)
+    try:
+        set_rng_state(state)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{rng_file}: not an RNG state file ({type(e).__name__}: {e})") from None
     return True
