@@ -117,8 +117,8 @@ def test_a_byte_changed_in_any_checkpoint_file_is_one_line_on_load(saved, tmp_pa
         copy = tmp_path / kind
         shutil.copytree(saved, copy)
         _change_one_byte(copy / "iter_0000002" / name)
-        jobs[kind] = _pretrain(*TINY, "--train-iters", "3", "--load", str(copy), "--ckpt-step", "2")
-    jobs["search"] = _pretrain(*TINY, "--train-iters", "3", "--load", str(tmp_path / "shard"))
+        jobs[kind] = _pretrain(*TINY, "--train-iters", "3", "--override-opt_param-scheduler", "--load", str(copy), "--ckpt-step", "2")
+    jobs["search"] = _pretrain(*TINY, "--train-iters", "3", "--override-opt_param-scheduler", "--load", str(tmp_path / "shard"))
     results = _run_all(jobs, tmp_path)
     for kind, name in KINDS.items():
         line = _one_error_line(*results[kind])
@@ -149,8 +149,8 @@ def test_nan_weights_are_refused_and_a_nan_validation_loss_has_nan_ppl(saved, tm
     at = TINY.index("--eval-iters")
     evaluate = TINY[:at] + TINY[at + 2:]
     results = _run_all({
-        "refused": _pretrain(*TINY, "--train-iters", "3", "--load", str(tmp_path / "nan")),
-        "allowed": _pretrain(*evaluate, "--train-iters", "3", "--load", str(tmp_path / "nan"), "--skip-train",
+        "refused": _pretrain(*TINY, "--train-iters", "3", "--override-opt_param-scheduler", "--load", str(tmp_path / "nan")),
+        "allowed": _pretrain(*evaluate, "--train-iters", "3", "--override-opt_param-scheduler", "--load", str(tmp_path / "nan"), "--skip-train",
                              "--eval-iters", "1", "--allow-non-finite-checkpoint")}, tmp_path)
     line = _one_error_line(*results["refused"])
     assert "NaN/Inf values in 1 tensor " in line and "model.layers.0.mlp.linear_fc1.weight" in line
@@ -160,7 +160,7 @@ def test_nan_weights_are_refused_and_a_nan_validation_loss_has_nan_ppl(saved, tm
 
 
 def test_a_format_2_checkpoint_loads_and_training_continues(tmp_path):
-    rc, out, err = _wait(_start(_pretrain(*FORMAT2_MODEL, "--train-iters", "4", "--load", str(FORMAT2),
+    rc, out, err = _wait(_start(_pretrain(*FORMAT2_MODEL, "--train-iters", "4", "--override-opt_param-scheduler", "--load", str(FORMAT2),
                                           "--save", str(tmp_path / "new")), tmp_path / "log"), tmp_path / "log")
     assert rc == 0, err
     assert f"loaded checkpoint from {FORMAT2 / 'iter_0000002'} at iteration 2" in out
@@ -202,7 +202,8 @@ def test_a_second_run_is_refused_while_the_first_lives_and_a_killed_runs_lock_is
     first = _start(_pretrain(*LONG, "--save", str(save)), tmp_path / "first")
     try:
         _wait_for(tmp_path / "first.out", "saved checkpoint at iteration      50", first)
-        rc, out, err = _wait(_start(_pretrain(*TINY, "--train-iters", "60", "--save", str(save), "--load", str(save)),
+        rc, out, err = _wait(_start(_pretrain(*TINY, "--train-iters", "60", "--save", str(save),
+                                             "--override-opt_param-scheduler", "--load", str(save)),
                                     tmp_path / "second"), tmp_path / "second")
         line = _one_error_line(rc, out, err)
         assert f"--save {save} is in use by pid {first.pid} on host" in line and "lock file" in line
@@ -216,8 +217,8 @@ def test_a_second_run_is_refused_while_the_first_lives_and_a_killed_runs_lock_is
     os.close(fd)
     (save / "notes.tmp").write_text("not ours\n")
     last = int((save / checkpointing.TRACKER).read_text())
-    rc, out, err = _wait(_start(_pretrain(*TINY, "--train-iters", str(last + 2), "--save", str(save), "--load",
-                                          str(save)), tmp_path / "third"), tmp_path / "third")
+    rc, out, err = _wait(_start(_pretrain(*TINY, "--train-iters", str(last + 2), "--save", str(save),
+                                          "--override-opt_param-scheduler", "--load", str(save)), tmp_path / "third"), tmp_path / "third")
     assert rc == 0, err
     assert f"taking over the lock of a run that ended without releasing it (pid {first.pid}" in out
     removed = next(l for l in out.splitlines() if "removed what an interrupted run left: " in l)

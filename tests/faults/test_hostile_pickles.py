@@ -160,7 +160,8 @@ def _is_model_tensor(md, index) -> bool:
 
 def _commands(save: Path, ckpt: Path, tmp_path: Path) -> dict[str, list[str]]:
     return {
-        "pretrain": [sys.executable, "pretrain_gpt.py", *TRAIN, "--train-iters", "4", "--load", str(save)],
+        "pretrain": [sys.executable, "pretrain_gpt.py", *TRAIN, "--train-iters", "4", "--override-opt_param-scheduler",
+                     "--load", str(save)],
         "generate": [sys.executable, "tools/generate.py", "--load", str(save), "--prompt", "1 2 3",
                      "--tokens-to-generate", "1", "--device", "cpu"],
         "export_hf": [sys.executable, "tools/convert_checkpoint_to_hf.py", "--checkpoint-path", str(ckpt),
