@@ -15,6 +15,7 @@
 #   bash benchmarks/device_round.sh final6     # nvidia-h200-x2, ~9.5 min: `graphs`' rows and the GPT-2 graph profile on GPU 0, the one-GPU tests on GPU 1
 #   bash benchmarks/device_round.sh two-gpu-tests  # nvidia-h200-x2, ~3 min: the two-GPU set alone
 #   bash benchmarks/device_round.sh close6     # nvidia-h200-x2, ~5 min: the two-GPU tests, then 1.7B with CUDA graphs (GPU 0) and without (GPU 1)
+#   bash benchmarks/device_round.sh trust7     # nvidia-h200, ~8 min: 1.7B checkpoint save/load/checksum times, the fault suite under torch 2.11
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -101,10 +102,19 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; timeout 200 $LARGE 1.7b --extra "" --output "$OUT/table_1.7b.md") > "$OUT/gpu1.log" 2>&1 &
     wait
     ;;
+  trust7)  # checkpoint checksums on the 1.7B checkpoint, then the fault suite and checkpoint tests under the device's torch
+    timeout 300 python benchmarks/checkpoint.py --shape 1.7b --repeats 1 --dir /tmp/ckpt_bench \
+      --output "$OUT/checkpoint_1.7b.md" > "$OUT/checkpoint_1.7b.txt" 2>&1
+    python benchmarks/checkpoint_checksums.py --gb 4 --dir /tmp > "$OUT/checksums.txt" 2>&1
+    PYTHONPATH=$PWD timeout 240 python -m pytest -q -p no:cacheprovider -n 12 tests/faults tests/unit/test_checkpointing.py \
+      tests/unit/test_checkpoint_integrity.py tests/unit/test_locking.py tests/unit/test_long_pieces.py \
+      tests/unit/test_lr_schedule.py tests/distributed/test_checkpoint_integrity_ranks.py > "$OUT/fault_tests.txt" 2>&1
+    tail -3 "$OUT/fault_tests.txt"
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|gpu-tests|two-gpu-tests|close6]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|gpu-tests|two-gpu-tests|close6]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
