@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from megatrain.checkpoint import integrity
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatrain.checkpoint import integrity  # noqa: E402
 
 
 def _write(path: str, size: int) -> None:

@@ -103,6 +103,7 @@ case "${1:-table}" in
     wait
     ;;
   trust7)  # checkpoint checksums on the 1.7B checkpoint, then the fault suite and checkpoint tests under the device's torch
+    mkdir -p /tmp/ckpt_bench
     timeout 300 python benchmarks/checkpoint.py --shape 1.7b --repeats 1 --dir /tmp/ckpt_bench \
       --output "$OUT/checkpoint_1.7b.md" > "$OUT/checkpoint_1.7b.txt" 2>&1
     python benchmarks/checkpoint_checksums.py --gb 4 --dir /tmp > "$OUT/checksums.txt" 2>&1

@@ -54,8 +54,9 @@ def tiny_corpus(tmp_path_factory) -> dict[str, str]:
 
 
 def cpu_env() -> dict[str, str]:
-    """The environment for launched training processes: one thread each, so several fit on 2 cores."""
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    """The environment for launched CPU training processes: one thread each, so several fit on 2 cores,
+    and no GPU, so that on a GPU machine they compute the same numbers as on CI's CPU."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def free_port() -> int:
