@@ -309,6 +309,18 @@ def _save_failed(p: _PendingSave, error: BaseException) -> BaseException:
     return CheckpointSaveError(_failure_message(p, reason, p.published))
 
 
+def _write_and_finish(p: _PendingSave, write: Any) -> None:
+    """``write()`` this rank's shards (or wait for them), then `_finish`; a failure raises `_save_failed`'s error."""
+    try:
+        write()
+        _finish(p)
+    except BaseException as e:
+        failure = _save_failed(p, e)
+        if failure is e:
+            raise
+        raise failure from None
+
+
 def _agree(p: _PendingSave, error: BaseException | None) -> None:
     """A barrier of the save's ranks that also tells each whether one failed; then every rank raises
     (`_save_failed`'s rules, with the first failing rank's reason)."""
@@ -493,15 +505,10 @@ class Checkpointer:
         pending = _PendingSave(save, state.iteration, tmp, final, rank, world, meta,
                                rng_state() if save_rng else None, self.keep_last)
         if not self.async_save:
-            try:
+            def write() -> None:
                 with _single_process_quiet():
                     dcp.save(to_save, checkpoint_id=tmp)
-                _finish(pending)
-            except BaseException as e:
-                failure = _save_failed(pending, e)
-                if failure is e:
-                    raise
-                raise failure from None
+            _write_and_finish(pending, write)
             return SaveReport(final, time.perf_counter() - t0, False)
         pending.group = self._async_group()
         pending.started = time.perf_counter()
@@ -528,15 +535,8 @@ class Checkpointer:
 
     def _background(self, future: Any, pending: _PendingSave) -> None:
         try:
-            try:
-                upload = getattr(future, "upload_completion", future)  # AsyncSaveResponse in newer torch
-                upload.result()
-                _finish(pending)
-            except BaseException as e:
-                failure = _save_failed(pending, e)
-                if failure is e:
-                    raise
-                raise failure from None
+            upload = getattr(future, "upload_completion", future)  # AsyncSaveResponse in newer torch
+            _write_and_finish(pending, upload.result)
             self.last_write_s = time.perf_counter() - pending.started
             if self.verbose and pending.rank == 0:
                 print(f" checkpoint at iteration {pending.iteration:7d} written in the background to "

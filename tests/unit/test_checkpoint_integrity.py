@@ -23,21 +23,9 @@ from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import CheckpointError, TrainState
 from megatrain.training.logging import format_validation_line, parse_validation_line, validation_ppl
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from tests.unit.test_checkpointing import CONFIG, _trained
 
-CONFIG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, max_position_embeddings=8,
-                   hidden_dropout=0.0, attention_dropout=0.0)
 FORMAT2 = Path(__file__).resolve().parents[1] / "data" / "checkpoint_format2"
-
-
-def _trained(seed: int = 1):
-    model = GPTModel(CONFIG)
-    model.init_weights(seed)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
-    model(tokens, labels=tokens).mean().backward()
-    opt.step()
-    return model, opt
 
 
 def _save(root, it, model, opt, **kw):
