@@ -14,6 +14,12 @@ import os
 import tempfile
 from typing import Any, Iterator
 
+# The process's umask, read once at import (reading it means setting it, which is not thread-safe):
+# temporary files are created private (0600) and get the mode a plain open() would give before
+# they are renamed, so that files shared between users (checkpoints on a cluster) stay readable.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, fsync: bool = False) -> Iterator[str]:
@@ -21,7 +27,10 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = False) -> Iterator[str
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+    finally:
+        os.close(fd)
     try:
         yield tmp
         if fsync:

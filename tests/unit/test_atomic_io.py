@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -29,3 +31,10 @@ def test_failure_keeps_the_old_file_and_removes_the_temporary(tmp_path, error):
             raise error()
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_written_files_get_the_mode_of_a_plain_open(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    atomic_write_text(tmp_path / "atomic.txt", "x")
+    assert stat.S_IMODE(os.stat(tmp_path / "atomic.txt").st_mode) == stat.S_IMODE(os.stat(plain).st_mode)
