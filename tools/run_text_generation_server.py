@@ -2,7 +2,12 @@
 """Serve a megatrain checkpoint over HTTP: Megatron-LM's `PUT /api` and OpenAI-style `POST /v1/completions`
 (`python tools/run_text_generation_server.py --load CKPT --port 5000`)."""
 
-from megatrain.inference.serve import main
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatrain.inference.serve import main  # noqa: E402
 
 if __name__ == "__main__":
     main()
