@@ -10,21 +10,30 @@ from typing import Any, Callable, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def is_interrupt(e: BaseException | None) -> bool:
-    """A KeyboardInterrupt, also when a library re-raised it wrapped in its own exception (DCP collects
-    the exceptions of a save in ``failures`` and raises a CheckpointException)."""
-    seen = 0
-    while e is not None and seen < 20:
-        if isinstance(e, KeyboardInterrupt):
-            return True
+def underlying(error: BaseException | None, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception ``match`` accepts among ``error``, the failures a library collected in it
+    (DCP raises a CheckpointException whose ``failures`` maps each rank to its exception, or to an
+    (exception, traceback) pair), and its cause and context, searched depth first."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if match(e):
+            return e
         failures = getattr(e, "failures", None)
-        if isinstance(failures, dict) and failures and all(
-                is_interrupt(f if isinstance(f, BaseException) else getattr(f, "exception", None))
-                or "KeyboardInterrupt" in repr(f) for f in failures.values()):
-            return True
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return False
+        found = list(failures.values()) if isinstance(failures, dict) else []
+        inner = [f[0] if isinstance(f, tuple) and f else f for f in found]
+        # pushed in reverse so that the failures come first, in order, then the cause, then the context
+        stack.extend(reversed([x for x in inner if isinstance(x, BaseException)] + [e.__cause__, e.__context__]))
+    return None
+
+
+def is_interrupt(e: BaseException | None) -> bool:
+    """A KeyboardInterrupt, also when a library re-raised it wrapped in its own exception."""
+    return underlying(e, lambda x: isinstance(x, KeyboardInterrupt)) is not None
 
 
 def user_errors_exit(fn: F) -> F:

@@ -64,6 +64,7 @@ from megatrain.checkpoint import integrity
 from megatrain.checkpoint.dcp_reader import load_dcp
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.safe_pickle import load_tensors_file, read_dcp_metadata
+from megatrain.errors import underlying
 from megatrain.json_input import parse_json
 from megatrain.models.config import GPTConfig
 
@@ -257,22 +258,11 @@ class _PendingSave:
     published: bool = False  # rank 0: the directory has its final name
 
 
-def _os_error(error: BaseException | None, seen: set[int] | None = None) -> OSError | None:
-    """The OSError behind ``error``: itself, its cause or context, or a rank's failure inside DCP's
-    CheckpointException."""
-    seen = set() if seen is None else seen
-    if error is None or id(error) in seen:
-        return None
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno is not None:
-        return error
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict):
-        for failure in failures.values():
-            found = _os_error(failure[0] if isinstance(failure, tuple) and failure else failure, seen)
-            if found is not None:
-                return found
-    return _os_error(error.__cause__, seen) or _os_error(error.__context__, seen)
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError behind ``error`` (itself, a rank's failure inside DCP's CheckpointException, its
+    cause or context)."""
+    found = underlying(error, lambda e: isinstance(e, OSError) and e.errno is not None)
+    return found if isinstance(found, OSError) else None
 
 
 def _os_error_text(error: BaseException) -> str | None:
@@ -638,11 +628,11 @@ def is_complete(ckpt: str) -> bool:
 
 
 def _find(load: str, step: int | None, verify: Any = None) -> str | None:
-    """`find_checkpoint` on one process; ``verify(ckpt)`` returns a checksum problem or None."""
+    """`find_checkpoint` on one process; ``verify(ckpt, markers)`` returns a checksum problem or None."""
 
     def problem_of(ckpt: str) -> str | None:
-        problem = checkpoint_problem(ckpt)
-        return verify(ckpt) if problem is None and verify is not None else problem
+        markers, problem = _markers(ckpt)
+        return verify(ckpt, markers) if problem is None and verify is not None else problem
 
     if os.path.isfile(os.path.join(load, META)) or _ITER_RE.match(os.path.basename(os.path.normpath(load))):
         problem = problem_of(load)
@@ -687,12 +677,14 @@ def _find(load: str, step: int | None, verify: Any = None) -> str | None:
                      + (f" (iterations tried: {', '.join(map(str, candidates))})" if candidates else ""))
 
 
-def _verify_share(ckpt: str, rank: int, world: int) -> str | None:
+def _verify_share(ckpt: str, rank: int, world: int, markers: list[integrity.Marker] | None = None) -> str | None:
     """The checksum problem among the files of the markers ``m`` with ``m % world == rank`` (this rank's share:
-    at the saving layout, the files this rank wrote and mostly reads), or None."""
-    markers, problem = _markers(ckpt)
-    if problem is not None:
-        return problem
+    at the saving layout, the files this rank wrote and mostly reads), or None. ``markers``: the
+    checkpoint's, when the caller has read them already."""
+    if markers is None:
+        markers, problem = _markers(ckpt)
+        if problem is not None:
+            return problem
     return integrity.checksum_problem(ckpt, [m for m in markers if m.rank % world == rank])
 
 
@@ -705,13 +697,12 @@ def find_checkpoint(load: str, step: int | None = None, *, verify: bool = True) 
     changed file.
     """
     if not _dist_on() or _world() == 1:
-        return _find(load, step, (lambda ckpt: integrity.checksum_problem(ckpt, _markers(ckpt)[0])) if verify
-                     else None)
+        return _find(load, step, integrity.checksum_problem if verify else None)
     rank, world = _rank(), _world()
 
-    def verify_together(ckpt: str) -> str | None:  # rank 0, while the others wait in the loop below
+    def verify_together(ckpt: str, markers: list[integrity.Marker]) -> str | None:  # rank 0; the others wait below
         dist.broadcast_object_list([("verify", ckpt)], src=0)
-        return _gather_problem(_verify_share(ckpt, rank, world))
+        return _gather_problem(_verify_share(ckpt, rank, world, markers))
 
     result: list[Any] = [None]
     if rank == 0:
