@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from megatrain.models.config import GPTConfig  # noqa: E402
+from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
 from megatrain.training import checkpointing  # noqa: E402
 from megatrain.training.checkpointing import Checkpointer, TrainState  # noqa: E402

@@ -16,7 +16,7 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, not an installed copy
-    from megatrain.models.grad_accumulation_fusion import _CUDA_PATH, accumulate_wgrad_, wgrad_new
+    from megatrain.runtime.grad_accumulation_fusion import _CUDA_PATH, accumulate_wgrad_, wgrad_new
 
     g = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatrain.inference.generation import generate  # noqa: E402
-from megatrain.models.config import GPTConfig  # noqa: E402
+from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
 
 SHAPES = {

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from megatrain.convert.hf_mapping import hf_architecture, hf_config_dict, to_hf_state_dict
+from megatrain.models.gpt.hf import hf_architecture, hf_config_dict, to_hf_state_dict
 from megatrain.atomic_io import atomic_path, atomic_write_json
 from megatrain.convert.tokenizer_files import write_hf_tokenizer
 from megatrain.errors import user_errors_exit
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import canonical_parameter_name
 from megatrain.training import checkpointing
 

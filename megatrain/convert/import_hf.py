@@ -21,11 +21,11 @@ import torch
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.safe_pickle import load_tensors_file
 from megatrain.checkpoint.save_lock import take_save_lock
-from megatrain.convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
+from megatrain.models.gpt.hf import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
 from megatrain.convert.tokenizer_files import import_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.json_input import parse_json
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.builders import padded_vocab_size

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from megatrain.models.attention import KVCache
+from megatrain.models.common.attention import KVCache
 
 __all__ = ["KVCache", "generate", "sample_next_tokens"]
 

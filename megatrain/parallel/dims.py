@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from megatrain.models.config import GPTConfig
+    from megatrain.models.gpt.config import GPTConfig
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 

@@ -2,7 +2,7 @@
 
 The steps always run in this order:
 
-0. with ``--fp8-format``, the transformer layers' linear layers become fp8 (:mod:`megatrain.models.fp8`);
+0. with ``--fp8-format``, the transformer layers' linear layers become fp8 (:mod:`megatrain.runtime.fp8`);
 1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`),
    then the context-parallel key/value gather (:mod:`megatrain.parallel.context_parallel`);
 2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
@@ -14,7 +14,7 @@ The steps always run in this order:
 5. materialise (``to_empty``) and fill every parameter from ``initial_value`` -- each rank writes
    only its shard of the full tensor, so the weights are identical for every layout; then, with
    half-precision compute on plain weights, the layers' linear layers accumulate their weight
-   gradients in float32 inside the matmuls (:mod:`megatrain.models.grad_accumulation_fusion`;
+   gradients in float32 inside the matmuls (:mod:`megatrain.runtime.grad_accumulation_fusion`;
    ``model.grad_accumulation_fusion`` is the protocol the trainer follows per micro-batch);
 6. DDP wrapping (replicated data parallel), which needs materialised weights.
 
@@ -31,12 +31,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from megatrain.models.attention_backends import warn_if_attention_falls_back
-from megatrain.models.config import GPTConfig
-from megatrain.models.fp8 import Fp8Config, convert_to_fp8
-from megatrain.models.fused_loss import ChunkedCrossEntropy
+from megatrain.runtime.attention_backends import warn_if_attention_falls_back
+from megatrain.models.gpt.config import GPTConfig
+from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8
+from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.models.gpt import canonical_parameter_name, initial_value
-from megatrain.models.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
+from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
 from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
@@ -166,7 +166,7 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
 
 def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims, fsdp: bool) -> bool:
     """Whether the layers' linear layers accumulate weight gradients in their matmuls
-    (:mod:`megatrain.models.grad_accumulation_fusion`): half-precision compute on plain (not
+    (:mod:`megatrain.runtime.grad_accumulation_fusion`): half-precision compute on plain (not
     FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, no fp8 layers, and no
     full-layer recomputation (its second forward would not see the staged gradients)."""
     if cfg.grad_accumulation_fusion is False:

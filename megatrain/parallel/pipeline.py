@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.models.rope import rotary_tables
+from megatrain.models.common.rope import rotary_tables
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "gpipe")
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from megatrain.models.fused_loss import backward_once, chunk_kernel
+from megatrain.runtime.fused_loss import backward_once, chunk_kernel
 from megatrain.parallel.random import TensorParallelRNG
 
 __all__ = ["layer_plan", "apply_tensor_parallel", "enable_async_tensor_parallel", "vocab_parallel_cross_entropy",

@@ -628,7 +628,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "scaling), so delayed scaling's amax history and margin are not used"]
     if not args.bf16:
         _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
-    from megatrain.models.fp8 import fp8_available
+    from megatrain.runtime.fp8 import fp8_available
 
     if not fp8_available():
         _fail("--fp8-format needs torchao (float8 training), which is not installed: pip install 'megatrain[fp8]'")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 
 
 def padded_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel_size: int = 1) -> int:

@@ -66,7 +66,7 @@ from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.safe_pickle import load_tensors_file, read_dcp_metadata
 from megatrain.errors import underlying
 from megatrain.json_input import parse_json
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 
 # Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"), so
 # every rank's entries are distinct (pipeline stages hold different parameters) and a checkpoint

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 
 # Dense (no sparsity) 16-bit tensor-core peak in TFLOP/s, keyed by a substring of the device name
 # (torch.cuda.get_device_name). The longest matching key wins, so "H100 PCIe" beats "H100".

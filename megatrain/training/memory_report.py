@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 
 GIB = 2**30
 

@@ -38,7 +38,7 @@ from megatrain.training import checkpointing
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
-from megatrain.training.cuda_graph import MicroBatchGraphs
+from megatrain.runtime.cuda_graph import MicroBatchGraphs
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
 from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import (MetricsWriter, format_train_log_line, format_validation_block,
@@ -395,7 +395,7 @@ class Trainer:
 
     def _graphed_micro_batch(self, samples: torch.Tensor, weight: float, totals: torch.Tensor) -> None:
         """One micro-batch as its CUDA graph records it: batch, forward, backward, the loss and the
-        loss-token count added into ``totals`` (see :mod:`megatrain.training.cuda_graph`)."""
+        loss-token count added into ``totals`` (see :mod:`megatrain.runtime.cuda_graph`)."""
         fusion = getattr(self.module, "grad_accumulation_fusion", None)
         loss, n, _ = self._micro_batch_backward(self.make_batch(samples), weight, fusion, hold_others=True)
         totals += torch.stack([loss, n])

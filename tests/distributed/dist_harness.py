@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel, canonical_parameter_name
 from megatrain.parallel.distributed import destroy_distributed
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
@@ -106,7 +106,7 @@ def train_reference(config: GPTConfig, steps: int = STEPS,
     with torch.device("meta"):
         model = GPTModel(config)
     if fp8 is not None:
-        from megatrain.models.fp8 import Fp8Config, convert_to_fp8
+        from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8
 
         convert_to_fp8(model, Fp8Config(fp8))
     model.to_empty(device="cpu")

@@ -13,7 +13,7 @@ from dist_harness import run_workers
 
 from megatrain.checkpoint import save_lock
 from megatrain.locking import acquire
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import TrainState

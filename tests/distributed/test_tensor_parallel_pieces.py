@@ -17,9 +17,9 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 
 from dist_harness import GLOBAL, MICRO, full_parameters, global_batch, micro_loss, make_optimizer, run_workers, tiny_config
 
-from megatrain.models.attention import SelfAttention
+from megatrain.models.common.attention import SelfAttention
 from megatrain.models.gpt import GPTModel, TransformerLayer
-from megatrain.models.mlp import MLP
+from megatrain.models.common.mlp import MLP
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.random import TensorParallelRNG
 from megatrain.parallel.tensor_parallel import layer_plan, vocab_parallel_cross_entropy

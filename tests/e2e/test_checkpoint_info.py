@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import TrainState

@@ -134,7 +134,7 @@ def test_a_byte_changed_in_any_checkpoint_file_is_one_line_on_load(saved, tmp_pa
 def test_nan_weights_are_refused_and_a_nan_validation_loss_has_nan_ppl(saved, tmp_path):
     import torch
 
-    from megatrain.models.config import GPTConfig
+    from megatrain.models.gpt.config import GPTConfig
     from megatrain.models.gpt import GPTModel
 
     src = str(saved / "iter_0000002")

@@ -315,7 +315,7 @@ class _Fifo:
 def test_dcp_never_unpickles_metadata_itself(saved, tmp_path):
     """Loading reads .metadata once, with the allowlist; DCP is handed that object and never reads
     the file again (its own reader would unpickle it with plain pickle)."""
-    from megatrain.models.config import GPTConfig
+    from megatrain.models.gpt.config import GPTConfig
     from megatrain.models.gpt import GPTModel
     from megatrain.training import checkpointing
 

@@ -18,7 +18,7 @@ import torch
 
 from megatrain.checkpoint import integrity, save_lock
 from megatrain.locking import acquire
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import CheckpointError, TrainState

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import Checkpointer, CheckpointError, TrainState

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.training.cuda_graph import MicroBatchGraphs
+from megatrain.runtime.cuda_graph import MicroBatchGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

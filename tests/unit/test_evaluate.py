@@ -16,7 +16,7 @@ import torch
 from megatrain.data.indexed_dataset import IndexedDatasetWriter
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.inference.evaluate import last_word_accuracy
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import TrainState

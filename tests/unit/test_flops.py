@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training.flops import (
     PEAK_TFLOPS,

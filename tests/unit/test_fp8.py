@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("torchao.float8")
 
-from megatrain.models.config import GPTConfig  # noqa: E402
-from megatrain.models.fp8 import Fp8Config, convert_to_fp8  # noqa: E402
+from megatrain.models.gpt.config import GPTConfig  # noqa: E402
+from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
 from megatrain.parallel.dims import ParallelDims  # noqa: E402
 from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt  # noqa: E402

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.models.config import GPTConfig
-from megatrain.models.fused_loss import ChunkedCrossEntropy, chunked_cross_entropy
+from megatrain.models.gpt.config import GPTConfig
+from megatrain.runtime.fused_loss import ChunkedCrossEntropy, chunked_cross_entropy
 from megatrain.models.gpt import GPTModel
 
 
@@ -117,6 +117,6 @@ def test_compiled_chunk_kernels_match_and_compile_once():
 
 def test_compiled_chunk_work_takes_all_rows_in_one_call():
     """Compiled kernels keep float32 in registers, so chunking would only add host round trips."""
-    from megatrain.models.fused_loss import _rows_per_call
+    from megatrain.runtime.fused_loss import _rows_per_call
     assert _rows_per_call(8192, 1024, compile=True) == 8192
     assert _rows_per_call(8192, 1024, compile=False) == 1024

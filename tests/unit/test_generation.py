@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatrain.inference.generation import KVCache, generate, sample_next_tokens
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 
 VOCAB = 64

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.models.grad_accumulation_fusion import FusedGradLinear, GradAccumulationFusion, convert_linears
+from megatrain.runtime.grad_accumulation_fusion import FusedGradLinear, GradAccumulationFusion, convert_linears
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
 from megatrain.parallel.recompute import RecomputeConfig
@@ -143,7 +143,7 @@ def test_chunked_loss_output_weight_joins_the_fusion(untie):
     torch.manual_seed(0)
     ref = GPTModel(GPTConfig(**fields))
     fused = copy.deepcopy(ref)
-    from megatrain.models.fused_loss import ChunkedCrossEntropy
+    from megatrain.runtime.fused_loss import ChunkedCrossEntropy
     for m in (ref, fused):
         m.chunked_loss = ChunkedCrossEntropy(8)
     linears = convert_linears(m for layer in fused.layers.values() for m in layer.modules())
@@ -210,7 +210,7 @@ def test_where_the_fusion_applies():
 def test_held_gradients_of_the_other_parameters_sum_like_autograd(untie):
     """Norms, biases and embeddings: held aside during a micro-batch's backward and added back by
     one multi-tensor addition, their gradients equal autograd's per-parameter additions exactly."""
-    from megatrain.models.fused_loss import ChunkedCrossEntropy
+    from megatrain.runtime.fused_loss import ChunkedCrossEntropy
     torch.manual_seed(0)
     models = [GPTModel(GPTConfig(**dict(GPT, untie_embeddings_and_output_weights=untie)))]
     models.append(copy.deepcopy(models[0]))

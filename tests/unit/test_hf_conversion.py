@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from megatrain.convert.export_hf import export_checkpoint  # noqa: E402
-from megatrain.convert.hf_mapping import UnsupportedModelError, gpt_config_from_hf, hf_architecture  # noqa: E402
+from megatrain.models.gpt.hf import UnsupportedModelError, gpt_config_from_hf, hf_architecture  # noqa: E402
 from megatrain.convert.import_hf import import_hf_model  # noqa: E402
 from megatrain.inference.generation import generate  # noqa: E402
 from megatrain.inference.loading import load_model  # noqa: E402
-from megatrain.models.config import GPTConfig  # noqa: E402
+from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
 from megatrain.training import checkpointing  # noqa: E402
 from megatrain.training.checkpointing import TrainState  # noqa: E402

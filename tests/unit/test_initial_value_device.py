@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import initial_value
 
 

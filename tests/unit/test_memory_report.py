@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training.memory_report import estimate_memory, parameter_counts
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.models.attention import SelfAttention
-from megatrain.models.config import GPTConfig
+from megatrain.models.common.attention import SelfAttention
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel, initial_value
-from megatrain.models.mlp import MLP
-from megatrain.models.rope import apply_rotary, rotary_cos_sin
+from megatrain.models.common.mlp import MLP
+from megatrain.models.common.rope import apply_rotary, rotary_cos_sin
 
 
 def gpt2_config(**overrides) -> GPTConfig:
@@ -414,7 +414,7 @@ def test_residual_stream_dtype_under_autocast(fp32_residual, expected):
 
 
 def test_rotary_tables_are_computed_once_per_forward_and_change_nothing(monkeypatch):
-    import megatrain.models.rope as rope
+    import megatrain.models.common.rope as rope
 
     config = llama_config()
     model = GPTModel(config)

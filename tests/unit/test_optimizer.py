@@ -187,7 +187,7 @@ def test_clip_grad_norm_with_dtensor(tmp_path):
 
 
 def test_decoupled_lr_gives_embedding_and_output_layer_their_own_schedule():
-    from megatrain.models.config import GPTConfig
+    from megatrain.models.gpt.config import GPTConfig
     from megatrain.models.gpt import GPTModel
 
     model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,

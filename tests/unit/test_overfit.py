@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 
 COMMON = dict(num_layers=2, vocab_size=32, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)

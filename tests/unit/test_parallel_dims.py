@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.parallel.data_parallel import DataParallelConfig
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.distributed import env_from_environ, first_slurm_host, setup_env_from_slurm

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel, canonical_parameter_name
 from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
 

@@ -17,7 +17,7 @@ import pytest
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.inference.generation import generate
 from megatrain.inference.server import ServerLimits, TextGenerationService, make_server
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.training import checkpointing
 from megatrain.training.checkpointing import TrainState

@@ -12,7 +12,7 @@ import torch
 
 from megatrain.data.sft_dataset import (SFTConfig, SFTDataset, build_sft_datasets, sft_batch, tokenize_example)
 from megatrain.data.tokenizers import build_tokenizer
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.models.attention_backends import (AttentionCase, attention_warning, probe_backends, static_hints,
+from megatrain.runtime.attention_backends import (AttentionCase, attention_warning, probe_backends, static_hints,
                                                  warn_if_attention_falls_back)
-from megatrain.models.config import GPTConfig
-from megatrain.models.fp8 import fp8_available
+from megatrain.models.gpt.config import GPTConfig
+from megatrain.runtime.fp8 import fp8_available
 from megatrain.models.gpt import GPTModel
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt

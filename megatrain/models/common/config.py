@@ -1,4 +1,5 @@
-"""Typed configuration of the GPT model family (GPT-2 style by default, LLaMA style by flags)."""
+"""The typed shape of a transformer: what every family's shared blocks (attention, MLP, norms, rotary,
+embeddings, the transformer layer) read. A family's config subclasses it and adds its own fields."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from dataclasses import dataclass
 
 
 @dataclass
-class GPTConfig:
-    """Shape and style of a decoder-only transformer.
+class TransformerConfig:
+    """Shape and style of a stack of transformer layers.
 
     Field names follow Megatron-LM's flags (``--num-layers`` -> ``num_layers``).
     ``vocab_size`` is the *padded* vocabulary size the embedding is built with.

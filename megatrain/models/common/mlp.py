@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.common.config import TransformerConfig
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None
         h, ffn = config.hidden_size, config.ffn_hidden_size

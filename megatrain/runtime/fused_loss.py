@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatrain.models.grad_accumulation_fusion import wgrad_float32
+from megatrain.runtime.grad_accumulation_fusion import wgrad_float32
 
 __all__ = ["ChunkedCrossEntropy", "backward_once", "chunk_kernel", "chunked_cross_entropy", "compute_dtype"]
 
@@ -183,7 +183,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden's dtype); the softmax statistics in float32, ``chunk_size`` tokens at a time.
     ``half_weight``: a compute-dtype copy of ``weight`` to use instead of casting it; then the weight
     gradient is ``prev_grad + G^T h`` in float32 from one matmul (gradient-accumulation fusion,
-    :mod:`megatrain.models.grad_accumulation_fusion`).
+    :mod:`megatrain.runtime.grad_accumulation_fusion`).
     """
     if chunk_size <= 0:
         raise ValueError(f"--cross-entropy-chunk-size must be positive for the chunked loss, got {chunk_size}")
@@ -203,7 +203,7 @@ class ChunkedCrossEntropy:
     chunk_size: tokens per float32 chunk (``--cross-entropy-chunk-size``); compile: run the
     per-chunk work as torch.compile kernels (set with ``--use-torch-compile`` on CUDA).
     ``half_weight`` / ``main_grad_in``: set by the gradient-accumulation fusion
-    (:class:`megatrain.models.grad_accumulation_fusion.GradAccumulationFusion`) for the output weight.
+    (:class:`megatrain.runtime.grad_accumulation_fusion.GradAccumulationFusion`) for the output weight.
     """
 
     chunk_size: int = 1024

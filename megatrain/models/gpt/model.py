@@ -16,69 +16,21 @@ sharded afterwards starts from exactly the same weights as one built whole on on
 
 from __future__ import annotations
 
-import math
-import zlib
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.attention import KVCache, SelfAttention
-from megatrain.models.config import GPTConfig
-from megatrain.models.fused_loss import ChunkedCrossEntropy
-from megatrain.models.mlp import MLP
-from megatrain.models.norms import build_norm
-from megatrain.models.rope import rotary_tables
+from megatrain.models.common.attention import KVCache
+from megatrain.models.common.embedding import Embedding
+from megatrain.models.common.init import canonical_parameter_name, megatron_initial_value
+from megatrain.models.common.norms import build_norm
+from megatrain.models.common.rope import rotary_tables
+from megatrain.models.common.transformer_layer import TransformerLayer
+from megatrain.models.gpt.config import GPTConfig
 
-__all__ = ["GPTModel", "TransformerLayer", "Embedding", "KVCache", "initial_value"]
-
-
-class Embedding(nn.Module):
-    """Token embeddings, plus learned absolute position embeddings for GPT-2 style models."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = (
-            nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            if config.position_embedding_type == "learned_absolute"
-            else None
-        )
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.word_embeddings(input_ids)
-        if self.position_embeddings is not None:
-            hidden = hidden + self.position_embeddings(position_ids)
-        return self.dropout(hidden)
-
-
-class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
-
-    def __init__(self, config: GPTConfig, layer_number: int) -> None:
-        super().__init__()
-        self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number)
-        self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        *,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        attn_out = self.self_attention(self.input_layernorm(hidden), position_ids, attention_mask, kv_cache,
-                                       rotary=rotary)
-        hidden = hidden + self.dropout(attn_out)
-        mlp_out = self.mlp(self.pre_mlp_layernorm(hidden))
-        return hidden + self.dropout(mlp_out)
+__all__ = ["GPTModel", "TransformerLayer", "Embedding", "KVCache", "initial_value", "canonical_parameter_name"]
 
 
 class GPTModel(nn.Module):
@@ -211,51 +163,11 @@ class GPTModel(nn.Module):
 
 # ---- deterministic initialisation ---------------------------------------------------------------
 
-# Path parts that wrappers insert (torch.compile, activation checkpointing, DDP/FSDP1); dropping
-# them gives every parameter the same canonical name whatever wraps it.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"})
-
 _STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer"})
-_SCALED_WEIGHTS = frozenset({"linear_proj", "linear_fc2"})  # write into the residual stream
-
-
-def canonical_parameter_name(name: str) -> str:
-    """``name`` without the path parts that wrappers add."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int) -> torch.Tensor:
-    """The initial value of the parameter ``name`` as a float32 CPU tensor of ``shape``.
-
-    Megatron's scheme: weights of linear layers and embeddings ~ N(0, std); the two projections
-    that add into the residual stream (linear_proj, linear_fc2) ~ N(0, std / sqrt(2 L)); biases 0;
-    norm weights 1 (0 with ``--apply-layernorm-1p``) and LayerNorm biases 0. Random values come from a generator seeded by
-    (seed, crc32 of the canonical name), so they do not depend on the device, the parallel
-    layout or the order parameters are visited in.
-    """
-    canonical = canonical_parameter_name(name)
-    parts = canonical.split(".")
-    if len(parts) < 2:
-        raise ValueError(f"no initialisation rule for parameter {name!r}")
-    module, leaf = parts[-2], parts[-1]
-    shape = tuple(shape)
-
-    if module.endswith("layernorm"):
-        if leaf == "weight" and not config.apply_layernorm_1p:  # 1p: the zero weight means a scale of 1
-            return torch.ones(shape, device="cpu")
-        return torch.zeros(shape, device="cpu")
-    if leaf == "bias":
-        return torch.zeros(shape, device="cpu")
-    if leaf != "weight":
-        raise ValueError(f"no initialisation rule for parameter {name!r}")
-    if module in _STD_WEIGHTS:
-        std = config.init_method_std
-    elif module in _SCALED_WEIGHTS:
-        std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
-    else:
-        raise ValueError(f"no initialisation rule for parameter {name!r}")
-
-    # The CPU generator (mt19937) keeps only 32 bits of its seed, so hash seed and name together.
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(zlib.crc32(f"{seed}:{canonical}".encode("utf-8")))
-    return torch.empty(shape, device="cpu").normal_(mean=0.0, std=std, generator=generator)
+    """The initial value of GPT parameter ``name`` (see :func:`megatron_initial_value`): linear
+    layers and embeddings N(0, std), linear_proj and linear_fc2 N(0, std / sqrt(2 L)), biases 0,
+    norm weights 1 (0 with ``--apply-layernorm-1p``)."""
+    return megatron_initial_value(name, shape, config, seed, std_weights=_STD_WEIGHTS)

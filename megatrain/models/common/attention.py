@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.config import GPTConfig
-from megatrain.models.rope import RotaryEmbedding, apply_rotary
+from megatrain.models.common.config import TransformerConfig
+from megatrain.models.common.rope import RotaryEmbedding, apply_rotary
 
 
 class KVCache:
@@ -64,7 +64,7 @@ class KVCache:
 class SelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention through torch's SDPA."""
 
-    def __init__(self, config: GPTConfig, layer_number: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
         super().__init__()
         assert config.kv_channels is not None and config.num_query_groups is not None
         self.layer_number = layer_number
@@ -128,7 +128,7 @@ class CoreAttention(nn.Module):
     q [b, heads, s, d], k and v [b, groups, past + s, d] -> [b, heads, s, d].
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.heads_per_group = config.heads_per_group
         self.attention_dropout = config.attention_dropout

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.gpt.config import GPTConfig
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from megatrain.models.config import GPTConfig
+if TYPE_CHECKING:
+    from megatrain.models.common.config import TransformerConfig
+
 
 __all__ = ["AttentionCase", "static_hints", "probe_backends", "attention_warning", "warn_if_attention_falls_back"]
 
@@ -35,7 +38,7 @@ class AttentionCase:
     explicit_mask: bool = False  # --reset-attention-mask: a bool [b, 1, s, s] mask instead of is_causal
 
     @classmethod
-    def from_config(cls, config: GPTConfig, dtype: torch.dtype, explicit_mask: bool = False) -> "AttentionCase":
+    def from_config(cls, config: TransformerConfig, dtype: torch.dtype, explicit_mask: bool = False) -> "AttentionCase":
         return cls(config.head_dim, config.heads_per_group, dtype, config.attention_dropout, explicit_mask)
 
 
@@ -78,7 +81,7 @@ def probe_backends(case: AttentionCase, device: torch.device, seq_length: int = 
             warnings.simplefilter("always")
             try:
                 with sdpa_kernel([backend]):
-                    # The same call pattern as megatrain.models.attention.CoreAttention.
+                    # The same call pattern as megatrain.models.common.attention.CoreAttention.
                     if case.explicit_mask:
                         mask = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril()
                         kk = k.repeat_interleave(case.heads_per_group, dim=1)
@@ -115,7 +118,7 @@ def attention_warning(results: dict[str, str | None], hints: list[str]) -> str |
     return "\n".join(lines)
 
 
-def warn_if_attention_falls_back(config: GPTConfig, dtype: torch.dtype, device: torch.device, *,
+def warn_if_attention_falls_back(config: TransformerConfig, dtype: torch.dtype, device: torch.device, *,
                                  explicit_mask: bool = False) -> str | None:
     """Probe on ``device`` (CUDA); print the warning on rank 0 and return it (None when all is well)."""
     if device.type != "cuda":

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.config import GPTConfig
+from megatrain.models.common.config import TransformerConfig
 
 
 class LayerNorm1P(nn.LayerNorm):
@@ -40,7 +40,7 @@ class RMSNorm1P(RMSNorm):
         return self.weight + 1
 
 
-def build_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
+def build_norm(config: TransformerConfig, width: int | None = None) -> nn.Module:
     """The normalisation layer the config asks for, over the last dim of size ``width`` (default h).
 
     LayerNorm has a weight and a bias; RMSNorm has only a weight (as in Megatron and LLaMA).

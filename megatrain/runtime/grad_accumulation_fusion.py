@@ -5,7 +5,7 @@ Under plain autocast a float32 weight is cast to bf16 in every micro-batch's for
 weight-gradient matmul writes a bf16 gradient, autograd casts it back to float32 and adds it to
 ``.grad``: four passes over every weight per micro-batch, and the gradient rounded to bf16 before
 it is summed. Here, for the ``nn.Linear`` modules of the transformer layers (and, through the
-same protocol, the output weight inside the chunked loss, :mod:`megatrain.models.fused_loss`):
+same protocol, the output weight inside the chunked loss, :mod:`megatrain.runtime.fused_loss`):
 
 * the parameter stays the float32 master weight (optimizer, clipping, checkpoints and data
   parallelism see no difference); a half-precision copy (``half_weight``) is refreshed once per

@@ -1,0 +1,73 @@
+"""Layout-independent initialisation: every parameter's initial value is a pure function of
+(seed, canonical parameter name, shape), so a model built on the meta device and sharded afterwards
+starts from exactly the same weights as one built whole on one device.
+
+A family states its rules as module names (which weights get ``N(0, std)``, which write into the
+residual stream and get ``N(0, std / sqrt(2 L))``) and calls :func:`megatron_initial_value`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Collection, Sequence
+
+import torch
+
+from megatrain.models.common.config import TransformerConfig
+
+__all__ = ["canonical_parameter_name", "seeded_normal", "megatron_initial_value", "RESIDUAL_PROJECTIONS"]
+
+# Path parts that wrappers insert (torch.compile, activation checkpointing, DDP/FSDP1); dropping
+# them gives every parameter the same canonical name whatever wraps it.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"})
+
+RESIDUAL_PROJECTIONS = frozenset({"linear_proj", "linear_fc2"})  # the layer's writes into the residual stream
+
+
+def canonical_parameter_name(name: str) -> str:
+    """``name`` without the path parts that wrappers add."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def seeded_normal(canonical: str, shape: Sequence[int], std: float, seed: int) -> torch.Tensor:
+    """``N(0, std)`` float32 CPU values from a generator seeded by (seed, crc32 of the name)."""
+    # The CPU generator (mt19937) keeps only 32 bits of its seed, so hash seed and name together.
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(zlib.crc32(f"{seed}:{canonical}".encode("utf-8")))
+    return torch.empty(tuple(shape), device="cpu").normal_(mean=0.0, std=std, generator=generator)
+
+
+def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerConfig, seed: int, *,
+                           std_weights: Collection[str],
+                           scaled_weights: Collection[str] = RESIDUAL_PROJECTIONS) -> torch.Tensor:
+    """The initial value of parameter ``name`` as a float32 CPU tensor of ``shape``.
+
+    Megatron's scheme: weights of the modules in ``std_weights`` ~ N(0, std); those in
+    ``scaled_weights`` (the projections that add into the residual stream) ~ N(0, std / sqrt(2 L));
+    biases 0; norm weights (modules whose name ends in ``layernorm``) 1, or 0 with
+    ``--apply-layernorm-1p``, and their biases 0. Any other parameter is refused (ValueError), so
+    a new module cannot silently start from garbage.
+    """
+    canonical = canonical_parameter_name(name)
+    parts = canonical.split(".")
+    if len(parts) < 2:
+        raise ValueError(f"no initialisation rule for parameter {name!r}")
+    module, leaf = parts[-2], parts[-1]
+    shape = tuple(shape)
+
+    if module.endswith("layernorm"):
+        if leaf == "weight" and not config.apply_layernorm_1p:  # 1p: the zero weight means a scale of 1
+            return torch.ones(shape, device="cpu")
+        return torch.zeros(shape, device="cpu")
+    if leaf == "bias":
+        return torch.zeros(shape, device="cpu")
+    if leaf != "weight":
+        raise ValueError(f"no initialisation rule for parameter {name!r}")
+    if module in std_weights:
+        std = config.init_method_std
+    elif module in scaled_weights:
+        std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    else:
+        raise ValueError(f"no initialisation rule for parameter {name!r}")
+    return seeded_normal(canonical, shape, std, seed)

@@ -1,0 +1,81 @@
+"""The model-family registry: one :class:`ModelFamily` per folder under ``megatrain/models/``.
+
+A family is everything the rest of megatrain needs to know about a kind of model, given as plain
+callables and data (compare torchtitan's ``ModelSpec`` and Megatron's ``model_provider``):
+
+* ``config_class`` and ``config_from_args``: its typed config, built once from the flags;
+* ``build_model`` (the plain single-device model) and ``build_stage`` (one pipeline stage of it,
+  with the model's own parameter names);
+* ``initial_value``: its layout-independent initialisation rules;
+* ``tensor_parallel_plan``: its TP/SP plan by module path;
+* ``objective``: what a training batch is and what loss it gives;
+* ``flops`` and ``memory``: the formulas of the log line and the start-up memory report;
+* ``config_checks``: how each config field is compared between a checkpoint and the flags;
+* ``hf``: its Hugging Face adapter (None when it has none).
+
+The training loop, pipeline, checkpointing, conversion and inference code read a family only
+through this object: adding one is writing its folder and one :func:`register` call (see
+"Adding a model family" in docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_config", "DEFAULT_FAMILY"]
+
+DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-only megatrain
+
+# Families that ship with megatrain, imported on first use (registering is a side effect of import).
+_BUILTIN = {"gpt": "megatrain.models.gpt.family"}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config_class: type
+    config_from_args: Callable[..., Any]  # (args, padded vocab size) -> config
+    build_model: Callable[[Any], Any]  # config -> nn.Module (on the current default device)
+    build_stage: Callable[..., Any]  # (config, layer ids, *, stage_index, num_stages) -> nn.Module
+    initial_value: Callable[..., Any]  # (name, shape, config, seed) -> float32 CPU tensor
+    tensor_parallel_plan: Callable[..., Any]  # (model, *, sequence_parallel) -> TensorParallelPlan
+    objective: Callable[..., Any]  # (args, tokenizer) -> Objective
+    flops: Callable[..., float]  # (config, batch size, seq length) -> FLOPs of one forward+backward
+    memory: Callable[..., Any] | None = None  # estimate_memory-like (config, **layout) -> MemoryEstimate
+    config_checks: dict[str, tuple[str, str]] = field(default_factory=dict)
+    hf: Any = None
+    description: str = ""
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` (re-registering the same name replaces it: tests define toy families)."""
+    _REGISTRY[family.name] = family
+    return family
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family called ``name``; ValueError naming the known ones when there is none."""
+    if name not in _REGISTRY and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model family {name!r} (known: {', '.join(family_names())})")
+    return _REGISTRY[name]
+
+
+def family_names() -> list[str]:
+    return sorted(set(_REGISTRY) | set(_BUILTIN))
+
+
+def family_of_config(config: Any) -> ModelFamily:
+    """The family whose ``config_class`` ``config`` is an instance of (the most specific one)."""
+    for name in _BUILTIN:
+        get_family(name)
+    matches = [f for f in _REGISTRY.values() if isinstance(config, f.config_class)]
+    if not matches:
+        raise ValueError(f"no model family has the config class {type(config).__name__}")
+    return max(matches, key=lambda f: len(f.config_class.__mro__))
