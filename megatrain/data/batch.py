@@ -1,4 +1,9 @@
-"""Model inputs from samples: tokens, labels, loss mask, position ids, attention mask.
+"""Typed micro-batches, and the causal-LM batch from samples: tokens, labels, loss mask, position
+ids, attention mask.
+
+:class:`Batch` is the base of every batch kind: a dataclass of tensors (or None) that moves to a
+device, concatenates micro-batches (pipeline parallelism runs an iteration's micro-batches as one),
+and gives its context-parallel part. :class:`CausalLMBatch` is GPT's (pre-training and fine-tuning).
 
 Same semantics as Megatron-LM's ``get_ltor_masks_and_position_ids``, vectorised, with one
 difference of convention: our ``attention_mask`` follows SDPA (``True`` = may attend), while
@@ -12,11 +17,74 @@ earlier segments. With ``eod_mask_loss`` the loss is not computed where the *inp
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 
-__all__ = ["make_batch"]
+__all__ = ["Batch", "CausalLMBatch", "make_batch", "to_device"]
+
+B = TypeVar("B", bound="Batch")
+
+
+@dataclass
+class Batch:
+    """A micro-batch: tensor fields (dim 0 is the batch), or None."""
+
+    # Fields whose dim 1 is the sequence: context parallelism keeps this rank's positions of them.
+    sequence_fields: ClassVar[tuple[str, ...]] = ()
+
+    def to(self: B, device: torch.device, non_blocking: bool = False) -> B:
+        return replace(self, **{f.name: v.to(device, non_blocking=non_blocking)
+                                for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
+    @classmethod
+    def cat(cls: type[B], batches: list[B]) -> B:
+        """The micro-batches as one batch (dim 0); a field None in the first is None in the result."""
+        values = {}
+        for f in fields(cls):
+            first = getattr(batches[0], f.name)
+            values[f.name] = None if first is None else torch.cat([getattr(b, f.name) for b in batches])
+        return cls(**values)
+
+    def context_parallel_part(self: B, index: torch.Tensor) -> B:
+        """This context-parallel rank's part: the sequence positions ``index`` of every sequence field."""
+        raise ValueError(f"--context-parallel-size > 1 does not support {type(self).__name__} batches")
+
+    @property
+    def seq_length(self) -> int:
+        return int(getattr(self, self.sequence_fields[0]).shape[1])
+
+
+@dataclass
+class CausalLMBatch(Batch):
+    """Next-token prediction: tokens/labels [b, s], loss_mask float [b, s], position_ids int64 [b, s],
+    attention_mask None (causal) or bool [b, 1, s, s] (True = may attend)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: Optional[torch.Tensor] = None
+    attention_mask: Optional[torch.Tensor] = None
+
+    sequence_fields: ClassVar[tuple[str, ...]] = ("tokens", "labels", "loss_mask", "position_ids")
+
+    def context_parallel_part(self, index: torch.Tensor) -> "CausalLMBatch":
+        if self.attention_mask is not None:
+            raise ValueError("--context-parallel-size > 1 does not support explicit attention masks "
+                             "(--reset-attention-mask)")
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(self.tokens.shape[1], device=self.tokens.device).unsqueeze(0)
+        return replace(self, tokens=self.tokens.index_select(1, index), labels=self.labels.index_select(1, index),
+                       loss_mask=self.loss_mask.index_select(1, index), position_ids=positions.index_select(1, index))
+
+
+def to_device(samples: Any, device: torch.device) -> Any:
+    """The loader's collated samples (a tensor, or a dict of tensors) on ``device`` (non-blocking)."""
+    if isinstance(samples, dict):
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in samples.items()}
+    return samples.to(device, non_blocking=True)
 
 
 def _segment_starts(is_eod: torch.Tensor) -> torch.Tensor:
@@ -31,9 +99,9 @@ def _segment_starts(is_eod: torch.Tensor) -> torch.Tensor:
 
 
 def make_batch(samples: torch.Tensor, eod_token: Optional[int], reset_position_ids: bool = False,
-               reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> dict:
-    """``samples`` int64 [b, s+1] -> dict of tokens/labels [b, s], loss_mask float [b, s],
-    position_ids int64 [b, s], attention_mask ``None`` or bool [b, 1, s, s] (True = may attend)."""
+               reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> CausalLMBatch:
+    """``samples`` int64 [b, s+1] -> tokens/labels [b, s], loss_mask float [b, s], position_ids
+    int64 [b, s], attention_mask ``None`` or bool [b, 1, s, s] (True = may attend)."""
     if samples.dim() != 2 or samples.shape[1] < 2:
         raise ValueError(f"samples must be [batch, seq_length+1], got shape {tuple(samples.shape)}")
     samples = samples.long()
@@ -62,5 +130,4 @@ def make_batch(samples: torch.Tensor, eod_token: Optional[int], reset_position_i
         causal = arange.unsqueeze(1) >= arange.unsqueeze(0)  # [q, k]
         same_segment = starts.unsqueeze(2) == starts.unsqueeze(1)  # [b, q, k]
         attention_mask = (causal.unsqueeze(0) & same_segment).unsqueeze(1)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": position_ids, "attention_mask": attention_mask}
+    return CausalLMBatch(tokens, labels, loss_mask, position_ids, attention_mask)

@@ -22,7 +22,7 @@ with ``cyclic=True`` it starts over (from the same ``consumed_samples``, as Mega
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -114,8 +114,12 @@ class RandomPretrainingSampler:
                 yield order[start:start + self.micro_batch_size]
 
 
-def collate_samples(samples: list) -> torch.Tensor:
-    """Stack numpy int arrays into one int64 tensor [batch, seq_length + 1]."""
+def collate_samples(samples: list) -> Any:
+    """Stack samples into a micro-batch: numpy int arrays into one int64 tensor [batch, seq_length + 1];
+    dict samples (several arrays per sample) field by field into a dict of such tensors."""
+    if isinstance(samples[0], dict):
+        return {key: torch.from_numpy(np.stack([np.asarray(s[key], dtype=np.int64) for s in samples]))
+                for key in samples[0]}
     return torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))
 
 

@@ -13,11 +13,11 @@ trained on. Chat messages use this template (``CHAT_TEMPLATE``), each piece toke
 The role headers and every non-assistant message carry no loss; an assistant message's content and
 its closing newline do, and so does the final EOD when the last message is the assistant's.
 
-A sample is an int64 array [3, seq_length + 1]: row 0 token ids, row 1 ``1`` where the token is a
-training target, row 2 the example's segment number (1, 2, ... ; 0 for padding). ``--sft-pack``
+A sample is a dict of int64 arrays [seq_length + 1]: ``tokens`` (token ids), ``targets`` (``1`` where
+the token is a training target), ``segments`` (the example's number, 1, 2, ... ; 0 for padding). ``--sft-pack``
 packs several examples into one sample (attention and position ids restart per example);
 otherwise each sample holds one example, padded at the end. Over-long examples are truncated.
-`sft_batch` turns a stacked batch of samples into the model inputs with its own loss mask.
+`sft_batch` turns a collated batch of samples into a causal-LM batch with its own loss mask.
 
 The order is deterministic (seeded per epoch) and independent of the parallel layout.
 """
@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from megatrain.data.batch import CausalLMBatch
 
 from megatrain.data.gpt_dataset import parse_split, split_matrix_from_vector, split_ranges
 from megatrain.data.jsonl import iter_jsonl
@@ -163,7 +165,7 @@ class SFTDataset(torch.utils.data.Dataset):
             self._orders[epoch] = np.random.RandomState(self.seed + epoch).permutation(len(self.bins))
         return self._orders[epoch]
 
-    def __getitem__(self, index: int) -> np.ndarray:
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         epoch, pos = divmod(int(index), len(self.bins))
         sample = np.zeros((3, self.capacity), dtype=np.int64)
         sample[0] = self.pad_id
@@ -176,7 +178,7 @@ class SFTDataset(torch.utils.data.Dataset):
             sample[1, start] = 0  # never predict across an example boundary
             sample[2, start:start + n] = segment
             start += n
-        return sample
+        return {"tokens": sample[0], "targets": sample[1], "segments": sample[2]}
 
 
 def build_sft_datasets(data_paths: Sequence[str] | None, split: str, tokenizer: Any, config: SFTConfig,
@@ -227,20 +229,23 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def sft_batch(samples: torch.Tensor) -> dict[str, Any]:
-    """Stacked samples int64 [b, 3, s+1] -> tokens, labels, loss_mask, position_ids, attention_mask.
+def sft_batch(samples: dict[str, torch.Tensor]) -> CausalLMBatch:
+    """Collated samples (``tokens``, ``targets``, ``segments``: int64 [b, s+1]) -> a causal-LM batch.
 
     Position ids restart at every example; with several examples in a row the attention mask keeps
     each example to itself (``None`` when every row holds one example: padding sits at the end, so
     causal attention already keeps it away from real tokens).
     """
-    if samples.dim() != 3 or samples.shape[1] != 3:
-        raise ValueError(f"fine-tuning samples must be [batch, 3, seq_length+1], got {tuple(samples.shape)}")
-    samples = samples.long()
-    tokens = samples[:, 0, :-1].contiguous()
-    labels = samples[:, 0, 1:].contiguous()
-    loss_mask = samples[:, 1, 1:].float().contiguous()
-    segments = samples[:, 2, :-1]
+    if not isinstance(samples, dict) or {"tokens", "targets", "segments"} - set(samples):
+        raise ValueError("fine-tuning samples must be dicts of tokens, targets and segments "
+                         f"[batch, seq_length+1], got {type(samples).__name__}")
+    ids = samples["tokens"].long()
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise ValueError(f"fine-tuning samples must be [batch, seq_length+1], got {tuple(ids.shape)}")
+    tokens = ids[:, :-1].contiguous()
+    labels = ids[:, 1:].contiguous()
+    loss_mask = samples["targets"][:, 1:].float().contiguous()
+    segments = samples["segments"][:, :-1].long()
     b, s = tokens.shape
     arange = torch.arange(s, device=tokens.device)
     new_segment = torch.ones_like(segments, dtype=torch.bool)
@@ -251,5 +256,4 @@ def sft_batch(samples: torch.Tensor) -> dict[str, Any]:
     if bool((segments.max(dim=1).values > 1).any()):
         causal = arange[:, None] >= arange[None, :]
         attention_mask = (causal & (segments[:, :, None] == segments[:, None, :])).unsqueeze(1)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-            "attention_mask": attention_mask}
+    return CausalLMBatch(tokens, labels, loss_mask, position_ids, attention_mask)

@@ -38,21 +38,10 @@ def chunk_positions(seq_length: int, cp: int, rank: int, device: torch.device | 
     return torch.cat([first, second])
 
 
-def split_batch(batch: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
-    """This rank's part of a micro-batch (tokens, labels, loss mask, position ids; dim 1 is the sequence)."""
-    if batch.get("attention_mask") is not None:
-        raise ValueError("--context-parallel-size > 1 does not support explicit attention masks "
-                         "(--reset-attention-mask)")
-    tokens = batch["tokens"]
-    index = chunk_positions(tokens.shape[1], cp, rank, tokens.device)
-    out = dict(batch)
-    for key in ("tokens", "labels", "loss_mask"):
-        out[key] = batch[key].index_select(1, index)
-    positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-    out["position_ids"] = positions.index_select(1, index)
-    return out
+def split_batch(batch: Any, cp: int, rank: int) -> Any:
+    """This rank's part of a typed micro-batch (its sequence fields' positions :func:`chunk_positions`)."""
+    index = chunk_positions(batch.seq_length, cp, rank, getattr(batch, batch.sequence_fields[0]).device)
+    return batch.context_parallel_part(index)
 
 
 def _gather_autograd(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

@@ -78,8 +78,11 @@ def uses_fsdp(cfg: DataParallelConfig, tensor_parallel: bool) -> bool:
     return cfg.zero_stage > 0 or tensor_parallel
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -> nn.Module:
-    """``fully_shard`` every transformer layer, then the root (embeddings, final norm, head)."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -> bool:
+    """``fully_shard`` every transformer layer, then the root (embeddings, final norm, head).
+
+    Returns whether the gathered parameters stay unsharded between the micro-batches of an
+    iteration (what :func:`gradient_sync` needs to know)."""
     # The model's per-token loss is a view of the loss kernel's output; nothing modifies it in place,
     # which is what FSDP2's warning about returned views guards against.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -95,14 +98,13 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     # ZeRO-1/2 keep the gathered (compute-dtype) parameters between the micro-batches of an
     # iteration, as Megatron's distributed optimizer does; ZeRO-3 regathers them per use.
-    model.keep_unsharded_between_micro_batches = not reshard  # type: ignore[attr-defined]
     if cfg.overlap_param_gather and len(layers) > 1:
         for i, layer in enumerate(layers):
             if i + 1 < len(layers) and hasattr(layer, "set_modules_to_forward_prefetch"):
                 layer.set_modules_to_forward_prefetch([layers[i + 1]])
             if i > 0 and hasattr(layer, "set_modules_to_backward_prefetch"):
                 layer.set_modules_to_backward_prefetch([layers[i - 1]])
-    return model
+    return not reshard
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig,
@@ -126,16 +128,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, enabled: bool, keep_unsharded: bool = False) -> Iterator[None]:
     """Forward and backward of one micro-batch; gradients are reduced across dp only if ``enabled``.
 
-    Use ``enabled=False`` for every micro-batch but the last of an iteration.
+    Use ``enabled=False`` for every micro-batch but the last of an iteration. ``keep_unsharded``
+    (what :func:`apply_fsdp` returned): FSDP2 keeps the gathered parameters until the last one.
     """
     if isinstance(model, DistributedDataParallel):
         with contextlib.nullcontext() if enabled else model.no_sync():
             yield
     elif isinstance(model, FSDPModule):
-        keep = getattr(model, "keep_unsharded_between_micro_batches", False)
+        keep = keep_unsharded
         model.set_requires_gradient_sync(enabled)
         if keep:
             model.set_reshard_after_backward(enabled)

@@ -1,21 +1,22 @@
-"""``parallelize_gpt``: turn a GPTModel built on the meta device into a sharded, initialised model.
+"""``parallelize_model``: turn a family's model (or pipeline stage) built on the meta device into a
+sharded, initialised one, and return everything it made (:class:`Parallelized`).
 
 The steps always run in this order:
 
 0. with ``--fp8-format``, the transformer layers' linear layers become fp8 (:mod:`megatrain.runtime.fp8`);
-1. tensor / sequence parallel plans by module path (:mod:`megatrain.parallel.tensor_parallel`),
-   then the context-parallel key/value gather (:mod:`megatrain.parallel.context_parallel`);
+1. tensor / sequence parallel plans by module path (the family's plan, applied by
+   :mod:`megatrain.parallel.tensor_parallel`), then the context-parallel key/value gather (:mod:`megatrain.parallel.context_parallel`);
 2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
 3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``), and the head's
-   loss: chunked float32 cross entropy (``--cross-entropy-chunk-size``) unless tensor parallel
+   loss head: chunked float32 cross entropy (``--cross-entropy-chunk-size``) unless tensor parallel
    already made it vocab-parallel;
 4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs), over the
    data x context parallel ranks;
-5. materialise (``to_empty``) and fill every parameter from ``initial_value`` -- each rank writes
-   only its shard of the full tensor, so the weights are identical for every layout; then, with
-   half-precision compute on plain weights, the layers' linear layers accumulate their weight
-   gradients in float32 inside the matmuls (:mod:`megatrain.runtime.grad_accumulation_fusion`;
-   ``model.grad_accumulation_fusion`` is the protocol the trainer follows per micro-batch);
+5. materialise (``to_empty``) and fill every parameter from the family's ``initial_value`` -- each
+   rank writes only its shard of the full tensor, so the weights are identical for every layout;
+   then, with half-precision compute on plain weights, the layers' linear layers accumulate their
+   weight gradients in float32 inside the matmuls (:mod:`megatrain.runtime.grad_accumulation_fusion`;
+   ``Parallelized.grad_fusion`` is the protocol the trainer follows per micro-batch);
 6. DDP wrapping (replicated data parallel), which needs materialised weights.
 
 On CUDA, a small probe then checks that SDPA has a fused attention kernel for the model's head
@@ -24,6 +25,7 @@ dim, dtype and masks, and warns when only the slow math fallback would run.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,11 +33,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from megatrain.models.common.init import canonical_parameter_name
+from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
-from megatrain.models.gpt.config import GPTConfig
 from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
-from megatrain.models.gpt import canonical_parameter_name, initial_value
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
 from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
@@ -85,31 +87,45 @@ def whole_model_compile_allowed(*, tp: int, pp: int, cp: int, sharded_data_paral
     return tp == 1 and pp == 1 and cp == 1 and not sharded_data_parallel
 
 
-def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
-                    seed: int, config: GPTConfig | None = None,
-                    compile_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """Apply parallelism to ``model`` (ideally on the meta device), initialise it and return it.
+@dataclass
+class Parallelized:
+    """What :func:`parallelize_model` made: the trainer reads these, nothing is attached to the model."""
 
-    ``cfg`` is a :class:`ParallelizeConfig` or parsed Megatron arguments. The result is the model
-    itself (tensor parallel / FSDP2) or a ``DistributedDataParallel`` wrapper around it; use
-    :func:`megatrain.parallel.data_parallel.unwrap` for the module.
+    model: nn.Module  # what forward and backward run: the module, or its DDP wrapper
+    module: nn.Module  # the family's module itself (parameters, state dicts, methods)
+    loss_head: Any = None  # the language-model head's loss (None for models without one)
+    grad_fusion: GradAccumulationFusion | None = None  # the per-micro-batch protocol, where it applies
+    fp8_report: tuple[list[str], list[str]] | None = None  # (fp8 linear layers, layer linears kept)
+    keep_unsharded: bool = False  # FSDP2 keeps gathered parameters between micro-batches (ZeRO-1/2)
+
+
+def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig, *, device: torch.device,
+                      seed: int, family: ModelFamily | None = None, config: Any = None,
+                      compile_fn: Callable[[nn.Module], None] | None = None,
+                      pipeline_stage: bool = False) -> Parallelized:
+    """Apply parallelism to ``model`` (ideally on the meta device), initialise it and return what was made.
+
+    ``family`` defaults to the family of ``config`` (default ``model.config``). ``pipeline_stage``:
+    ``model`` is one pipeline stage (``megatrain.parallel.pipeline.PipelineParallel.build`` passes it).
     """
-    if not isinstance(cfg, ParallelizeConfig):
+    if isinstance(cfg, argparse.Namespace):
         cfg = ParallelizeConfig.from_args(cfg)
     config = config or model.config
-    if dims.pp > 1 and not getattr(model, "is_pipeline_stage", False):
-        raise ValueError("parallelize_gpt applies tensor, sequence, context and data parallelism to one model or "
+    family = family or family_of_config(config)
+    if dims.pp > 1 and not pipeline_stage:
+        raise ValueError("parallelize_model applies tensor, sequence, context and data parallelism to one model or "
                          f"one pipeline stage; with --pipeline-model-parallel-size {dims.pp} build the stages "
                          "with megatrain.parallel.pipeline.PipelineParallel.build")
     distributed = dims.world_size > 1
+    fp8_report = None
     if cfg.fp8_format is not None:
-        converted, left = convert_to_fp8(model, Fp8Config(cfg.fp8_format), tp=dims.tp)
-        model.fp8_report = (converted, left)  # type: ignore[attr-defined]
+        fp8_report = convert_to_fp8(model, Fp8Config(cfg.fp8_format), tp=dims.tp)
     if dims.tp_enabled:
         dims.validate_model(config)
         apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=dims.sequence_parallel,
                               loss_chunk_size=cfg.cross_entropy_chunk_size,
-                              compile_loss=cfg.compile_layers and device.type == "cuda")
+                              compile_loss=cfg.compile_layers and device.type == "cuda",
+                              plan=family.tensor_parallel_plan(model, sequence_parallel=dims.sequence_parallel))
         if cfg.tp_comm_overlap:
             assert dims.sequence_parallel and cfg.compile_layers and device.type == "cuda", \
                 "--tp-comm-overlap needs sequence parallelism and compiled layers on CUDA (checked with the flags)"
@@ -142,26 +158,29 @@ def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig
             compile_fn(layer)
     if compile_model:  # one region from the embedding to the final norm; the chunked loss stays outside
         model.compile(mode=mode)
-    if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and hasattr(model, "chunked_loss"):
-        model.chunked_loss = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
-                                                 compile=cfg.compile_layers and device.type == "cuda")
-    if fsdp:
-        apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel)
+    has_lm_head = hasattr(model, "loss_head")  # models with a language-model head declare the slot
+    if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and has_lm_head:
+        model.loss_head = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
+                                              compile=cfg.compile_layers and device.type == "cuda")
+    keep_unsharded = apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel) if fsdp else False
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
-    init_parameters(model, config, seed)
+    init_parameters(model, config, seed, family.initial_value)
+    fusion = None
     if grad_accumulation_fusion_applies(cfg, dims, fsdp):
         linears = convert_linears(m for layer in model.layers.values() for m in layer.modules())
-        head = getattr(model, "chunked_loss", None)  # the output weight's matmuls, in the chunked loss
-        extra = [(head, model.output_weight())] if head is not None and model.final_layernorm is not None else []
+        head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
+        extra = ([(head, model.output_weight())]
+                 if isinstance(head, ChunkedCrossEntropy) and model.final_layernorm is not None else [])
         if linears or extra:
             fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters())
-            model.grad_accumulation_fusion = fusion  # type: ignore[attr-defined]
     if device.type == "cuda":
         warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)
+    wrapped = model
     if distributed and dims.replicas > 1 and not fsdp:
-        return apply_ddp(model, dims.replica_mesh(), cfg.data_parallel, device)
-    return model
+        wrapped = apply_ddp(model, dims.replica_mesh(), cfg.data_parallel, device)
+    return Parallelized(wrapped, model, model.loss_head if has_lm_head else None, fusion, fp8_report,
+                        keep_unsharded)
 
 
 def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims, fsdp: bool) -> bool:
@@ -178,8 +197,11 @@ def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims,
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, config: GPTConfig, seed: int) -> None:
-    """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``."""
+def init_parameters(model: nn.Module, config: Any, seed: int,
+                    initial_value: Callable[..., torch.Tensor] | None = None) -> None:
+    """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``
+    (default: the family of ``config``'s rules)."""
+    initial_value = initial_value or family_of_config(config).initial_value
     for name, param in model.named_parameters():
         full = initial_value(canonical_parameter_name(name), param.shape, config, seed)
         if isinstance(param, DTensor):

@@ -1,19 +1,15 @@
-"""Pipeline parallelism: GPT stages on the ``pp`` mesh axis, run by ``torch.distributed.pipelining`` schedules.
+"""Pipeline parallelism: a family's stages on the ``pp`` mesh axis, run by ``torch.distributed.pipelining`` schedules.
 
 The layers are split into ``pp x v`` stages (``v`` virtual stages per rank for the interleaved
 schedule). Stage ``s`` lives on pipeline rank ``s % pp`` (chunk ``s // pp``): rank 0 holds stages
-0, pp, 2 pp, ...; the embedding belongs to stage 0, the final norm, output layer and loss to the
-last stage. A stage is a :class:`GPTStage`: a GPTModel with the layers it does not own deleted
-from its ``layers`` ModuleDict and the parts it does not own set to None, so every parameter keeps
-its canonical name (``layers.7.mlp.linear_fc1.weight``) for ``initial_value`` and checkpoints.
+0, pp, 2 pp, ... The family builds each stage (``ModelFamily.build_stage``: the model with the
+parts it does not own removed, every parameter under its canonical name, e.g.
+:class:`megatrain.models.gpt.stage.GPTStage`); a stage says which of its parameters are tied to
+another stage's (``tied_parameters``: their gradients are summed over a two-rank group of the first
+and last pipeline rank with the same dp/cp/tp coordinates after every backward pass, as Megatron
+does) and which repeat another stage's (``norm_duplicates``: counted once in the gradient norm).
 
-Tied input/output embeddings (the default): the last stage keeps its own copy of
-``embedding.word_embeddings.weight`` for the output layer, initialised from the same
-``initial_value``; after every backward pass the gradients of the two copies are summed over a
-two-rank group (first and last pipeline rank with the same dp/cp/tp coordinates), as Megatron
-does, so the copies stay identical. The copy counts once in the gradient norm.
-
-Each stage is parallelised on its own by :func:`megatrain.parallel.parallelize.parallelize_gpt`
+Each stage is parallelised on its own by :func:`megatrain.parallel.parallelize.parallelize_model`
 (TP/SP plans, recomputation, compile, FSDP2 or DDP, initialisation). Schedules (``--pipeline-schedule``):
 
 ===========================  ==========================================================
@@ -25,10 +21,10 @@ Each stage is parallelised on its own by :func:`megatrain.parallel.parallelize.p
 ===========================  ==========================================================
 
 Every pipeline rank reads the same micro-batches as the others with its dp coordinate (the
-loader is cheap); the first stage takes the tokens, every stage the position ids and attention
-mask, the last stage the labels and loss mask. A micro-batch's loss is the masked mean over its
-tokens and the step's gradients are those of the mean over micro-batches, exactly as in the
-single-process loop.
+loader is cheap). The objective says what each stage takes from a micro-batch
+(``Objective.stage_inputs``) and what the last stage's loss reads (``Objective.loss_target``);
+a micro-batch's loss is computed by the objective from the last stage's output, exactly as in the
+single-process loop, and the step's gradients are those of the mean over micro-batches.
 """
 
 from __future__ import annotations
@@ -43,13 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatrain.models.gpt.config import GPTConfig
-from megatrain.models.gpt import GPTModel
-from megatrain.models.common.rope import rotary_tables
+from megatrain.models.common.objective import Objective, combine_losses
+from megatrain.models.registry import ModelFamily, family_of_config
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "gpipe")
 
-__all__ = ["PipelineConfig", "split_layers", "GPTStage", "PipelineParallel", "SCHEDULES"]
+__all__ = ["PipelineConfig", "split_layers", "PipelineRankModel", "PipelineParallel", "SCHEDULES"]
 
 
 # ---- configuration and the layer split ------------------------------------------------------------
@@ -162,77 +157,31 @@ def split_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int |
     return out
 
 
-# ---- the stage module ---------------------------------------------------------------------------
-
-class GPTStage(GPTModel):
-    """A GPTModel holding only one pipeline stage's parts, under their original parameter names.
-
-    ``forward(x, position_ids, attention_mask, labels)``: ``x`` is token ids on the first stage
-    and hidden states [b, s, h] (the local sequence part under sequence parallelism) elsewhere;
-    the last stage returns the per-token loss [b, s] (logits without ``labels``), the others
-    hidden states.
-    """
-
-    is_pipeline_stage = True
-
-    def __init__(self, config: GPTConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> None:
-        super().__init__(config)
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        keep = {str(i) for i in layer_ids}
-        for key in [k for k in self.layers.keys() if k not in keep]:
-            del self.layers[key]
-        self.holds_tied_copy = False
-        if not self.is_first:
-            if self.is_last and not config.untie_embeddings_and_output_weights:
-                # The output layer's copy of the word embeddings; its gradient is summed with the
-                # first stage's after every backward pass.
-                assert self.embedding is not None
-                self.embedding.position_embeddings = None
-                self.holds_tied_copy = True
-            else:
-                self.embedding = None
-        if not self.is_last:
-            self.final_layernorm = None
-            self.output_layer = None
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,  # type: ignore[override]
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        hidden = self.embed(x, position_ids) if self.is_first else x
-        rotary = rotary_tables(self.config, position_ids)  # once for all layers of the stage
-        for layer in self.layers.values():
-            hidden = layer(hidden, position_ids, attention_mask, rotary=rotary)
-        if not self.is_last:
-            return hidden
-        chunked_loss = getattr(self, "chunked_loss", None)  # --cross-entropy-chunk-size
-        if labels is not None and chunked_loss is not None:
-            return chunked_loss(self.final_layernorm(hidden), self.output_weight(), labels)
-        logits = self.output_logits(hidden)
-        return logits if labels is None else self.loss(logits, labels)
-
+# ---- the modules of one rank ----------------------------------------------------------------------
 
 class PipelineRankModel(nn.Module):
     """All stages of one rank (virtual stages) as one module with the original parameter names.
 
-    It holds the stages' submodules themselves (no copies), so the optimizer, checkpoints and
-    ``train()``/``eval()`` work on it as on a GPTModel.
+    It holds the stages' submodules themselves (no copies): ``layers`` merged in layer order, every
+    other part from the stage that has it, so the optimizer, checkpoints and ``train()``/``eval()``
+    work on it as on the family's model.
     """
 
     is_pipeline_stage = True  # holds part of the model: other stages' checkpoint tensors are not its own
 
-    def __init__(self, stages: Sequence[GPTStage]) -> None:
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
         self.config = stages[0].config
-        self.embedding = next((s.embedding for s in stages if s.embedding is not None), None)
+        self._stages = list(stages)  # not registered as submodules: their parts are, under their own names
         layers = {k: m for s in stages for k, m in s.layers.items()}
         self.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
-        self.final_layernorm = next((s.final_layernorm for s in stages if s.final_layernorm is not None), None)
-        self.output_layer = next((s.output_layer for s in stages if s.output_layer is not None), None)
+        names = dict.fromkeys(name for s in stages for name in s._modules)  # parts set to None included
+        for name in names:
+            if name != "layers":
+                setattr(self, name, next((getattr(s, name) for s in stages if getattr(s, name) is not None), None))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        return GPTModel.num_parameters(self, exclude_embeddings)  # type: ignore[arg-type]
+        return type(self._stages[0]).num_parameters(self, exclude_embeddings)  # type: ignore[arg-type]
 
 
 # ---- building the stages and running schedules --------------------------------------------------
@@ -251,29 +200,32 @@ class PipelineParallel:
     micro-batch losses on every rank), :meth:`clip_grad_norm_`, and :meth:`eval_step`.
     """
 
-    def __init__(self, parts: list[nn.Module], stages_modules: list[GPTStage], stage_ids: list[int],
-                 cfg: PipelineConfig, dims: Any, device: torch.device, num_micro_batches: int) -> None:
-        self.parts = parts  # what the schedule runs: GPTStage, or its DDP wrapper
-        self.stage_modules = stages_modules
+    def __init__(self, parts: list[Any], stage_ids: list[int], cfg: PipelineConfig, dims: Any,
+                 device: torch.device, num_micro_batches: int, objective: Objective) -> None:
+        self.parts = parts  # each stage's Parallelized (what the schedule runs is part.model)
+        self.stage_modules = [part.module for part in parts]
         self.stage_ids = stage_ids
         self.cfg = cfg
         self.dims = dims
         self.device = device
         self.num_micro_batches = num_micro_batches
+        self.objective = objective
         self.pp_group = dims.submesh("pp").get_group()
         self.is_first = 0 in stage_ids
         self.is_last = cfg.num_stages - 1 in stage_ids
-        if len(stages_modules) == 1:
-            self.module: nn.Module = stages_modules[0]
-            self.model: nn.Module = parts[0]
+        if len(parts) == 1:
+            self.module: nn.Module = parts[0].module
+            self.model: nn.Module = parts[0].model
         else:
-            self.module = self.model = PipelineRankModel(stages_modules)
-        self._tied_group = self._build_tied_group()
-        self._tied_copy = next((m.embedding.word_embeddings.weight for m in stages_modules
-                                if m.holds_tied_copy and m.embedding is not None), None)
-        self._tied_params = [m.embedding.word_embeddings.weight for m in stages_modules
-                             if m.embedding is not None and (m.is_first or m.holds_tied_copy)
-                             and not m.config.untie_embeddings_and_output_weights]
+            self.module = self.model = PipelineRankModel(self.stage_modules)
+        self.grad_fusion = None  # the fusion needs one stage (parallelize_model never makes one under PP)
+        reports = [part.fp8_report for part in parts if part.fp8_report is not None]
+        self.fp8_report = ([n for c, _ in reports for n in c], [n for _, k in reports for n in k]) if reports else None
+        stage_class = type(self.stage_modules[0])
+        ties = getattr(stage_class, "ties_first_and_last", None)
+        self._tied_group = self._build_tied_group() if ties is not None and ties(self.stage_modules[0].config) else None
+        self._tied_params = [p for m in self.stage_modules for p in _stage_list(m, "tied_parameters")]
+        self._norm_duplicates = [p for m in self.stage_modules for p in _stage_list(m, "norm_duplicates")]
         self._scale = 1.0
         self._training = True
         self._micro_losses: list[torch.Tensor] = []
@@ -287,15 +239,18 @@ class PipelineParallel:
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def build(cls, config: GPTConfig, dims: Any, parallel_cfg: Any, pipeline_cfg: PipelineConfig, *,
-              device: torch.device, seed: int, num_micro_batches: int,
+    def build(cls, config: Any, dims: Any, parallel_cfg: Any, pipeline_cfg: PipelineConfig, *,
+              device: torch.device, seed: int, num_micro_batches: int, objective: Objective,
+              family: ModelFamily | None = None,
               compile_fn: Callable[[nn.Module], None] | None = None) -> "PipelineParallel":
         """Build this rank's stages on the meta device and parallelise and initialise each one.
 
-        ``parallel_cfg``: a ParallelizeConfig or parsed arguments (as for ``parallelize_gpt``).
+        ``parallel_cfg``: a ParallelizeConfig (as for ``parallelize_model``); ``family`` defaults to
+        the family of ``config``.
         """
-        from megatrain.parallel.parallelize import parallelize_gpt
+        from megatrain.parallel.parallelize import parallelize_model
 
+        family = family or family_of_config(config)
         if pipeline_cfg.size != dims.pp:
             raise ValueError(f"pipeline size {pipeline_cfg.size} differs from the mesh's pp axis ({dims.pp})")
         layer_split = split_layers(config.num_layers, dims.pp, pipeline_cfg.virtual_stages,
@@ -306,21 +261,16 @@ class PipelineParallel:
                              f"size)) as pipeline stages (--pipeline-model-parallel-size {dims.pp})")
         rank = dims.pp_rank
         stage_ids = [rank + c * dims.pp for c in range(pipeline_cfg.virtual_stages)]
-        modules, parts = [], []
+        parts = []
         for s in stage_ids:
             with torch.device("meta"):
-                stage = GPTStage(config, layer_split[s], stage_index=s, num_stages=pipeline_cfg.num_stages)
-            part = parallelize_gpt(stage, dims, parallel_cfg, device=device, seed=seed, config=config,
-                                   compile_fn=compile_fn)
-            modules.append(stage)
-            parts.append(part)
-        return cls(parts, modules, stage_ids, pipeline_cfg, dims, device, num_micro_batches)
+                stage = family.build_stage(config, layer_split[s], stage_index=s, num_stages=pipeline_cfg.num_stages)
+            parts.append(parallelize_model(stage, dims, parallel_cfg, device=device, seed=seed, family=family,
+                                           config=config, compile_fn=compile_fn, pipeline_stage=True))
+        return cls(parts, stage_ids, pipeline_cfg, dims, device, num_micro_batches, objective)
 
     def _build_tied_group(self) -> Any:
         """The two-rank group (first and last pipeline rank, same dp/cp/tp) summing tied gradients."""
-        config = self.stage_modules[0].config
-        if config.untie_embeddings_and_output_weights:
-            return None
         ranks = self.dims.mesh.mesh  # [pp, dp, cp, tp] global ranks
         me = dist.get_rank()
         mine = None
@@ -334,7 +284,7 @@ class PipelineParallel:
     def _build_schedule(self) -> Any:
         from torch.distributed import pipelining as pl
 
-        stages = [pl.PipelineStage(part, s, self.cfg.num_stages, self.device, group=self.pp_group)
+        stages = [pl.PipelineStage(part.model, s, self.cfg.num_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.stage_ids)]
         cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe,
                "interleaved-1f1b": pl.ScheduleInterleaved1F1B,
@@ -364,57 +314,59 @@ class PipelineParallel:
         self.schedule = self._schedules.get(n) or self._build_schedule()
 
     # ---- one iteration ---------------------------------------------------------------------------
-    def _loss_fn(self, per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's loss on the last stage: its mean over loss tokens (with context
-        parallelism, this rank's share: its tokens over all the sequence's tokens), or with
-        ``per_token_loss`` the plain sum (the token count is recorded)."""
-        mask = loss_mask.to(per_token.dtype)
-        loss_sum, tokens = (per_token * mask).sum(), mask.sum()
+    def _loss_fn(self, output: Any, target: Any) -> torch.Tensor:
+        """One micro-batch's loss on the last stage, from the objective's (sum, count) terms: the
+        sum of their means over loss tokens (with context parallelism, this rank's share: its
+        tokens over all the sequence's tokens), or with ``per_token_loss`` the plain sum (the token
+        count is recorded)."""
+        terms = self.objective.losses(output, target)
         if self.per_token_loss:
+            (loss_sum, tokens), = terms
             self._micro_losses.append(loss_sum.detach())
             self._micro_tokens.append(tokens.detach())
             return loss_sum * self._scale if self._training else loss_sum
         cp = 1
+        counts = torch.stack([n for _, n in terms]).detach()
         if self.cp_group is not None:
-            tokens = tokens.detach().clone()
-            dist.all_reduce(tokens, group=self.cp_group)
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.cp_group)
             cp = self.dims.cp
-        loss = loss_sum / tokens.clamp(min=1.0)
-        self._micro_losses.append(loss.detach())
+        means = combine_losses(terms, counts)
+        self._micro_losses.append(means.detach())
+        loss = means.sum()
         if not self._training:
             return loss
         # x cp: the gradient reduction averages over data x context parallel ranks.
         return loss * (self._scale * cp / self.num_micro_batches)
 
-    def _inputs(self, batches: Sequence[dict[str, Any]]) -> tuple[tuple, dict[str, Any], Any]:
+    def _inputs(self, batches: Sequence[Any]) -> tuple[tuple, dict[str, Any], Any]:
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"expected {self.num_micro_batches} micro-batches, got {len(batches)}")
-
-        def cat(key: str) -> Any:
-            values = [b.get(key) for b in batches]
-            return None if values[0] is None else torch.cat(values)
-
-        args = (cat("tokens"),) if self.is_first else ()
-        kwargs = {"position_ids": cat("position_ids"), "attention_mask": cat("attention_mask"),
-                  "labels": cat("labels") if self.is_last else None}
-        target = cat("loss_mask") if self.is_last else None
+        whole = type(batches[0]).cat(batches)
+        args, kwargs = self.objective.stage_inputs(whole, first=self.is_first, last=self.is_last)
+        target = self.objective.loss_target(whole) if self.is_last else None
         return args, kwargs, target
 
     def _loss_sum_on_all_ranks(self) -> torch.Tensor:
-        """Sum of the micro-batch losses, computed on the last stage and shared over the pp group."""
-        return self._last_stage_sum(self._micro_losses)
+        """Sum of the micro-batch losses, one per loss the objective names (a vector), computed on
+        the last stage and shared over the pp group."""
+        if self.per_token_loss:
+            return self._last_stage_sum(self._micro_losses, 1)
+        return self._last_stage_sum(self._micro_losses, len(self.objective.loss_names))
 
     def token_count_on_all_ranks(self) -> torch.Tensor:
-        """With ``per_token_loss``: this iteration's loss tokens (of this rank's micro-batches)."""
-        return self._last_stage_sum(self._micro_tokens)
+        """With ``per_token_loss``: this iteration's loss tokens (of this rank's micro-batches), [1]."""
+        return self._last_stage_sum(self._micro_tokens, 1)
 
-    def _last_stage_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
+    def _last_stage_sum(self, values: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+        """The recorded per-micro-batch values summed (shape [width] for per-loss vectors, else a
+        scalar), shared over the pp group."""
+        total = torch.zeros((width,) if width is not None else (), device=self.device)
         if self.is_last:
             # The first step's shape inference may call the loss function once more, before the
             # micro-batches: the last ones recorded are the real ones.
             assert len(values) >= self.num_micro_batches, len(values)
-            total += torch.stack(values[-self.num_micro_batches:]).sum().float()
+            total += torch.stack(values[-self.num_micro_batches:]).sum(dim=0).float()
         dist.all_reduce(total, group=self.pp_group)
         return total
 
@@ -422,9 +374,9 @@ class PipelineParallel:
                    autocast: ContextManager | None = None) -> torch.Tensor:
         """Forward and backward of all micro-batches through the pipeline; tied gradients summed.
 
-        ``batches``: this dp rank's micro-batches (``make_batch`` dicts). Gradients are those of
-        ``loss_scale x mean over micro-batches``. Returns the sum of the micro-batch losses (the
-        same value on every pipeline rank).
+        ``batches``: this dp rank's micro-batches (the objective's typed batches). Gradients are
+        those of ``loss_scale x mean over micro-batches``. Returns the sums of the micro-batch
+        losses, one per loss name (the same values on every pipeline rank).
         """
         args, kwargs, target = self._inputs(batches)
         self._micro_losses, self._micro_tokens = [], []
@@ -470,10 +422,10 @@ class PipelineParallel:
             dist.all_reduce(grad, group=self._tied_group)
 
     def norm_parameters(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``params`` without the last stage's copy of tied embeddings (it counts once, on the first)."""
-        if self._tied_copy is None:
+        """``params`` without the stages' copies of other stages' weights (each counts once)."""
+        if not self._norm_duplicates:
             return list(params)
-        return [p for p in params if p is not self._tied_copy]
+        return [p for p in params if not any(p is d for d in self._norm_duplicates)]
 
     def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Global gradient norm over all stages (clipping all of ``params`` when ``max_norm > 0``)."""
@@ -484,3 +436,9 @@ class PipelineParallel:
         if max_norm > 0.0 and params:
             clip_grads_with_norm_(params, max_norm, total)
         return total
+
+
+def _stage_list(stage: nn.Module, method: str) -> list[torch.Tensor]:
+    """A stage's optional list of parameters (``tied_parameters`` / ``norm_duplicates``)."""
+    fn = getattr(type(stage), method, None)
+    return list(fn(stage)) if fn is not None else []

@@ -1,34 +1,17 @@
-"""Tensor and sequence parallelism for GPTModel: DTensor plans by module path, and the vocab-parallel loss.
+"""Tensor and sequence parallelism: a family's plan by module path applied with DTensor, and the
+vocab-parallel loss.
 
-Layout on the ``tp`` mesh axis (Megatron's):
-
-=====================================  =====================================================
-module path                            style
-=====================================  =====================================================
-embedding.word_embeddings              vocab-parallel embedding (RowwiseParallel: rows of the
-                                       table sharded, partial sums all-reduced)
-layers.N.self_attention.linear_qkv     column parallel; the grouped [g, n/g + 2, d] row layout
-                                       makes Shard(0) give every rank whole query groups (GQA too)
-layers.N.self_attention.linear_proj    row parallel
-layers.N.mlp.linear_fc1                column parallel; SwiGLU rows are interleaved gate/up per
-                                       channel, so Shard(0) keeps each pair on one rank
-layers.N.mlp.linear_fc2                row parallel
-output_layer (or the tied embedding)   column parallel over the vocabulary: logits stay sharded
-                                       and the loss is :func:`vocab_parallel_cross_entropy`
-=====================================  =====================================================
-
-The model reads head and channel counts from tensor sizes, so the unchanged forward code runs on
-the local shards. With sequence parallelism the residual stream between blocks is sharded on the
-sequence dim (dim 1): norms run on ``Shard(1)`` (SequenceParallel), attention and MLP all-gather
-their input (PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)).
+The plan is data the model family gives (``ModelFamily.tensor_parallel_plan``, built from
+:mod:`megatrain.models.common.tp_plan`; the GPT family's is :mod:`megatrain.models.gpt.plan`):
+(module path, ``ParallelStyle``) pairs, the dropout regions to run under
+:class:`megatrain.parallel.random.TensorParallelRNG`, and whether the language-model head becomes
+:class:`VocabParallelLoss`. The model reads head and channel counts from tensor sizes, so the
+unchanged forward code runs on the local shards.
 
 With ``--fp8-format`` the transformer layers' linear layers are torchao ``Float8Linear`` modules and
 take the same plain styles: their weights become DTensors, so every fp8 scale is computed from the
 whole tensor's absolute maximum (a DTensor reduction) and the numbers equal one process's fp8 run;
 the collectives move bf16/fp32 activations, not fp8.
-
-Dropout regions on sharded activations (attention dropout, and the residual dropout under
-sequence parallelism) run under :class:`megatrain.parallel.random.TensorParallelRNG`.
 """
 
 from __future__ import annotations
@@ -39,98 +22,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
-from megatrain.runtime.fused_loss import backward_once, chunk_kernel
+from megatrain.models.common.tp_plan import TensorParallelPlan, transformer_layer_plan
+from megatrain.models.registry import family_of_config
 from megatrain.parallel.random import TensorParallelRNG
+from megatrain.runtime.fused_loss import backward_once, chunk_kernel
 
 __all__ = ["layer_plan", "apply_tensor_parallel", "enable_async_tensor_parallel", "vocab_parallel_cross_entropy",
            "VocabParallelLoss"]
 
-
-def layer_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """The plan of one transformer layer, keyed by module path relative to the layer."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        "self_attention.linear_qkv": ColwiseParallel(),
-        "self_attention.linear_proj": RowwiseParallel(output_layouts=residual),
-        "mlp.linear_fc1": ColwiseParallel(),
-        "mlp.linear_fc2": RowwiseParallel(output_layouts=residual),
-    }
-    if sequence_parallel:
-        plan.update({
-            "input_layernorm": SequenceParallel(),
-            "pre_mlp_layernorm": SequenceParallel(),
-            # SelfAttention.forward(x, position_ids, attention_mask, kv_cache): gather x only.
-            "self_attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                                 desired_input_layouts=(Replicate(), None, None, None),
-                                                 use_local_output=True),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
-        })
-    return plan
+layer_plan = transformer_layer_plan  # the shared transformer layer's plan (tests address it by this name)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
                           rng: TensorParallelRNG | None = None, loss_chunk_size: int = 0,
-                          compile_loss: bool = False) -> nn.Module:
-    """Shard ``model`` (a GPTModel, possibly a pipeline stage without embedding or head) in place.
+                          compile_loss: bool = False, plan: TensorParallelPlan | None = None) -> nn.Module:
+    """Shard ``model`` (a family's model or one of its pipeline stages) in place by ``plan`` (default:
+    its family's plan for ``model``).
 
-    After this, ``model(..., labels=...)`` returns the per-token loss as a plain tensor computed
-    with the vocab-parallel cross entropy (float32 statistics ``loss_chunk_size`` tokens at a time
-    when that is > 0, see ``--cross-entropy-chunk-size``); ``model(...)`` without labels returns
-    the logits as a DTensor sharded on the vocabulary (``.full_tensor()`` gathers them).
+    With a vocab-parallel head, ``model(..., labels=...)`` then returns the per-token loss as a plain
+    tensor computed with the vocab-parallel cross entropy (float32 statistics ``loss_chunk_size``
+    tokens at a time when that is > 0, see ``--cross-entropy-chunk-size``); ``model(...)`` without
+    labels returns the logits as a DTensor sharded on the vocabulary (``.full_tensor()`` gathers them).
     """
-    tp = tp_mesh.size()
-    residual = Shard(1) if sequence_parallel else Replicate()
+    if plan is None:
+        plan = family_of_config(model.config).tensor_parallel_plan(model, sequence_parallel=sequence_parallel)
     if rng is None:
         rng = TensorParallelRNG(tp_mesh.get_local_rank(), tp_mesh.device_type)
-
-    embedding = getattr(model, "embedding", None)
-    if embedding is not None:
-        parallelize_module(embedding, tp_mesh, {
-            "word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
-        if sequence_parallel:
-            # Word + position embeddings and their dropout are replicated; then each rank keeps its
-            # part of the sequence (the backward all-gathers the gradient).
-            parallelize_module(embedding, tp_mesh, PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
-
-    config = getattr(model, "config", None)
-    # Without dropout there is no randomness to fork (and the fork would split compiled graphs).
-    attention_dropout = config is None or config.attention_dropout > 0
-    hidden_dropout = config is None or config.hidden_dropout > 0
-    for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
-        if attention_dropout:
-            rng.fork_module(layer.self_attention.core_attention)  # local heads: masks differ per rank
-        if sequence_parallel and hidden_dropout:
-            rng.fork_module(layer.dropout)  # residual dropout on the rank's part of the sequence
-
-    final_norm = getattr(model, "final_layernorm", None)
-    if final_norm is not None:
-        if sequence_parallel:
-            parallelize_module(final_norm, tp_mesh, SequenceParallel())
-        # The head's input as a replicated DTensor, so that the tied F.linear with the vocab-sharded
-        # embedding table (or the column-parallel output layer) yields vocab-sharded logits.
-        parallelize_module(final_norm, tp_mesh, PrepareModuleOutput(
-            output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=False))
-        if getattr(model, "output_layer", None) is not None:
-            parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
-        # instance attribute: replaces GPTModel.loss
-        model.loss = VocabParallelLoss(tp_mesh, chunk_size=loss_chunk_size, compile=compile_loss)
-        if getattr(model, "chunked_loss", None) is not None:
-            model.chunked_loss = None  # the vocab-parallel loss never gathers the logits either
-    del tp
+    for path, style in plan.styles:
+        parallelize_module(model.get_submodule(path), tp_mesh, style)
+    for path in plan.rng_regions:
+        rng.fork_module(model.get_submodule(path))
+    if plan.vocab_parallel_head:  # the vocab-parallel loss never gathers the logits
+        model.loss_head = VocabParallelLoss(tp_mesh, chunk_size=loss_chunk_size, compile=compile_loss)
     return model
 
 
@@ -264,11 +190,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
 
 
 class VocabParallelLoss:
-    """Drop-in for ``GPTModel.loss`` under tensor parallelism (logits sharded on the vocabulary)."""
+    """The loss head under tensor parallelism (logits sharded on the vocabulary; see
+    :mod:`megatrain.models.common.heads`)."""
 
     def __init__(self, tp_mesh: DeviceMesh, *, chunk_size: int = 0, compile: bool = False) -> None:
         self.tp_mesh = tp_mesh
         self.chunk_size, self.compile = chunk_size, compile
+
+    def per_token_loss(self, model: Any, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self(model.logits(hidden), labels)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = {"chunk_size": self.chunk_size, "compile": self.compile}

@@ -33,14 +33,15 @@ import torch
 __all__ = ["MicroBatchGraphs"]
 
 # fn(samples on the device, loss weight, totals) runs one micro-batch: forward and backward, adding
-# its loss into totals[0] and its loss-token count into totals[1].
+# its losses into totals[0] and their loss-token counts into totals[1].
 MicroBatchFn = Callable[[torch.Tensor, float, torch.Tensor], None]
 
 
 class MicroBatchGraphs:
     """Records one training micro-batch as a CUDA graph after ``warmup_iterations`` and replays it."""
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, warmup_iterations: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, warmup_iterations: int,
+                 num_losses: int = 1) -> None:
         assert device.type == "cuda", "CUDA graphs need a CUDA device"
         self.params = [p for p in params if p.requires_grad]
         self.device = device
@@ -49,7 +50,8 @@ class MicroBatchGraphs:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.weight: float | None = None  # the loss weight recorded in the graph
         self.samples: torch.Tensor | None = None  # the recorded micro-batch's input buffer
-        self.totals = torch.zeros(2, device=device)  # loss (sum) and token count of the iteration
+        # Per loss: the sum of the micro-batch losses and their loss-token count, over the iteration.
+        self.totals = torch.zeros(2, num_losses, device=device)
         # The gradients the graph accumulates into, held as aliases (other tensor objects on the same
         # memory): autograd takes a gradient tensor over as ``.grad`` without a copy only while nothing
         # else refers to that tensor object (the gradient-accumulation fusion relies on it).

@@ -198,7 +198,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 @dataclass
 class ChunkedCrossEntropy:
-    """The head's loss as a setting of a model: ``GPTModel.chunked_loss`` (None = the plain head).
+    """The chunked float32 loss head (a model's ``loss_head`` under ``--cross-entropy-chunk-size``).
 
     chunk_size: tokens per float32 chunk (``--cross-entropy-chunk-size``); compile: run the
     per-chunk work as torch.compile kernels (set with ``--use-torch-compile`` on CUDA).
@@ -215,6 +215,10 @@ class ChunkedCrossEntropy:
         if self.chunk_size <= 0:
             raise ValueError(f"--cross-entropy-chunk-size must be positive (0 turns the chunked loss off), "
                              f"got {self.chunk_size}")
+
+    def per_token_loss(self, model: Any, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss-head protocol (:mod:`megatrain.models.common.heads`): ``model.output_weight()``."""
+        return self(hidden, model.output_weight(), labels)
 
     @torch.compiler.disable  # a whole-model compile stops here: the chunks run their own kernels
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

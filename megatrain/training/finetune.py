@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
+from megatrain.data.batch import CausalLMBatch
 from megatrain.data.sft_dataset import SFTConfig, build_sft_datasets, sft_batch
 from megatrain.errors import user_errors_exit
+from megatrain.models.gpt.objective import CausalLMObjective
 from megatrain.parallel.distributed import setup_env_from_slurm
 from megatrain.training.arguments import build_parser as build_pretrain_parser
 from megatrain.training.arguments import parse_args
@@ -35,10 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class SFTObjective(CausalLMObjective):
+    """Next-token prediction on fine-tuning samples: their own (response-only) loss mask, position ids
+    and attention mask restarting at every packed example."""
+
+    batches_in_cuda_graph = False  # sft_batch decides on the host whether a batch needs an attention mask
+
+    def make_batch(self, samples: Any) -> CausalLMBatch:
+        return sft_batch(samples)
+
+
 class SFTTrainer(Trainer):
     """The pre-training loop with jsonl examples whose batches carry their own (response-only) loss mask."""
 
-    batches_in_cuda_graph = False  # sft_batch decides on the host whether a batch needs an attention mask
+    def build_objective(self) -> SFTObjective:
+        return SFTObjective()
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
         a = self.args
@@ -49,9 +60,6 @@ class SFTTrainer(Trainer):
             per_split = [a.train_data_path, a.valid_data_path, a.test_data_path]
         return build_sft_datasets(a.data_path, a.split, self.tokenizer, config, num_samples, a.seed,
                                   per_split_paths=per_split)
-
-    def make_batch(self, samples: torch.Tensor) -> dict[str, Any]:
-        return sft_batch(samples)
 
 
 @user_errors_exit

@@ -1,23 +1,14 @@
-"""FLOPs per training iteration, the per-device peak table, and model FLOPs utilisation (MFU).
-
-The FLOPs count is Megatron-LM's model FLOPs (forward + backward, no recomputation), with
-B global batch, s sequence length, h hidden, L layers, n heads, g query groups, d head dim,
-F ffn hidden, V padded vocabulary and E = 3 with SwiGLU (fc1 is twice as wide) else 2:
-
-    FLOPs = B*s*[6*h*E*F*L + 6*L*(h*d*(n+2g) + d*n*h) + 6*h*V] + 6*B*s^2*L*n*d
-
-Every matmul costs 2*m*k*n forward and twice that backward (gradients of input and weight),
-hence the 6. The last term is causal attention: QK^T and attention x V over half of the s x s
-score matrix.
-"""
+"""FLOPs per training iteration (the model family's formula), the per-device peak table, and model
+FLOPs utilisation (MFU). The GPT family's formula is in :mod:`megatrain.models.gpt.flops`."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
-from megatrain.models.gpt.config import GPTConfig
+from megatrain.models.registry import family_of_config
 
 # Dense (no sparsity) 16-bit tensor-core peak in TFLOP/s, keyed by a substring of the device name
 # (torch.cuda.get_device_name). The longest matching key wins, so "H100 PCIe" beats "H100".
@@ -35,16 +26,10 @@ PEAK_TFLOPS: dict[str, float] = {
 _FP16_ONLY = frozenset({"V100"})
 
 
-def num_floating_point_operations(cfg: GPTConfig, batch_size: int, seq_length: int) -> float:
-    """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens."""
-    assert cfg.ffn_hidden_size is not None and cfg.kv_channels is not None and cfg.num_query_groups is not None
-    B, s = batch_size, seq_length
-    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
-    n, g, d, F = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
-    E = 3 if cfg.swiglu else 2
-    per_token = 6 * h * E * F * L + 6 * L * (h * d * (n + 2 * g) + d * n * h) + 6 * h * V
-    attention = 6 * B * s * s * L * n * d
-    return float(B * s * per_token + attention)
+def num_floating_point_operations(cfg: Any, batch_size: int, seq_length: int) -> float:
+    """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens (the
+    family of ``cfg`` gives the formula)."""
+    return family_of_config(cfg).flops(cfg, batch_size, seq_length)
 
 
 def tflops_per_gpu(flops: float, iteration_seconds: float, world_size: int) -> float:

@@ -180,7 +180,7 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
     """
     from megatrain.parallel.data_parallel import DataParallelConfig, gradient_sync, unwrap
     from megatrain.parallel.dims import ParallelDims
-    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
     from megatrain.parallel.recompute import RecomputeConfig
 
     dims = ParallelDims(dist.get_world_size(), tp=tp, sequence_parallel=sp)
@@ -192,12 +192,12 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
                                                overlap_param_gather=overlap, bucket_size=bucket_size),
                             RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk, fp8_format=fp8,
                             grad_accumulation_fusion=True if grad_fusion else None)
-    model = parallelize_gpt(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
-    fusion = getattr(unwrap(model), "grad_accumulation_fusion", None)
+    made = parallelize_model(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
+    model, fusion = made.model, made.grad_fusion
     RUN_INFO["fused_linears"] = len(fusion.linears) if fusion is not None else 0
     RUN_INFO["fp8_layers"] = sum(type(m).__name__ == "Float8Linear" for m in unwrap(model).modules())
-    head = unwrap(model)  # the chunked head loss, or under TP the chunked vocab-parallel loss
-    RUN_INFO["chunks"] = head.chunked_loss is not None or getattr(head.loss, "chunk_size", 0) > 0
+    # the chunked head loss, or under TP the chunked vocab-parallel loss
+    RUN_INFO["chunks"] = getattr(made.loss_head, "chunk_size", 0) > 0
     opt = make_optimizer(unwrap(model), fused)
     # Every parameter group holds one kind of tensor (plain, or DTensors of one mesh): one kernel call each.
     RUN_INFO["homogeneous_groups"] = all(len({getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None)
@@ -215,7 +215,7 @@ def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: in
             start = (m * dims.dp + dp_rank) * MICRO  # Megatron's order: micro-batch m of every dp rank
             sl = slice(start, start + MICRO)
             last = m == n_micro - 1
-            with gradient_sync(model, last):
+            with gradient_sync(model, last, made.keep_unsharded):
                 if fusion is not None:  # as the trainer: DDP's reduction reads the last micro-batch's gradients
                     fusion.stage(hold_others=not (last and dims.dp > 1))
                 loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])

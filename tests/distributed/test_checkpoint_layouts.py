@@ -26,14 +26,14 @@ def _layout_model(tp: int, zero: int):
 
     from megatrain.parallel.data_parallel import DataParallelConfig
     from megatrain.parallel.dims import ParallelDims
-    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
 
     dims = ParallelDims(dist.get_world_size(), tp=tp)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = GPTModel(CONFIG)
-    return parallelize_gpt(model, dims, ParallelizeConfig(DataParallelConfig(zero_stage=zero)),
-                           device=torch.device("cpu"), seed=SEED)
+    return parallelize_model(model, dims, ParallelizeConfig(DataParallelConfig(zero_stage=zero)),
+                           device=torch.device("cpu"), seed=SEED).model
 
 
 def _optimizer_state(model, opt) -> dict[str, torch.Tensor]:

@@ -22,15 +22,15 @@ def _save_tp2(rank: int, world_size: int, root: str, style: str) -> dict:
 
     from megatrain.parallel.data_parallel import DataParallelConfig
     from megatrain.parallel.dims import ParallelDims
-    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
 
     config = tiny_config(style)
     dims = ParallelDims(dist.get_world_size(), tp=2)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = GPTModel(config)
-    model = parallelize_gpt(model, dims, ParallelizeConfig(DataParallelConfig()), device=torch.device("cpu"),
-                            seed=SEED)
+    model = parallelize_model(model, dims, ParallelizeConfig(DataParallelConfig()), device=torch.device("cpu"),
+                            seed=SEED).model
     with torch.no_grad():  # make norms and biases non-trivial too (same change on both ranks)
         for p in model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p

@@ -45,6 +45,7 @@ def train_pipeline(config: Any, *, pp: int, v: int = 1, first: int | None = None
                    tp: int = 1, sp: bool = False, zero: int = 0, recompute: tuple = (None, None, None),
                    schedule: str | None = None) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     from megatrain.data.batch import make_batch
+    from megatrain.models.gpt.objective import CausalLMObjective
     from megatrain.parallel.data_parallel import DataParallelConfig
     from megatrain.parallel.dims import ParallelDims
     from megatrain.parallel.parallelize import ParallelizeConfig
@@ -59,7 +60,7 @@ def train_pipeline(config: Any, *, pp: int, v: int = 1, first: int | None = None
         config, dims, ParallelizeConfig(DataParallelConfig(zero_stage=zero), RecomputeConfig(*recompute)),
         PipelineConfig(size=pp, virtual_stages=v, first_stage_layers=first, last_stage_layers=last,
                        schedule=schedule),
-        device=torch.device("cpu"), seed=SEED, num_micro_batches=n_micro)
+        device=torch.device("cpu"), seed=SEED, num_micro_batches=n_micro, objective=CausalLMObjective())
     opt = make_optimizer(pipe.module)
     losses, norms = [], []
     for step in range(STEPS):
@@ -69,17 +70,17 @@ def train_pipeline(config: Any, *, pp: int, v: int = 1, first: int | None = None
             start = (m * dims.dp + dims.dp_rank) * MICRO
             sl = slice(start, start + MICRO)
             b = make_batch(torch.cat([tokens[sl], labels[sl][:, -1:]], dim=1), None)
-            b["loss_mask"] = mask[sl]
+            b.loss_mask = mask[sl]
             batches.append(b)
         opt.zero_grad(set_to_none=True)
-        total = pipe.train_step(batches) / n_micro
+        total = pipe.train_step(batches).sum() / n_micro
         norms.append(float(pipe.clip_grad_norm_(list(pipe.module.parameters()), CLIP)))
         opt.step()
         if dims.dp > 1:
             dist.all_reduce(total, group=dims.submesh("dp").get_group())
             total /= dims.dp
         losses.append(total.item())
-    eval_total = pipe.eval_step(batches) / n_micro
+    eval_total = pipe.eval_step(batches).sum() / n_micro
     if dims.dp > 1:
         dist.all_reduce(eval_total, group=dims.submesh("dp").get_group())
         eval_total /= dims.dp

@@ -164,15 +164,15 @@ def _rng_checks(dims: ParallelDims) -> dict[str, bool]:
 
 
 def _train_with_dropout(dims: ParallelDims, sp: bool, recompute: tuple) -> tuple[list[float], dict]:
-    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
     from megatrain.parallel.recompute import RecomputeConfig
 
     config = tiny_config("llama" if sp else "gpt2", attention_dropout=0.2, hidden_dropout=0.2)
     torch.manual_seed(11)
     with torch.device("meta"):
         model = GPTModel(config)
-    model = parallelize_gpt(model, dims, ParallelizeConfig(recompute=RecomputeConfig(*recompute)),
-                            device=torch.device("cpu"), seed=5)
+    model = parallelize_model(model, dims, ParallelizeConfig(recompute=RecomputeConfig(*recompute)),
+                            device=torch.device("cpu"), seed=5).model
     model.train()
     opt = make_optimizer(model)
     losses = []

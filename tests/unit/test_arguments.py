@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatrain.training.arguments import build_parser, parse_args, validate_args
-from megatrain.training.builders import model_config_from_args, padded_vocab_size
+from megatrain.models.gpt.config import gpt_config_from_args as model_config_from_args
+from megatrain.training.builders import padded_vocab_size
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]

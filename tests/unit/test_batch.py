@@ -42,14 +42,14 @@ def test_matches_megatron(flags):
     samples[1, -2] = eod
     out = make_batch(samples, eod, reset_pos, reset_att, mask_loss)
     ref_mask, ref_loss, ref_pos = megatron_reference(samples[:, :-1], eod, reset_pos, reset_att, mask_loss)
-    assert torch.equal(out["tokens"], samples[:, :-1]) and torch.equal(out["labels"], samples[:, 1:])
-    assert out["loss_mask"].dtype == torch.float32 and torch.equal(out["loss_mask"], ref_loss)
-    assert torch.equal(out["position_ids"], ref_pos)
+    assert torch.equal(out.tokens, samples[:, :-1]) and torch.equal(out.labels, samples[:, 1:])
+    assert out.loss_mask.dtype == torch.float32 and torch.equal(out.loss_mask, ref_loss)
+    assert torch.equal(out.position_ids, ref_pos)
     if reset_att:
-        assert out["attention_mask"].dtype == torch.bool and out["attention_mask"].shape == (3, 1, 16, 16)
-        assert torch.equal(out["attention_mask"], ~ref_mask)  # ours: True = may attend
+        assert out.attention_mask.dtype == torch.bool and out.attention_mask.shape == (3, 1, 16, 16)
+        assert torch.equal(out.attention_mask, ~ref_mask)  # ours: True = may attend
     else:
-        assert out["attention_mask"] is None
+        assert out.attention_mask is None
 
 
 def test_bad_shape():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from megatrain.data.batch import CausalLMBatch
 from megatrain.parallel.context_parallel import chunk_positions, split_batch
 from megatrain.training.arguments import parse_args
 
@@ -23,14 +26,13 @@ def test_chunks_cover_the_sequence_once_with_balanced_work(cp):
 
 def test_split_batch_keeps_global_positions():
     tokens = torch.arange(2 * 16).view(2, 16)
-    batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, 16), "position_ids": None,
-             "attention_mask": None}
+    batch = CausalLMBatch(tokens, tokens + 1, torch.ones(2, 16))
     part = split_batch(batch, 2, 1)
-    assert part["tokens"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert part["position_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert torch.equal(part["labels"], part["tokens"] + 1)
+    assert part.tokens[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert part.position_ids[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(part.labels, part.tokens + 1)
     with pytest.raises(ValueError, match="--reset-attention-mask"):
-        split_batch({**batch, "attention_mask": torch.ones(2, 1, 16, 16, dtype=torch.bool)}, 2, 0)
+        split_batch(dataclasses.replace(batch, attention_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool)), 2, 0)
     with pytest.raises(ValueError, match="divisible by 2 x --context-parallel-size"):
         chunk_positions(12, 4, 0)
 

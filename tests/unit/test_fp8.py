@@ -11,7 +11,7 @@ from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
 from megatrain.parallel.dims import ParallelDims  # noqa: E402
-from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt  # noqa: E402
+from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model  # noqa: E402
 from megatrain.training.arguments import parse_args  # noqa: E402
 
 LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
@@ -59,10 +59,11 @@ def test_under_tensor_parallelism_the_local_shards_must_fit_the_kernels():
 
 
 def test_parallelize_converts_before_initialising_so_the_weights_are_the_same():
-    plain = parallelize_gpt(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(), device=torch.device("cpu"), seed=3)
-    fp8 = parallelize_gpt(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(fp8_format="hybrid"),
-                          device=torch.device("cpu"), seed=3)
+    plain = parallelize_model(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(), device=torch.device("cpu"), seed=3)
+    fp8 = parallelize_model(_model(**LLAMA), ParallelDims(1), ParallelizeConfig(fp8_format="hybrid"),
+                            device=torch.device("cpu"), seed=3)
     assert len(fp8.fp8_report[0]) == 8
+    plain, fp8 = plain.model, fp8.model
     for (n, p), (m, q) in zip(plain.named_parameters(), fp8.named_parameters()):
         assert n == m and torch.equal(p, q), n
     x = torch.randint(0, 128, (2, 16))

@@ -53,7 +53,7 @@ def test_model_loss_and_gradients_equal_the_plain_head_in_fp32(untied):
     labels[1, :5] = -100
     mask = (torch.rand(3, 20) > 0.3).float()
     plain_loss, plain_grads = _loss_and_grads(model, tokens, labels, mask)
-    model.chunked_loss = ChunkedCrossEntropy(chunk_size=16)
+    model.loss_head = ChunkedCrossEntropy(chunk_size=16)
     loss, grads = _loss_and_grads(model, tokens, labels, mask)
     assert abs(loss.item() - plain_loss.item()) <= 1e-6 * abs(plain_loss.item())
     for name in plain_grads:
@@ -69,7 +69,7 @@ def test_bf16_autocast_matches_the_plain_head_within_bf16_tolerance():
     mask = torch.ones(2, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain_loss, plain_grads = _loss_and_grads(model, tokens, labels, mask)
-        model.chunked_loss = ChunkedCrossEntropy(chunk_size=10)
+        model.loss_head = ChunkedCrossEntropy(chunk_size=10)
         loss, grads = _loss_and_grads(model, tokens, labels, mask)
     assert abs(loss.item() - plain_loss.item()) < 1e-2 * abs(plain_loss.item())
     for name in plain_grads:
@@ -79,7 +79,7 @@ def test_bf16_autocast_matches_the_plain_head_within_bf16_tolerance():
 
 def test_no_grad_evaluation_and_retain_graph_refused():
     model = GPTModel(_tiny(untied=False))
-    model.chunked_loss = ChunkedCrossEntropy(chunk_size=8)
+    model.loss_head = ChunkedCrossEntropy(chunk_size=8)
     tokens, labels = torch.randint(0, 96, (2, 12)), torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         ref = GPTModel.loss(model(tokens), labels)

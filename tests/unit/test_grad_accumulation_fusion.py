@@ -13,7 +13,7 @@ from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain.runtime.grad_accumulation_fusion import FusedGradLinear, GradAccumulationFusion, convert_linears
 from megatrain.parallel.dims import ParallelDims
-from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+from megatrain.parallel.parallelize import Parallelized, ParallelizeConfig, parallelize_model
 from megatrain.parallel.recompute import RecomputeConfig
 
 GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, max_position_embeddings=16,
@@ -112,27 +112,25 @@ def test_release_drops_the_staged_gradients():
     assert all(m.half_weight is None for m in fusion.linears)
 
 
-def _parallelized(**cfg) -> GPTModel:
+def _parallelized(**cfg) -> Parallelized:
     with torch.device("meta"):
         model = GPTModel(GPTConfig(**GPT))
-    return parallelize_gpt(model, ParallelDims(world_size=1), ParallelizeConfig(**cfg), device=torch.device("cpu"), seed=1)
+    return parallelize_model(model, ParallelDims(world_size=1), ParallelizeConfig(**cfg), device=torch.device("cpu"),
+                             seed=1)
 
 
 def test_parallelize_applies_it_for_half_precision_only():
-    assert not hasattr(_parallelized(), "grad_accumulation_fusion")  # float32 compute
-    model = _parallelized(compute_dtype=torch.bfloat16)
-    fusion = model.grad_accumulation_fusion
+    assert _parallelized().grad_fusion is None  # float32 compute
+    made = _parallelized(compute_dtype=torch.bfloat16)
+    model, fusion = made.module, made.grad_fusion
     assert len(fusion.linears) == 4 * GPT["num_layers"] and fusion.dtype == torch.bfloat16
     assert type(model.output_layer if hasattr(model, "output_layer") else model.embedding.word_embeddings) \
         is not FusedGradLinear
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in _parallelized().named_parameters()]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in _parallelized().module.named_parameters()]
     assert "half_weight" not in str(list(model.state_dict()))
-    assert not hasattr(_parallelized(compute_dtype=torch.bfloat16, grad_accumulation_fusion=False),
-                       "grad_accumulation_fusion")
-    assert not hasattr(_parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("full")),
-                       "grad_accumulation_fusion")
-    assert hasattr(_parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("selective")),
-                   "grad_accumulation_fusion")
+    assert _parallelized(compute_dtype=torch.bfloat16, grad_accumulation_fusion=False).grad_fusion is None
+    assert _parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("full")).grad_fusion is None
+    assert _parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("selective")).grad_fusion is not None
 
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
@@ -145,9 +143,9 @@ def test_chunked_loss_output_weight_joins_the_fusion(untie):
     fused = copy.deepcopy(ref)
     from megatrain.runtime.fused_loss import ChunkedCrossEntropy
     for m in (ref, fused):
-        m.chunked_loss = ChunkedCrossEntropy(8)
+        m.loss_head = ChunkedCrossEntropy(8)
     linears = convert_linears(m for layer in fused.layers.values() for m in layer.modules())
-    fusion = GradAccumulationFusion(linears, torch.float32, [(fused.chunked_loss, fused.output_weight())])
+    fusion = GradAccumulationFusion(linears, torch.float32, [(fused.loss_head, fused.output_weight())])
     tokens = [torch.randint(0, 96, (2, 16)) for _ in range(3)]
     for step in range(2):
         for m in (ref, fused):
@@ -165,14 +163,14 @@ def test_chunked_loss_output_weight_joins_the_fusion(untie):
         with torch.no_grad():
             for p in list(ref.parameters()) + list(fused.parameters()):
                 p.sub_(0.01 * p.grad)
-    assert fused.chunked_loss.half_weight is not None and fused.chunked_loss.main_grad_in is None
+    assert fused.loss_head.half_weight is not None and fused.loss_head.main_grad_in is None
 
 
 def test_parallelize_includes_the_chunked_loss_output_weight():
-    model = _parallelized(compute_dtype=torch.bfloat16, cross_entropy_chunk_size=16)
-    holders = [h for h, _ in model.grad_accumulation_fusion.slots]
-    assert holders[-1] is model.chunked_loss and len(holders) == 4 * GPT["num_layers"] + 1
-    assert model.grad_accumulation_fusion.slots[-1][1] is model.embedding.word_embeddings.weight
+    made = _parallelized(compute_dtype=torch.bfloat16, cross_entropy_chunk_size=16)
+    holders = [h for h, _ in made.grad_fusion.slots]
+    assert holders[-1] is made.loss_head is made.module.loss_head and len(holders) == 4 * GPT["num_layers"] + 1
+    assert made.grad_fusion.slots[-1][1] is made.module.embedding.word_embeddings.weight
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -216,9 +214,9 @@ def test_held_gradients_of_the_other_parameters_sum_like_autograd(untie):
     models.append(copy.deepcopy(models[0]))
     fusions = []
     for m in models:
-        m.chunked_loss = ChunkedCrossEntropy(8)
+        m.loss_head = ChunkedCrossEntropy(8)
         linears = convert_linears(x for layer in m.layers.values() for x in layer.modules())
-        fusions.append(GradAccumulationFusion(linears, torch.float32, [(m.chunked_loss, m.output_weight())],
+        fusions.append(GradAccumulationFusion(linears, torch.float32, [(m.loss_head, m.output_weight())],
                                               others=m.parameters()))
     assert fusions[0].others and all(p.requires_grad for p in fusions[0].others)
     assert not {id(p) for p in fusions[0].others} & {id(w) for _, w in fusions[0].slots}

@@ -7,7 +7,7 @@ import torch
 
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training.memory_report import estimate_memory, parameter_counts
+from megatrain.models.gpt.memory import estimate_memory, parameter_counts
 
 GPT2 = dict(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=256, max_position_embeddings=32)
 LLAMA = dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=2, swiglu=True,

@@ -224,7 +224,7 @@ def test_megatron_flags_choose_the_gelu(flags, expected):
     """Megatron-LM's default fused bias-GELU computes the tanh approximation; without it, or without
     biases, exact GELU."""
     from megatrain.training.arguments import parse_args
-    from megatrain.training.builders import model_config_from_args
+    from megatrain.models.gpt.config import gpt_config_from_args as model_config_from_args
     args = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
                        "--max-position-embeddings", "8", "--micro-batch-size", "1", "--mock-data",
                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3", *flags])

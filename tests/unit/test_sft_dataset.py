@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from megatrain.data.sft_dataset import (SFTConfig, SFTDataset, build_sft_datasets, sft_batch, tokenize_example)
 from megatrain.data.tokenizers import build_tokenizer
@@ -30,22 +31,22 @@ def test_prompt_tokens_carry_no_loss():
     assert ex.tokens == [1, 2, 3, 7, 8, 20]
     assert ex.targets == [False, False, False, True, True, True]
     ds = SFTDataset([ex], seq_length=8, num_samples=1, seed=0, pad_id=20)
-    batch = sft_batch(torch.from_numpy(np.stack([ds[0]])))
-    assert batch["tokens"].tolist() == [[1, 2, 3, 7, 8, 20, 20, 20]]
-    assert batch["labels"].tolist() == [[2, 3, 7, 8, 20, 20, 20, 20]]
+    batch = sft_batch(default_collate([ds[0]]))
+    assert batch.tokens.tolist() == [[1, 2, 3, 7, 8, 20, 20, 20]]
+    assert batch.labels.tolist() == [[2, 3, 7, 8, 20, 20, 20, 20]]
     # Loss only where the label is a response token or the closing EOD.
-    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 0, 0, 0]]
-    assert batch["attention_mask"] is None
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 1, 0, 0, 0]]
+    assert batch.attention_mask is None
 
     # The masked loss does not depend on the prompt's labels at all.
     model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=24,
                                max_position_embeddings=16)).eval()
     def masked_loss(labels):
-        per_token = model(batch["tokens"], labels=labels)
-        return (per_token * batch["loss_mask"]).sum()
-    changed = batch["labels"].clone()
+        per_token = model(batch.tokens, labels=labels)
+        return (per_token * batch.loss_mask).sum()
+    changed = batch.labels.clone()
     changed[0, :2] = 5
-    assert torch.equal(masked_loss(batch["labels"]), masked_loss(changed))
+    assert torch.equal(masked_loss(batch.labels), masked_loss(changed))
 
 
 def test_chat_template_targets_only_assistant_content():
@@ -69,12 +70,12 @@ def test_packing_keeps_examples_apart():
     ds = SFTDataset(examples, seq_length=9, num_samples=2, seed=0, pad_id=20, pack=True)
     assert ds.bins == [[0, 1], [2]]
     sample = ds[int(np.flatnonzero([len(ds.bins[i]) == 2 for i in ds._order(0)])[0])]
-    batch = sft_batch(torch.from_numpy(sample[None]))
-    assert batch["tokens"].tolist() == [[1, 2, 3, 20, 4, 5, 6, 20, 20]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
+    batch = sft_batch(default_collate([sample]))
+    assert batch.tokens.tolist() == [[1, 2, 3, 20, 4, 5, 6, 20, 20]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
     # The first token of the second example is not predicted from the first example's EOD.
-    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 1, 1, 1, 0, 0]]
-    mask = batch["attention_mask"][0, 0]
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 1, 1, 1, 0, 0]]
+    mask = batch.attention_mask[0, 0]
     assert not mask[4, :4].any() and mask[4, 4] and mask[7, 4:8].all() and not mask[3, 4:].any()
 
 
@@ -83,10 +84,10 @@ def test_epochs_reshuffle_deterministically_and_split(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     train, valid, test = build_sft_datasets([path], "80,20,0", NULL, SFTConfig(seq_length=4), [20, 4, 0], seed=3)
     assert test is None and len(train.examples) == 8 and len(valid.examples) == 2
-    firsts = [int(train[i][0, 0]) for i in range(16)]
+    firsts = [int(train[i]["tokens"][0]) for i in range(16)]
     assert sorted(firsts[:8]) == sorted(firsts[8:]) == list(range(8)) and firsts[:8] != firsts[8:]
     again, _, _ = build_sft_datasets([path], "80,20,0", NULL, SFTConfig(seq_length=4), [20, 4, 0], seed=3)
-    assert all(np.array_equal(train[i], again[i]) for i in range(20))
+    assert all(np.array_equal(train[i][k], again[i][k]) for i in range(20) for k in train[i])
 
 
 @pytest.mark.parametrize("line, message", [

@@ -10,9 +10,10 @@ from megatrain.runtime.attention_backends import (AttentionCase, attention_warni
                                                  warn_if_attention_falls_back)
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.runtime.fp8 import fp8_available
+from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.models.gpt import GPTModel
 from megatrain.parallel.dims import ParallelDims
-from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_gpt
+from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
 from megatrain.training.arguments import parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -47,11 +48,11 @@ def test_parallelize_sets_the_chunked_loss_from_the_flag():
         assert ParallelizeConfig.from_args(args).cross_entropy_chunk_size == chunk
         with torch.device("meta"):
             model = GPTModel(config)
-        model = parallelize_gpt(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1)
-        got = model.chunked_loss.chunk_size if model.chunked_loss is not None else None
+        head = parallelize_model(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1).loss_head
+        got = head.chunk_size if isinstance(head, ChunkedCrossEntropy) else None
         assert got == expected
         if expected:
-            assert model.chunked_loss.compile is False  # per-chunk kernels are compiled only on CUDA
+            assert head.compile is False  # per-chunk kernels are compiled only on CUDA
 
 
 def test_compile_scope_and_mode_reach_the_model(monkeypatch):
@@ -68,7 +69,7 @@ def test_compile_scope_and_mode_reach_the_model(monkeypatch):
         args = _args("--device", "cpu", "--use-torch-compile", *extra)
         with torch.device("meta"):
             model = GPTModel(config)
-        parallelize_gpt(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1)
+        parallelize_model(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1)
         assert calls == expected, extra
 
 
@@ -97,7 +98,7 @@ def test_whole_model_compile_is_refused_with_sharded_layouts():
     cfg = ParallelizeConfig(compile_layers=True, compile_scope="model")
     cfg.data_parallel.zero_stage = 1
     with pytest.raises(ValueError, match="--torch-compile-scope layer"):
-        parallelize_gpt(model, ParallelDims(1), cfg, device=torch.device("cpu"), seed=1)
+        parallelize_model(model, ParallelDims(1), cfg, device=torch.device("cpu"), seed=1)
 
 
 def test_hints_name_the_flags_that_cause_a_fallback():

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatrain.models.common.attention import KVCache
 from megatrain.models.common.embedding import Embedding
+from megatrain.models.common.heads import LogitsCrossEntropy, LossHead, per_token_cross_entropy
 from megatrain.models.common.init import canonical_parameter_name, megatron_initial_value
 from megatrain.models.common.norms import build_norm
 from megatrain.models.common.rope import rotary_tables
@@ -42,9 +43,10 @@ class GPTModel(nn.Module):
     For pipeline stages, ``embedding`` may be set to None (the stage then takes hidden states
     [b, s, h] as ``input_ids``) and ``final_layernorm`` to None (the stage returns hidden states).
 
-    ``chunked_loss`` (a :class:`ChunkedCrossEntropy`, set by ``--cross-entropy-chunk-size``): with
-    labels, the output layer and the loss run together in float32 chunks, so the full float32
-    logits never exist; None (the default) computes the logits and then ``loss``.
+    ``loss_head`` (see :mod:`megatrain.models.common.heads`) turns the final normed hidden states
+    and the labels into the per-token loss: the plain logits-then-cross-entropy by default; parallel
+    code may put the chunked float32 head (``--cross-entropy-chunk-size``) or the vocab-parallel
+    one there.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -60,7 +62,7 @@ class GPTModel(nn.Module):
             if config.untie_embeddings_and_output_weights
             else None
         )
-        self.chunked_loss: ChunkedCrossEntropy | None = None
+        self.loss_head: LossHead = LogitsCrossEntropy()
         if not next(self.parameters()).is_meta:
             self.init_weights(seed=0)
 
@@ -78,14 +80,27 @@ class GPTModel(nn.Module):
             hidden = hidden.to(torch.get_autocast_dtype(device_type))
         return hidden
 
-    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Last layer's hidden states [b, s, h] -> final norm -> logits [b, s, V]."""
-        assert self.final_layernorm is not None
-        hidden = self.final_layernorm(hidden)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [b, s, h] -> logits [b, s, V] (the output layer, or the word
+        embeddings when tied)."""
         if self.output_layer is not None:
             return self.output_layer(hidden)
         assert self.embedding is not None, "tied output weights need the word embeddings"
         return F.linear(hidden, self.embedding.word_embeddings.weight)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last layer's hidden states [b, s, h] -> final norm -> logits [b, s, V]."""
+        assert self.final_layernorm is not None
+        return self.logits(self.final_layernorm(hidden))
+
+    def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Last layer's hidden states -> final norm -> logits, or with ``labels`` the per-token
+        loss of ``loss_head``."""
+        assert self.final_layernorm is not None
+        hidden = self.final_layernorm(hidden)
+        if labels is None:
+            return self.logits(hidden)
+        return self.loss_head.per_token_loss(self, hidden, labels)
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight [V, h]: its own, or the word embeddings' when tied."""
@@ -94,11 +109,7 @@ class GPTModel(nn.Module):
         assert self.embedding is not None, "tied output weights need the word embeddings"
         return self.embedding.word_embeddings.weight
 
-    @staticmethod
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy [b, s] in float32 (labels of -100 give 0)."""
-        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
-        return per_token.view(labels.shape)
+    loss = staticmethod(per_token_cross_entropy)
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -134,10 +145,7 @@ class GPTModel(nn.Module):
             hidden = layer(hidden, position_ids, attention_mask, kv_cache, rotary=rotary)
         if self.final_layernorm is None:
             return hidden
-        if labels is not None and self.chunked_loss is not None:
-            return self.chunked_loss(self.final_layernorm(hidden), self.output_weight(), labels)
-        logits = self.output_logits(hidden)
-        return logits if labels is None else self.loss(logits, labels)
+        return self.head(hidden, labels)
 
     # ---- parameters -----------------------------------------------------------------------------
 

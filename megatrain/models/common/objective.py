@@ -1,0 +1,56 @@
+"""Objectives: what a family trains for. An objective owns turning the loader's samples into a typed
+micro-batch, calling the model on it, the losses as (sum, count) pairs, and the names they are
+logged under (Megatron's ``lm loss``; BERT adds ``sop loss``; mixture-of-experts its balancing
+losses).
+
+The training loop, evaluation and the pipeline schedule use only this interface:
+
+* ``make_batch(samples)``: the micro-batch (a :class:`megatrain.data.batch.Batch`) from the
+  loader's collated samples already on the device;
+* ``forward(model, batch)``: the model's output for the batch (per-token losses, or whatever
+  ``losses`` reads) under the caller's autocast;
+* ``loss_target(batch)``: the tensor the loss needs besides the output (a loss mask); under
+  pipeline parallelism it travels to the last stage with the schedule's micro-batches;
+* ``losses(output, target)``: one (sum, count) pair per name in ``loss_names``. A micro-batch's
+  loss is the sum of the means ``sum / count`` (counts summed over context-parallel ranks);
+  logged losses are those means averaged over micro-batches and data-parallel ranks;
+* ``stage_inputs(batch, first=, last=)``: the positional and keyword arguments of a pipeline
+  stage (the first stage's input, the tensors every stage reads, the labels of the last).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Objective", "combine_losses"]
+
+
+class Objective:
+    """Base class: subclasses set ``loss_names`` and implement the five methods."""
+
+    loss_names: tuple[str, ...] = ()
+    # Whether make_batch is device work only (no host synchronisation), so that a CUDA graph of the
+    # micro-batch can hold it (--cuda-graph-impl local).
+    batches_in_cuda_graph: bool = True
+
+    def make_batch(self, samples: Any) -> Any:
+        raise NotImplementedError
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        raise NotImplementedError
+
+    def loss_target(self, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def losses(self, output: Any, target: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+    def stage_inputs(self, batch: Any, *, first: bool, last: bool) -> tuple[tuple, dict[str, Any]]:
+        raise NotImplementedError
+
+
+def combine_losses(terms: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> torch.Tensor:
+    """The mean of every loss term, as a vector [len(terms)]: its sum over ``counts`` (at least 1)."""
+    return torch.stack([loss_sum for loss_sum, _ in terms]) / counts.clamp(min=1.0)

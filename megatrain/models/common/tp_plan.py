@@ -1,0 +1,109 @@
+"""Tensor- and sequence-parallel plans by module path, as data: what a family hands the parallel code.
+
+A plan is a list of (module path, torch ``ParallelStyle``) pairs applied in order (a module may get
+several styles: a norm's sequence-parallel input, then its output layout), the paths of the dropout
+regions whose random masks must differ per rank, and whether the language-model head becomes the
+vocab-parallel cross entropy. ``megatrain.parallel.tensor_parallel.apply_tensor_parallel`` applies it.
+
+:func:`transformer_layer_plan` is the plan of the shared transformer layer (Megatron's layout):
+
+=====================================  =====================================================
+self_attention.linear_qkv              column parallel; the grouped [g, n/g + 2, d] row layout
+                                       makes Shard(0) give every rank whole query groups (GQA too)
+self_attention.linear_proj             row parallel
+mlp.linear_fc1                         column parallel; SwiGLU rows are interleaved gate/up per
+                                       channel, so Shard(0) keeps each pair on one rank
+mlp.linear_fc2                         row parallel
+=====================================  =====================================================
+
+With sequence parallelism the residual stream between blocks is sharded on the sequence dim (dim
+1): norms run on ``Shard(1)`` (SequenceParallel), attention and MLP all-gather their input
+(PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel)
+
+__all__ = ["TensorParallelPlan", "transformer_layer_plan", "layers_plan", "vocab_parallel_embedding_plan",
+           "lm_head_plan"]
+
+
+@dataclass
+class TensorParallelPlan:
+    styles: list[tuple[str, Any]] = field(default_factory=list)  # (module path, ParallelStyle), in order
+    rng_regions: list[str] = field(default_factory=list)  # modules whose dropout masks differ per rank
+    vocab_parallel_head: bool = False  # the model's loss_head becomes the vocab-parallel cross entropy
+
+
+def transformer_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """The plan of one transformer layer, keyed by module path relative to the layer."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "self_attention.linear_qkv": ColwiseParallel(),
+        "self_attention.linear_proj": RowwiseParallel(output_layouts=residual),
+        "mlp.linear_fc1": ColwiseParallel(),
+        "mlp.linear_fc2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        plan.update({
+            "input_layernorm": SequenceParallel(),
+            "pre_mlp_layernorm": SequenceParallel(),
+            # SelfAttention.forward(x, position_ids, attention_mask, kv_cache): gather x only.
+            "self_attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None, None),
+                                                 use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+        })
+    return plan
+
+
+def layers_plan(layers: nn.ModuleDict, config: Any, sequence_parallel: bool, prefix: str = "layers"
+                ) -> TensorParallelPlan:
+    """Every layer of ``layers`` with :func:`transformer_layer_plan`; the dropout regions to fork
+    (attention dropout on local heads; residual dropout on the rank's part of the sequence). Without
+    dropout there is no randomness to fork (and the fork would split compiled graphs)."""
+    plan = TensorParallelPlan()
+    for key in layers.keys():
+        for path, style in transformer_layer_plan(sequence_parallel).items():
+            plan.styles.append((f"{prefix}.{key}.{path}", style))
+        if config.attention_dropout > 0:
+            plan.rng_regions.append(f"{prefix}.{key}.self_attention.core_attention")
+        if sequence_parallel and config.hidden_dropout > 0:
+            plan.rng_regions.append(f"{prefix}.{key}.dropout")
+    return plan
+
+
+def vocab_parallel_embedding_plan(path: str, sequence_parallel: bool) -> list[tuple[str, Any]]:
+    """The embedding module at ``path`` (with a ``word_embeddings`` table): rows of the table sharded,
+    partial sums all-reduced; under sequence parallelism each rank then keeps its part of the
+    sequence (the backward all-gathers the gradient)."""
+    styles: list[tuple[str, Any]] = [
+        (f"{path}.word_embeddings", RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))]
+    if sequence_parallel:
+        styles.append((path, PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                                 use_local_output=True)))
+    return styles
+
+
+def lm_head_plan(final_norm: str, output_layer: str | None, sequence_parallel: bool) -> list[tuple[str, Any]]:
+    """The final norm (sequence parallel) and a language-model head whose logits stay sharded on the
+    vocabulary: the norm's output becomes a replicated DTensor, so the tied ``F.linear`` with the
+    vocab-sharded embedding table (or the column-parallel ``output_layer``) yields vocab-sharded logits."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    styles: list[tuple[str, Any]] = []
+    if sequence_parallel:
+        styles.append((final_norm, SequenceParallel()))
+    styles.append((final_norm, PrepareModuleOutput(output_layouts=residual, desired_output_layouts=Replicate(),
+                                                   use_local_output=False)))
+    if output_layer is not None:
+        styles.append((output_layer, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                     use_local_output=False)))
+    return styles

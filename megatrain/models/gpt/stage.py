@@ -1,0 +1,80 @@
+"""One pipeline stage of a GPTModel, under the model's own parameter names.
+
+A stage is a GPTModel with the layers it does not own deleted from its ``layers`` ModuleDict and the
+parts it does not own set to None, so every parameter keeps its canonical name
+(``layers.7.mlp.linear_fc1.weight``) for ``initial_value`` and checkpoints. The embedding belongs
+to the first stage; the final norm, output layer and loss to the last.
+
+Tied input/output embeddings (the default): the last stage keeps its own copy of
+``embedding.word_embeddings.weight`` for the output layer, initialised from the same
+``initial_value``; the pipeline sums the gradients of the two copies after every backward pass
+(:meth:`GPTStage.tied_parameters`), as Megatron does, so they stay identical; the copy counts
+once in the gradient norm (:meth:`GPTStage.norm_duplicates`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatrain.models.common.rope import rotary_tables
+from megatrain.models.gpt.config import GPTConfig
+from megatrain.models.gpt.model import GPTModel
+
+__all__ = ["GPTStage"]
+
+
+class GPTStage(GPTModel):
+    """``forward(x, position_ids, attention_mask, labels)``: ``x`` is token ids on the first stage
+    and hidden states [b, s, h] (the local sequence part under sequence parallelism) elsewhere;
+    the last stage returns the per-token loss [b, s] (logits without ``labels``), the others
+    hidden states.
+    """
+
+    def __init__(self, config: GPTConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> None:
+        super().__init__(config)
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        keep = {str(i) for i in layer_ids}
+        for key in [k for k in self.layers.keys() if k not in keep]:
+            del self.layers[key]
+        self.holds_tied_copy = False
+        if not self.is_first:
+            if self.is_last and not config.untie_embeddings_and_output_weights:
+                # The output layer's copy of the word embeddings.
+                assert self.embedding is not None
+                self.embedding.position_embeddings = None
+                self.holds_tied_copy = True
+            else:
+                self.embedding = None
+        if not self.is_last:
+            self.final_layernorm = None
+            self.output_layer = None
+
+    @staticmethod
+    def ties_first_and_last(config: GPTConfig) -> bool:
+        """Whether the first and last stages hold copies of one weight (the same on every rank)."""
+        return not config.untie_embeddings_and_output_weights
+
+    def tied_parameters(self) -> list[torch.Tensor]:
+        """This stage's copies of weights tied across the first and last stage (gradients summed)."""
+        if not self.ties_first_and_last(self.config) or self.embedding is None:
+            return []
+        return [self.embedding.word_embeddings.weight] if self.is_first or self.holds_tied_copy else []
+
+    def norm_duplicates(self) -> list[torch.Tensor]:
+        """Parameters that repeat another stage's (left out of the gradient norm)."""
+        return [self.embedding.word_embeddings.weight] if self.holds_tied_copy and self.embedding is not None else []
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,  # type: ignore[override]
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        hidden = self.embed(x, position_ids) if self.is_first else x
+        rotary = rotary_tables(self.config, position_ids)  # once for all layers of the stage
+        for layer in self.layers.values():
+            hidden = layer(hidden, position_ids, attention_mask, rotary=rotary)
+        if not self.is_last:
+            return hidden
+        return self.head(hidden, labels)
