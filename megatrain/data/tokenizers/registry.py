@@ -1,0 +1,69 @@
+"""The ``--tokenizer-type`` registry: :data:`TOKENIZER_BUILDERS` maps every type name to the
+function that builds it from a :class:`TokenizerConfig`; :func:`build_tokenizer` looks the name up
+and :func:`add_tokenizer_args` offers exactly the names in the table as the flag's choices.
+
+Adding a tokenizer type is one module (a :class:`MegatrainTokenizer` and a ``build_*(cfg)``
+function) and one line in the table below.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from megatrain.data.tokenizers import gpt2_bpe, huggingface, null, sentence_piece, tiktokenizer, wordpiece
+from megatrain.data.tokenizers.base import MegatrainTokenizer, TokenizerConfig
+
+__all__ = ["TOKENIZER_BUILDERS", "TOKENIZER_TYPES", "add_tokenizer_args", "build_tokenizer"]
+
+#: ``--tokenizer-type`` name -> builder (the order is the order ``--help`` lists the choices in).
+TOKENIZER_BUILDERS: dict[str, Callable[[TokenizerConfig], MegatrainTokenizer]] = {
+    "BertWordPieceLowerCase": wordpiece.build_bert_lower_case,
+    "BertWordPieceCase": wordpiece.build_bert_case,
+    "GPT2BPETokenizer": gpt2_bpe.build_gpt2_bpe,
+    "SentencePieceTokenizer": sentence_piece.build_sentencepiece,
+    "GPTSentencePieceTokenizer": sentence_piece.build_gpt_sentencepiece,
+    "Llama2Tokenizer": sentence_piece.build_llama2,
+    "HuggingFaceTokenizer": huggingface.build_huggingface,
+    "TikTokenizer": tiktokenizer.build_tiktokenizer,
+    "NullTokenizer": null.build_null,
+}
+
+TOKENIZER_TYPES = tuple(TOKENIZER_BUILDERS)
+
+
+def build_tokenizer(cfg: Any) -> MegatrainTokenizer:
+    """Build the tokenizer named by ``cfg.tokenizer_type`` (a config, namespace or dict)."""
+    cfg = TokenizerConfig.from_namespace(cfg)
+    kind = cfg.tokenizer_type
+    if kind is None:
+        raise ValueError(f"--tokenizer-type is required; choose one of: {', '.join(TOKENIZER_TYPES)}")
+    builder = TOKENIZER_BUILDERS.get(kind)
+    if builder is None:
+        raise ValueError(
+            f"--tokenizer-type {kind!r} is not supported; choose one of: {', '.join(TOKENIZER_TYPES)}"
+        )
+    return builder(cfg)
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's tokenizer flags (same names, dests and defaults)."""
+    group = parser.add_argument_group(title="tokenizer")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="Size of vocab before EOD or padding (NullTokenizer, TikTokenizer).")
+    group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file.")
+    group.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merge file.")
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="Number of additional vocabulary tokens (T5 sentinels).")
+    group.add_argument("--tokenizer-type", type=str, default=None, choices=list(TOKENIZER_TYPES),
+                       help="What type of tokenizer to use.")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="Tokenizer model file (SentencePiece .model, tiktoken ranks, "
+                            "tokenizer.json or a folder holding one).")
+    group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                       help="Which tiktoken pre-tokenisation pattern to use (TikTokenizer).")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="Number of special tokens in the tiktoken tokenizer.")
+    group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
+                       help="List of tiktoken special tokens, needs to include <unk>, <s> and </s>.")
+    return parser
