@@ -26,7 +26,7 @@ COMMANDS = {
     "preprocess": ("megatrain.data.preprocess", "main"),
     "train-tokenizer": ("megatrain.data.train_tokenizer", "main"),
     "merge-datasets": ("megatrain.data.merge_datasets", "main"),
-    "dataset-info": ("megatrain.data.dataset_info", "main"),
+    "dataset-info": ("megatrain.training.dataset_info", "main"),
     "finetune": ("megatrain.training.finetune", "main"),
     "evaluate": ("megatrain.inference.evaluate", "main"),
     "generate": ("megatrain.inference.text_generation", "main"),

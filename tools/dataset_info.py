@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatrain.data.dataset_info import main  # noqa: E402
+from megatrain.training.dataset_info import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

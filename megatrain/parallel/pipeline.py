@@ -429,7 +429,7 @@ class PipelineParallel:
 
     def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Global gradient norm over all stages (clipping all of ``params`` when ``max_norm > 0``)."""
-        from megatrain.training.optimizer import clip_grads_with_norm_, get_grad_norm
+        from megatrain.parallel.grad_norm import clip_grads_with_norm_, get_grad_norm
 
         params = [p for p in params if p.grad is not None]
         total = get_grad_norm(self.norm_parameters(params), reduce_group=self.pp_group)

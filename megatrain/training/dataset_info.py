@@ -5,6 +5,8 @@ the documents/tokens of each split, and the samples each split must provide for 
 flags given. `dump_samples(args, n, output)` writes the token ids of the first ``n`` training
 samples in training order (int64 ``[n, seq_length + 1]``) to a ``.npy`` file, atomically. Both
 take the namespace of ``pretrain_gpt.py``'s parser, so defaults are the same as in training.
+It lives in ``training/``, beside ``checkpoint_info.py``, because its command line is the training
+one, and ``data/`` imports nothing from ``training/``.
 """
 
 from __future__ import annotations
