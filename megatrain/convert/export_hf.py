@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
-from megatrain.models.gpt.hf import hf_architecture, hf_config_dict, to_hf_state_dict
 from megatrain.atomic_io import atomic_path, atomic_write_json
 from megatrain.convert.tokenizer_files import write_hf_tokenizer
 from megatrain.errors import user_errors_exit
-from megatrain.models.gpt.config import GPTConfig
-from megatrain.models.gpt import canonical_parameter_name
+from megatrain.models.common.init import canonical_parameter_name
+from megatrain.models.registry import ModelFamily, family_of_checkpoint, family_of_config
 from megatrain.training import checkpointing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,12 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_full_state_dict(ckpt: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+def load_full_state_dict(ckpt: str, cfg: Any, family: ModelFamily | None = None) -> dict[str, torch.Tensor]:
     """All model tensors of ``ckpt`` as whole CPU tensors with canonical names (any saved layout)."""
-    from megatrain.models.gpt import GPTModel
 
     with torch.device("meta"):
-        model = GPTModel(cfg)
+        model = (family or family_of_config(cfg)).build_model(cfg)
     model.to_empty(device=torch.device("cpu"))
     checkpointing.load_checkpoint(ckpt, model, None, load_optim=False, load_rng=False)
     return {canonical_parameter_name(k): v.detach() for k, v in model.state_dict().items()}
@@ -120,8 +118,11 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     meta = checkpointing.read_meta(ckpt)
     if "model_config" not in meta:
         raise ValueError(f"--checkpoint-path {ckpt}: meta.json has no model_config")
-    cfg = GPTConfig(**meta["model_config"])
-    architecture = hf_architecture(cfg)  # refuse before reading any weights
+    family, cfg = family_of_checkpoint(meta)
+    if family.hf is None:
+        raise ValueError(f"--checkpoint-path {ckpt}: the {family.name} model family has no Hugging Face export")
+    hf = family.hf
+    architecture = hf.architecture(cfg)  # refuse before reading any weights
     saved_args = meta.get("args", {}) or {}
     rows = vocab_size or saved_args.get("hf_vocab_size") or cfg.vocab_size
     if rows <= 0:
@@ -131,8 +132,8 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     os.makedirs(output_path, exist_ok=True)
     print(f" exporting {ckpt} ({architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) to {output_path}",
           flush=True)
-    state = load_full_state_dict(ckpt, cfg)
-    hf_state = to_hf_state_dict(state, cfg, architecture, vocab_size=rows)
+    state = load_full_state_dict(ckpt, cfg, family)
+    hf_state = hf.to_hf_state_dict(state, cfg, architecture, vocab_size=rows)
     hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state.items()}
 
     tok_args = {k: saved_args.get(k) for k in TOKENIZER_FIELDS if saved_args.get(k) is not None}
@@ -142,7 +143,7 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     special = write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings)
 
     names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress)
-    config = hf_config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype],
+    config = hf.config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype],
                             bos_token_id=special.bos_token_id, eos_token_id=special.eos_token_id,
                             pad_token_id=special.pad_token_id)
     atomic_write_json(os.path.join(output_path, "config.json"), config, indent=2, sort_keys=True)

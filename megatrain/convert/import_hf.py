@@ -21,12 +21,11 @@ import torch
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.safe_pickle import load_tensors_file
 from megatrain.checkpoint.save_lock import take_save_lock
-from megatrain.models.gpt.hf import UnsupportedModelError, from_hf_state_dict, gpt_config_from_hf
+from megatrain.models.common.hf_adapter import UnsupportedModelError
 from megatrain.convert.tokenizer_files import import_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.json_input import parse_json
-from megatrain.models.gpt.config import GPTConfig
-from megatrain.models.gpt import GPTModel
+from megatrain.models.registry import family_for_hf
 from megatrain.training import checkpointing
 from megatrain.training.builders import padded_vocab_size
 from megatrain.training.checkpointing import TrainState
@@ -105,7 +104,7 @@ def read_hf_weights(hf_path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def pretrain_flags(cfg: GPTConfig, tok_args: dict[str, Any], divisible_by: int) -> list[str]:
+def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int) -> list[str]:
     """The pretrain_gpt.py model and tokenizer flags that rebuild exactly this model."""
     flags = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
              "--num-attention-heads", str(cfg.num_attention_heads), "--ffn-hidden-size", str(cfg.ffn_hidden_size),
@@ -148,11 +147,13 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
         raise UnsupportedModelError(f"--hf-path {hf_path}: config.json has no vocab_size")
     hf_vocab = int(hf_config["vocab_size"])
     padded = padded_vocab_size(hf_vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
-    cfg, architecture = gpt_config_from_hf(hf_config, padded)
+    family = family_for_hf(hf_config)
+    cfg, architecture = family.hf.config_from_hf(hf_config, padded)
 
-    state = from_hf_state_dict({k: v.float() for k, v in read_hf_weights(hf_path).items()}, cfg, architecture)
+    state = family.hf.from_hf_state_dict({k: v.float() for k, v in read_hf_weights(hf_path).items()}, cfg,
+                                         architecture)
     with torch.device("meta"):
-        model = GPTModel(cfg)
+        model = family.build_model(cfg)
     model.to_empty(device=torch.device("cpu"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -167,7 +168,7 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
             lock.release()
 
 
-def _write(hf_path: str, save: str, model: GPTModel, cfg: Any, architecture: str, hf_vocab: int, padded: int,
+def _write(hf_path: str, save: str, model: torch.nn.Module, cfg: Any, architecture: str, hf_vocab: int, padded: int,
            make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> str:
     """The tokenizer files and the checkpoint of a converted model, written into ``save`` (locked)."""
     tok_args = import_hf_tokenizer(hf_path, os.path.join(save, "tokenizer"), architecture)

@@ -9,13 +9,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from megatrain.models.gpt.config import GPTConfig
-from megatrain.models.gpt import GPTModel
+from megatrain.models.registry import family_of_checkpoint
 from megatrain.training import checkpointing
 
 
 def load_model(load: str, device: torch.device, step: int | None = None,
-               tp_mesh: DeviceMesh | None = None) -> tuple[GPTModel, dict[str, Any]]:
+               tp_mesh: DeviceMesh | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Build the model a checkpoint describes and load its weights; returns (model in eval mode, meta).
 
     With ``tp_mesh`` (every rank of a torchrun job calls this) the model is tensor-parallel: each
@@ -26,19 +25,20 @@ def load_model(load: str, device: torch.device, step: int | None = None,
     if ckpt is None:
         raise SystemExit(f"error: --load {load}: no checkpoint found")
     meta = checkpointing.read_meta(ckpt)
+    family, config = family_of_checkpoint(meta)
     with torch.device("meta"):
-        model = GPTModel(GPTConfig(**meta["model_config"]))
+        model = family.build_model(config)
     if tp_mesh is not None:
         from megatrain.parallel.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, tp_mesh)
-        sharded_logits = model.output_logits
+        apply_tensor_parallel(model, tp_mesh, plan=family.tensor_parallel_plan(model, sequence_parallel=False))
+        sharded_logits = model.logits
 
         def gathered_logits(hidden: torch.Tensor) -> torch.Tensor:
             logits = sharded_logits(hidden)
             return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
-        model.output_logits = gathered_logits  # type: ignore[method-assign]
+        model.logits = gathered_logits  # type: ignore[method-assign]
     model.to_empty(device=device)
     checkpointing.load_checkpoint(ckpt, model, None, load_optim=False, load_rng=False)
     model.eval()

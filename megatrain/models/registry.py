@@ -24,7 +24,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_config", "DEFAULT_FAMILY"]
+__all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_config", "family_of_checkpoint",
+           "family_for_hf", "DEFAULT_FAMILY"]
 
 DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-only megatrain
 
@@ -79,3 +80,22 @@ def family_of_config(config: Any) -> ModelFamily:
     if not matches:
         raise ValueError(f"no model family has the config class {type(config).__name__}")
     return max(matches, key=lambda f: len(f.config_class.__mro__))
+
+
+def family_of_checkpoint(meta: dict[str, Any]) -> tuple[ModelFamily, Any]:
+    """(family, its config) a checkpoint's meta data describes (checkpoints that name no family are GPT's)."""
+    family = get_family(str(meta.get("family") or DEFAULT_FAMILY))
+    return family, family.config_class(**meta["model_config"])
+
+
+def family_for_hf(hf_config: dict[str, Any]) -> ModelFamily:
+    """The family whose Hugging Face adapter takes ``hf_config`` (config.json); ValueError naming
+    every class megatrain converts when none does."""
+    families = [get_family(name) for name in family_names()]
+    for family in families:
+        if family.hf is not None and family.hf.accepts(hf_config):
+            return family
+    known = [a for f in families if f.hf is not None for a in f.hf.architectures]
+    found = hf_config.get("architectures") or hf_config.get("model_type")
+    from megatrain.models.common.hf_adapter import UnsupportedModelError
+    raise UnsupportedModelError(f"architecture {found!r} is not supported; supported: {', '.join(known)}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from megatrain.models.gpt.config import GPTConfig
+    from megatrain.models.common.config import TransformerConfig
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -68,7 +68,7 @@ class ParallelDims:
 
     # ---- checks against the model --------------------------------------------------------------
 
-    def validate_model(self, config: "GPTConfig", *, orig_vocab_size: int | None = None,
+    def validate_model(self, config: "TransformerConfig", *, orig_vocab_size: int | None = None,
                        make_vocab_size_divisible_by: int | None = None, seq_length: int | None = None) -> None:
         """Raise ValueError naming the flags when the model cannot be split ``tp`` ways."""
         tp = self.tp

@@ -107,7 +107,7 @@ def build_param_groups(model: nn.Module | Sequence[nn.Module], cfg: OptimizerCon
     appearance, so that every group can run as one fused (or foreach) kernel call;
     the split groups carry the same hyper-parameters.
     """
-    from megatrain.models.gpt import canonical_parameter_name
+    from megatrain.models.common.init import canonical_parameter_name
 
     # (decoupled, no weight decay) -> parameters; decoupled: --decoupled-lr's embedding and output layer
     lists: dict[tuple[bool, bool], list[torch.Tensor]] = {(d, n): [] for d in (False, True) for n in (False, True)}

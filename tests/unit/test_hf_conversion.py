@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from megatrain.convert.export_hf import export_checkpoint  # noqa: E402
-from megatrain.models.gpt.hf import UnsupportedModelError, gpt_config_from_hf, hf_architecture  # noqa: E402
+from megatrain.models.common.hf_adapter import UnsupportedModelError  # noqa: E402
+from megatrain.models.gpt.hf import gpt_config_from_hf, hf_architecture  # noqa: E402
 from megatrain.convert.import_hf import import_hf_model  # noqa: E402
 from megatrain.inference.generation import generate  # noqa: E402
 from megatrain.inference.loading import load_model  # noqa: E402

@@ -25,12 +25,7 @@ SECTION = "## Layers and the allowed import order"
 # from megatrain.models.registry; until then they import the GPT family directly. Entries are
 # (importing file, imported module). test_temporary_allowlist_is_still_needed fails once an entry
 # matches no import, so the rewrite deletes them (and then this set, empty, may go too).
-TEMPORARY_ALLOWLIST = frozenset({
-    ("megatrain/parallel/pipeline.py", "megatrain.models.gpt"),
-    ("megatrain/parallel/pipeline.py", "megatrain.models.gpt.config"),
-    ("megatrain/parallel/parallelize.py", "megatrain.models.gpt"),
-    ("megatrain/parallel/parallelize.py", "megatrain.models.gpt.config"),
-})
+TEMPORARY_ALLOWLIST: frozenset[tuple[str, str]] = frozenset()
 
 
 # -- the rules: the layer table of docs/architecture.md ------------------------------------------

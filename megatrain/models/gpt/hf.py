@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError
 from megatrain.models.gpt.config import GPTConfig
 
 GPT2 = "GPT2LMHeadModel"
@@ -28,8 +29,6 @@ LLAMA = "LlamaForCausalLM"
 SUPPORTED_ARCHITECTURES = (GPT2, LLAMA)
 
 
-class UnsupportedModelError(ValueError):
-    """The model (or Hugging Face folder) uses something the other side cannot represent exactly."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,3 +376,16 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
             f"the Hugging Face weights hold tensors megatrain has no place for (e.g. {unexpected[:3]}); "
             "the config does not describe them, so converting would drop them")
     return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _accepts(hf: Mapping[str, Any]) -> bool:
+    try:
+        _architecture_of(hf)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
+ADAPTER = HFAdapter(architectures=SUPPORTED_ARCHITECTURES, accepts=_accepts, architecture=hf_architecture,
+                    config_dict=hf_config_dict, to_hf_state_dict=to_hf_state_dict, config_from_hf=gpt_config_from_hf,
+                    from_hf_state_dict=from_hf_state_dict)
