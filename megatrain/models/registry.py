@@ -11,6 +11,7 @@ callables and data (compare torchtitan's ``ModelSpec`` and Megatron's ``model_pr
 * ``objective``: what a training batch is and what loss it gives;
 * ``flops`` and ``memory``: the formulas of the log line and the start-up memory report;
 * ``config_checks``: how each config field is compared between a checkpoint and the flags;
+* ``datasets``: its train/valid/test datasets (None: Megatron's GPT token datasets);
 * ``hf``: its Hugging Face adapter (None when it has none).
 
 The training loop, pipeline, checkpointing, conversion and inference code read a family only
@@ -47,6 +48,9 @@ class ModelFamily:
     memory: Callable[..., Any] | None = None  # estimate_memory-like (config, **layout) -> MemoryEstimate
     config_checks: dict[str, tuple[str, str]] = field(default_factory=dict)
     hf: Any = None
+    # (args, tokenizer, num_samples per split) -> (train, valid, test); None: Megatron's GPT datasets
+    # (indexed .bin/.idx documents cut into --seq-length + 1 token samples, or --mock-data)
+    datasets: Callable[..., Any] | None = None
     description: str = ""
 
 

@@ -185,8 +185,11 @@ class Trainer(StepMixin, EvaluationMixin):
                                 num_losses=len(self.objective.loss_names))
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
-        """Train/valid/test datasets (hook: fine-tuning returns its own; samples go to the objective)."""
+        """Train/valid/test datasets (hook: fine-tuning returns its own; samples go to the objective):
+        the family's, or Megatron's GPT token datasets."""
         a = self.args
+        if self.family.datasets is not None:
+            return self.family.datasets(a, self.tokenizer, num_samples)
         return build_train_valid_test_datasets(DataConfig.from_args(a), a.seq_length, a.seed, num_samples,
                                                self.tokenizer.vocab_size, self.tokenizer.eod)
 

@@ -1,4 +1,4 @@
-"""Causal self-attention with grouped query heads, rotary positions and an optional KV cache.
+"""Self-attention (causal, or bidirectional for encoders) with grouped query heads, rotary positions and an optional KV cache.
 
 Weight layout (Megatron's grouped QKV): ``linear_qkv.weight`` has ``(n + 2g) * d`` rows that,
 viewed as ``[g, n/g + 2, d, h]``, hold for each query group its n/g query heads, then its key
@@ -62,7 +62,8 @@ class KVCache:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head (or grouped-query) causal self-attention through torch's SDPA."""
+    """Multi-head (or grouped-query) self-attention through torch's SDPA (causal unless the config's
+    ``causal_attention`` is False)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int) -> None:
         super().__init__()
@@ -132,6 +133,7 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.heads_per_group = config.heads_per_group
         self.attention_dropout = config.attention_dropout
+        self.causal = config.causal_attention
 
     def forward(
         self,
@@ -144,10 +146,10 @@ class CoreAttention(nn.Module):
         s = q.shape[2]
         if attention_mask is not None:
             assert attention_mask.dtype == torch.bool, "attention_mask must be bool (True = may attend)"
-        elif past > 0 and s > 1:
+        elif self.causal and past > 0 and s > 1:
             # Several new queries after cached keys: causal, aligned to the last key.
             attention_mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        is_causal = attention_mask is None and past == 0
+        is_causal = self.causal and attention_mask is None and past == 0
         dropout_p = self.attention_dropout if self.training else 0.0
 
         if self.heads_per_group == 1:

@@ -40,6 +40,9 @@ class TransformerConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    # Self-attention sees earlier positions only (decoders); False: every position of the sequence
+    # (encoders), unless an explicit mask says otherwise.
+    causal_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
