@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from megatrain.data.long_pieces import LongPieceEncoder
+from megatrain.flags import flag_section
 from megatrain.json_input import parse_json
 
 __all__ = [
@@ -115,7 +116,7 @@ class TokenizerConfig:
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's tokenizer flags (same names, dests and defaults)."""
-    group = parser.add_argument_group(title="tokenizer")
+    group = flag_section(parser, "tokenizer")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="Size of vocab before EOD or padding (NullTokenizer, TikTokenizer).")
     group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file.")
