@@ -25,7 +25,7 @@ dim, dtype and masks, and warns when only the slow math fallback would run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -65,19 +65,6 @@ class ParallelizeConfig:
         if self.compile_scope not in ("auto", "layer", "model"):
             raise ValueError(f"--torch-compile-scope must be auto, layer or model, got {self.compile_scope!r}")
 
-    @classmethod
-    def from_args(cls, args: Any) -> "ParallelizeConfig":
-        dtype = (torch.bfloat16 if getattr(args, "bf16", False)
-                 else torch.float16 if getattr(args, "fp16", False) else torch.float32)
-        return cls(DataParallelConfig.from_args(args), RecomputeConfig.from_args(args),
-                   bool(getattr(args, "use_torch_compile", False)),
-                   int(getattr(args, "cross_entropy_chunk_size", 0) or 0), dtype,
-                   bool(getattr(args, "reset_attention_mask", False)),
-                   str(getattr(args, "torch_compile_mode", "default") or "default"),
-                   str(getattr(args, "torch_compile_scope", "auto") or "auto"),
-                   getattr(args, "fp8_format", None), bool(getattr(args, "tp_comm_overlap", False)),
-                   False if getattr(args, "no_gradient_accumulation_fusion", False) else None)
-
 
 def whole_model_compile_allowed(*, tp: int, pp: int, cp: int, sharded_data_parallel: bool) -> bool:
     """Whether one compiled region can span the whole model: no TP, PP, CP or FSDP2 hooks between
@@ -85,17 +72,14 @@ def whole_model_compile_allowed(*, tp: int, pp: int, cp: int, sharded_data_paral
     return tp == 1 and pp == 1 and cp == 1 and not sharded_data_parallel
 
 
-def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig | Any, *, device: torch.device,
+def parallelize_gpt(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig, *, device: torch.device,
                     seed: int, config: GPTConfig | None = None,
                     compile_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply parallelism to ``model`` (ideally on the meta device), initialise it and return it.
 
-    ``cfg`` is a :class:`ParallelizeConfig` or parsed Megatron arguments. The result is the model
-    itself (tensor parallel / FSDP2) or a ``DistributedDataParallel`` wrapper around it; use
-    :func:`megatrain.parallel.data_parallel.unwrap` for the module.
+    The result is the model itself (tensor parallel / FSDP2) or a ``DistributedDataParallel``
+    wrapper around it; use :func:`megatrain.parallel.data_parallel.unwrap` for the module.
     """
-    if not isinstance(cfg, ParallelizeConfig):
-        cfg = ParallelizeConfig.from_args(cfg)
     config = config or model.config
     if dims.pp > 1 and not getattr(model, "is_pipeline_stage", False):
         raise ValueError("parallelize_gpt applies tensor, sequence, context and data parallelism to one model or "

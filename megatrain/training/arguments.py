@@ -292,10 +292,11 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
         if given:
             _fail(f"{', '.join(given)} need --pipeline-model-parallel-size > 1")
         return
-    from megatrain.parallel.pipeline import PipelineConfig, split_layers
+    from megatrain.parallel.pipeline import split_layers
+    from megatrain.training.run_config import pipeline_config_from_args
 
     try:
-        cfg = PipelineConfig.from_args(args)
+        cfg = pipeline_config_from_args(args)
         split_layers(args.num_layers, pp, cfg.virtual_stages, cfg.first_stage_layers, cfg.last_stage_layers)
     except ValueError as e:
         _fail(str(e))
