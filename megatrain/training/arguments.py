@@ -17,7 +17,7 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence, TypeVar
 
 from megatrain.checkpoint.flags import add_checkpoint_flags
 from megatrain.data.config import add_data_flags
@@ -154,8 +154,19 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
     return args
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise SystemExit(f"error: {message}")
+
+
+T = TypeVar("T")
+
+
+def _checked(build: Callable[..., T], *args: Any) -> T:
+    """``build(*args)``; the ValueError of a typed config refusing a flag becomes the one-line error."""
+    try:
+        return build(*args)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
@@ -275,10 +286,9 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "scaling), so delayed scaling's amax history and margin are not used"]
     if not args.bf16:
         _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
-    from megatrain.runtime.fp8 import fp8_available
+    from megatrain.runtime.fp8 import require_fp8
 
-    if not fp8_available():
-        _fail("--fp8-format needs torchao (float8 training), which is not installed: pip install 'megatrain[fp8]'")
+    _checked(require_fp8)
 
 
 def _validate_pipeline(args: argparse.Namespace) -> None:
@@ -295,11 +305,8 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
     from megatrain.parallel.pipeline import split_layers
     from megatrain.training.run_config import pipeline_config_from_args
 
-    try:
-        cfg = pipeline_config_from_args(args)
-        split_layers(args.num_layers, pp, cfg.virtual_stages, cfg.first_stage_layers, cfg.last_stage_layers)
-    except ValueError as e:
-        _fail(str(e))
+    cfg = _checked(pipeline_config_from_args, args)
+    _checked(split_layers, args.num_layers, pp, cfg.virtual_stages, cfg.first_stage_layers, cfg.last_stage_layers)
     if cfg.schedule in ("1f1b", "gpipe") and args.num_micro_batches < pp:
         _fail(f"--pipeline-schedule {cfg.schedule} needs at least --pipeline-model-parallel-size ({pp}) "
               f"micro-batches per iteration, got {args.num_micro_batches} (--global-batch-size "
@@ -321,25 +328,22 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
         args.recompute_num_layers = args.recompute_num_layers or 1
-    if args.recompute_granularity == "full" and args.recompute_method is None:
-        args.recompute_method = "uniform"
-        args.recompute_num_layers = args.recompute_num_layers or 1
 
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
         if getattr(args, flag) is None:
             _fail(f"--{flag.replace('_', '-')} is required")
+    for flag in ("seq_length", "micro_batch_size"):  # the model's sizes: GPTConfig, below
         if getattr(args, flag) <= 0:
             _fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
-        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by "
-              f"--num-attention-heads ({args.num_attention_heads})")
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    elif args.num_attention_heads % args.num_query_groups:
-        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-              f"--num-query-groups ({args.num_query_groups})")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    # The model's shape (head and query-group division, sizes, dropout, rotary dims): GPTConfig checks it.
+    # The padded vocabulary comes with the tokenizer, later; no check involves it, so 1 stands in.
+    from megatrain.training.builders import model_config_from_args
+
+    _checked(model_config_from_args, args, 1)
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _fail(f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
               f"({args.max_position_embeddings})")
@@ -350,34 +354,24 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _resolve_speed_defaults(args)
     if (args.train_iters is None) == (args.train_samples is None):
         _fail("give exactly one of --train-iters and --train-samples")
-    if args.lr is None:
-        _fail("--lr is required")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail("give only one of --override-opt_param-scheduler (the flags' schedule wins) and "
               "--use-checkpoint-opt_param-scheduler (the checkpoint's wins)")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters")
 
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    if cp < 1:
-        _fail(f"--context-parallel-size must be at least 1, got {cp}")
+    from megatrain.training.run_config import RunConfig, parallel_dims_from_args
+
+    # The sizes, their product against the world size and the data-parallel rest: ParallelDims checks them.
+    args.world_size_actual = world_size
+    dims = _checked(parallel_dims_from_args, args)
+    tp, pp, cp = dims.tp, dims.pp, dims.cp
+    args.data_parallel_size = dims.dp
+    args.sequence_parallel = dims.sequence_parallel  # off without tensor parallelism
     if cp > 1:
         if args.seq_length % (2 * cp):
             _fail(f"--context-parallel-size {cp} cuts each sequence into {2 * cp} chunks: --seq-length "
                   f"({args.seq_length}) must be divisible by {2 * cp}")
         if args.reset_attention_mask:
             _fail("--context-parallel-size > 1 with --reset-attention-mask (document masks) is not supported yet")
-    for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
-        if size < 1:
-            _fail(f"{name} must be at least 1, got {size}")
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel:
-        _fail(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-              f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
-    args.world_size_actual = world_size
-    args.data_parallel_size = world_size // model_parallel
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False
     if args.tp_comm_overlap:
         if tp == 1:
             args.tp_comm_overlap = False
@@ -407,11 +401,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                   f"{pp * per_micro} samples), so that every batch of the ramp fills the pipeline schedule")
         from megatrain.training.batch_rampup import BatchRampup
 
-        try:
-            rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
-                                 args.micro_batch_size * args.data_parallel_size)
-        except ValueError as e:
-            _fail(str(e))
+        rampup = _checked(BatchRampup, *args.rampup_batch_size, args.global_batch_size,
+                          args.micro_batch_size * args.data_parallel_size)
         args.train_iters_derived = rampup.iterations_for(args.train_samples)
     elif args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
@@ -457,4 +448,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail("no training data: give --data-path (or --train-data-path), or --mock-data for synthetic tokens")
     if args.data_path and args.train_data_path:
         _fail("give either --data-path or --train-data-path/--valid-data-path/--test-data-path, not both")
+    # Last, on the completed namespace: every typed config checks its own fields (the LR schedule,
+    # optimizer, data parallel, recomputation, compilation, data sources); the trainer builds its own.
+    _checked(RunConfig.from_args, args)
     return args
