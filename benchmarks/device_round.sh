@@ -16,10 +16,14 @@
 #   bash benchmarks/device_round.sh two-gpu-tests  # nvidia-h200-x2, ~3 min: the two-GPU set alone
 #   bash benchmarks/device_round.sh close6     # nvidia-h200-x2, ~5 min: the two-GPU tests, then 1.7B with CUDA graphs (GPU 0) and without (GPU 1)
 #   bash benchmarks/device_round.sh trust7     # nvidia-h200, ~8 min: 1.7B checkpoint save/load/checksum times, the fault suite under torch 2.11
+#   bash benchmarks/device_round.sh seam16     # nvidia-h200, ~8 min: the three shapes at the commit before issue 16's
+#                                              # seam (its tree unpacked in bench_base/: `git archive c3bedb8 megatrain
+#                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 if ! python -c "import torchao.float8" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=/tmp/site
@@ -112,10 +116,21 @@ case "${1:-table}" in
       tests/unit/test_lr_schedule.py tests/distributed/test_checkpoint_integrity_ranks.py > "$OUT/fault_tests.txt" 2>&1
     tail -3 "$OUT/fault_tests.txt"
     ;;
+  seam16)
+    python benchmarks/cuda_op_check.py > "$OUT/cuda_op_check.txt" 2>&1
+    for shape in 1.7b llama-1.2b gpt2-124m; do
+      run=$LARGE; [ "$shape" = gpt2-124m ] && run=$SMALL
+      for tree in bench_base .; do
+        tag=$([ "$tree" = . ] && echo after || echo before)
+        (cd "$tree" && timeout 140 $run "$shape" --iters 8 --warmup 3 --extra "" --output "$OUT/${shape}_$tag.md") \
+          >> "$OUT/seam16.log" 2>&1
+      done
+    done
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|gpu-tests|two-gpu-tests|close6]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

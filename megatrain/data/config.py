@@ -1,6 +1,6 @@
 """Data flags (Megatron-LM names, defaults and attribute names) and the typed `DataConfig`.
 
-`add_data_args(parser)` adds the data-and-dataloader flags of ``pretrain_gpt.py``;
+`add_data_flags(parser)` adds the data-and-dataloader flags of ``pretrain_gpt.py``;
 `DataConfig.from_args(namespace)` turns a parsed namespace into the config the dataset
 builders take. Sequence length, seed and batch sizes belong to the training arguments; they
 are copied into `DataConfig` when the namespace has them.
@@ -12,17 +12,18 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
+from megatrain.flags import flag_section
 from megatrain.json_input import parse_json
 
-__all__ = ["DataConfig", "add_data_args", "DEFAULT_SPLIT"]
+__all__ = ["DataConfig", "add_data_flags", "DEFAULT_SPLIT"]
 
 #: Megatron-LM's default ``--split``.
 DEFAULT_SPLIT = "969, 30, 1"
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron's data flags to ``parser`` (one argument group) and return the parser."""
-    g = parser.add_argument_group(title="data and dataloader")
+def add_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Megatron's data flags to ``parser`` (its "data and dataloader" section) and return the parser."""
+    g = flag_section(parser, "data and dataloader")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="one dataset prefix, or a blend 'W1 PREFIX1 W2 PREFIX2 ...', or several "
                         "prefixes without weights (weighted by their sizes)")
@@ -96,7 +97,7 @@ class DataConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
-        """Build from a namespace made by a parser that has `add_data_args` flags."""
+        """Build from a namespace made by a parser that has `add_data_flags` flags."""
         get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
         data_path = get("data_path")
         train, valid, test = get("train_data_path"), get("valid_data_path"), get("test_data_path")

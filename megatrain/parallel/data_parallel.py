@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -61,17 +61,6 @@ class DataParallelConfig:
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
-
-    @classmethod
-    def from_args(cls, args: Any) -> "DataParallelConfig":
-        zero = getattr(args, "zero_stage", 0) or 0
-        if getattr(args, "use_distributed_optimizer", False) and zero == 0:
-            zero = 1
-        return cls(zero_stage=zero, overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-                   overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
-                   bucket_size=getattr(args, "ddp_bucket_size", None),
-                   param_dtype=torch.bfloat16 if getattr(args, "bf16", False) else None,
-                   grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)))
 
 
 def uses_fsdp(cfg: DataParallelConfig, tensor_parallel: bool) -> bool:

@@ -58,14 +58,6 @@ class ParallelDims:
         if self.tp == 1:
             self.sequence_parallel = False
 
-    @classmethod
-    def from_args(cls, args: Any, world_size: int) -> "ParallelDims":
-        """From Megatron flags (``--tensor-model-parallel-size`` ...) and the launcher's world size."""
-        return cls(world_size=world_size, tp=args.tensor_model_parallel_size,
-                   pp=getattr(args, "pipeline_model_parallel_size", 1),
-                   cp=getattr(args, "context_parallel_size", 1),
-                   sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
-
     # ---- checks against the model --------------------------------------------------------------
 
     def validate_model(self, config: "TransformerConfig", *, orig_vocab_size: int | None = None,

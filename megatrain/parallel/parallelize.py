@@ -25,7 +25,6 @@ dim, dtype and masks, and warns when only the slow math fallback would run.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,19 +66,6 @@ class ParallelizeConfig:
         if self.compile_scope not in ("auto", "layer", "model"):
             raise ValueError(f"--torch-compile-scope must be auto, layer or model, got {self.compile_scope!r}")
 
-    @classmethod
-    def from_args(cls, args: Any) -> "ParallelizeConfig":
-        dtype = (torch.bfloat16 if getattr(args, "bf16", False)
-                 else torch.float16 if getattr(args, "fp16", False) else torch.float32)
-        return cls(DataParallelConfig.from_args(args), RecomputeConfig.from_args(args),
-                   bool(getattr(args, "use_torch_compile", False)),
-                   int(getattr(args, "cross_entropy_chunk_size", 0) or 0), dtype,
-                   bool(getattr(args, "reset_attention_mask", False)),
-                   str(getattr(args, "torch_compile_mode", "default") or "default"),
-                   str(getattr(args, "torch_compile_scope", "auto") or "auto"),
-                   getattr(args, "fp8_format", None), bool(getattr(args, "tp_comm_overlap", False)),
-                   False if getattr(args, "no_gradient_accumulation_fusion", False) else None)
-
 
 def whole_model_compile_allowed(*, tp: int, pp: int, cp: int, sharded_data_parallel: bool) -> bool:
     """Whether one compiled region can span the whole model: no TP, PP, CP or FSDP2 hooks between
@@ -108,8 +94,6 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     ``family`` defaults to the family of ``config`` (default ``model.config``). ``pipeline_stage``:
     ``model`` is one pipeline stage (``megatrain.parallel.pipeline.PipelineParallel.build`` passes it).
     """
-    if isinstance(cfg, argparse.Namespace):
-        cfg = ParallelizeConfig.from_args(cfg)
     config = config or model.config
     family = family or family_of_config(config)
     if dims.pp > 1 and not pipeline_stage:

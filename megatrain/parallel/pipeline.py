@@ -33,7 +33,7 @@ import contextlib
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from torch import nn
 
 from megatrain.models.common.objective import Objective, combine_losses
 from megatrain.models.registry import ModelFamily, family_of_config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatrain.parallel.parallelize import ParallelizeConfig
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "gpipe")
 
@@ -71,31 +74,6 @@ class PipelineConfig:
         if self.virtual_stages > 1 and self.schedule in ("1f1b", "gpipe"):
             raise ValueError(f"--pipeline-schedule {self.schedule} runs one stage per rank; virtual stages "
                              f"({self.virtual_stages} per rank) need interleaved-1f1b or interleaved-zero-bubble")
-
-    @classmethod
-    def from_args(cls, args: Any) -> "PipelineConfig":
-        """From Megatron flags; ``--num-layers-per-virtual-pipeline-stage N`` gives v = layers per rank / N."""
-        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-        first = getattr(args, "decoder_first_pipeline_num_layers", None)
-        last = getattr(args, "decoder_last_pipeline_num_layers", None)
-        v = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-        per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-        if per_virtual is not None:
-            if v is not None:
-                raise ValueError("give only one of --num-layers-per-virtual-pipeline-stage and "
-                                 "--num-virtual-stages-per-pipeline-rank")
-            if first is not None or last is not None:
-                raise ValueError("--num-layers-per-virtual-pipeline-stage assumes equal stages; with "
-                                 "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank")
-            if per_virtual < 1:
-                raise ValueError(f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {per_virtual}")
-            layers = args.num_layers
-            if layers % pp or (layers // pp) % per_virtual:
-                raise ValueError(f"--num-layers ({layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
-                                 f"x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
-            v = layers // pp // per_virtual
-        return cls(size=pp, virtual_stages=v or 1, first_stage_layers=first, last_stage_layers=last,
-                   schedule=getattr(args, "pipeline_schedule", None))
 
     @property
     def num_stages(self) -> int:
@@ -239,7 +217,7 @@ class PipelineParallel:
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def build(cls, config: Any, dims: Any, parallel_cfg: Any, pipeline_cfg: PipelineConfig, *,
+    def build(cls, config: Any, dims: Any, parallel_cfg: ParallelizeConfig, pipeline_cfg: PipelineConfig, *,
               device: torch.device, seed: int, num_micro_batches: int, objective: Objective,
               family: ModelFamily | None = None,
               compile_fn: Callable[[nn.Module], None] | None = None) -> "PipelineParallel":

@@ -20,7 +20,6 @@ preserved and restored, so dropout masks replay exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -45,11 +44,6 @@ class RecomputeConfig:
                 raise ValueError(f"--recompute-num-layers must be at least 1, got {self.num_layers}")
             if self.num_layers < 0:
                 raise ValueError(f"--recompute-num-layers must not be negative, got {self.num_layers}")
-
-    @classmethod
-    def from_args(cls, args: Any) -> "RecomputeConfig":
-        return cls(getattr(args, "recompute_granularity", None), getattr(args, "recompute_method", None),
-                   getattr(args, "recompute_num_layers", None))
 
 
 def _wrap(module: nn.Module) -> nn.Module:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available", "is_fp8_linear"]
+__all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available", "require_fp8", "is_fp8_linear"]
 
 FP8_FORMATS = ("e4m3", "hybrid")
 _LAYER_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -41,6 +41,13 @@ def fp8_available() -> bool:
         return importlib.util.find_spec("torchao.float8") is not None
     except ImportError:  # torchao itself is missing
         return False
+
+
+def require_fp8() -> None:
+    """Raise ValueError naming ``--fp8-format`` when torchao's float8 training is not installed."""
+    if not fp8_available():
+        raise ValueError("--fp8-format needs torchao (float8 training), which is not installed: "
+                         "pip install 'megatrain[fp8]'")
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
@@ -93,8 +100,7 @@ def convert_to_fp8(model: nn.Module, cfg: Fp8Config, tp: int = 1) -> tuple[list[
 
     Returns (converted module names, transformer-layer linear names left in higher precision).
     """
-    if not fp8_available():
-        raise ValueError("--fp8-format needs torchao (float8 training): pip install 'megatrain[fp8]'")
+    require_fp8()
     from torchao.float8 import convert_to_float8_training
 
     candidates = [name for name, m in model.named_modules()

@@ -1,9 +1,14 @@
 """Megatron-LM compatible command line for pre-training, and its validation.
 
-`build_parser()` holds every flag ``pretrain_gpt.py`` accepts, with Megatron's names,
-defaults and attribute names; `parse_args()` parses a command line (plus an optional
-``--config run.yaml`` supplying the same fields), rejects unknown flags with a suggestion,
-notes legacy flags, and validates the combination before any work starts.
+`build_parser()` composes every flag ``pretrain_gpt.py`` accepts, with Megatron's names, defaults
+and attribute names; each concern adds its own flags (the model family's in
+``megatrain/models/gpt/flags.py``, parallelism's in ``megatrain/parallel/flags.py``, the runtime's in
+``megatrain/runtime/flags.py``, checkpoints' in ``megatrain/checkpoint/flags.py``, the loop's,
+optimizer's, schedule's and logging's in ``megatrain/training/flags.py``, data and tokenizer in
+``megatrain/data``, the compatibility flags in ``megatrain/training/compat_flags.py``).
+`parse_args()` parses a command line (plus an optional ``--config run.yaml`` supplying the same
+fields), rejects unknown flags with a suggestion, notes legacy flags, and validates the combination
+of concerns before any work starts.
 """
 
 from __future__ import annotations
@@ -12,79 +17,20 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence, TypeVar
 
-from megatrain.data.config import add_data_args
+from megatrain.checkpoint.flags import add_checkpoint_flags
+from megatrain.data.config import add_data_flags
 from megatrain.data.tokenizers import add_tokenizer_args
+from megatrain.models.gpt.flags import add_gpt_flags
+from megatrain.parallel.flags import add_parallel_flags
+from megatrain.runtime.flags import add_runtime_flags
+from megatrain.training.compat_flags import COMPAT_SECTION, LEGACY_FLAG_NOTES, UNSUPPORTED_FLAGS, add_compat_flags
+from megatrain.training.flags import (add_housekeeping_flags, add_logging_flags, add_loop_flags, add_lr_flags,
+                                      add_optimizer_flags, add_precision_flags, add_validation_flags)
 
-# Flags older scripts and guides pass that mean nothing (or something simpler) here.
-# flag -> one-line note printed when it is used.
-LEGACY_FLAG_NOTES: dict[str, str] = {
-    "--checkpoint-activations": "means --recompute-granularity full --recompute-method uniform here",
-    "--distributed-backend": "nccl on CUDA and gloo on CPU are chosen automatically",
-    "--num-gpus-per-node": "informational; the launcher (torchrun/SLURM) sets the processes per node",
-    "--world-size": "informational; the world size comes from the launcher",
-    "--use-flash-attn": "attention always uses PyTorch SDPA, which picks flash attention where it can",
-    "--use-mcore-models": "megatrain has one model implementation; the flag changes nothing",
-    "--no-masked-softmax-fusion": "attention uses SDPA; softmax fusion is not a separate switch",
-    "--no-bias-dropout-fusion": "fusion is left to torch.compile",
-    "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
-    "--attention-backend": "attention runs through PyTorch SDPA, which picks the flash / cuDNN / memory-efficient "
-                           "kernel itself (a start-up probe warns when only the slow math fallback fits)",
-    "--cross-entropy-loss-fusion": "the output layer's cross entropy is fused and chunked by "
-                                   "--cross-entropy-chunk-size (on by default with CUDA)",
-    "--cross-entropy-fusion-impl": "the output layer's cross entropy is fused and chunked by "
-                                   "--cross-entropy-chunk-size (on by default with CUDA)",
-    "--no-create-attention-mask-in-dataloader": "masks are built only with --reset-attention-mask; causal "
-                                                "attention needs none",
-    "--ckpt-format": "checkpoints are PyTorch DCP shards in Megatron's directory layout (like torch_dist), "
-                     "whatever the value",
-    "--fp8-param-gather": "weights are gathered in bf16 (FSDP2 mixed precision) and cast to fp8 at each matmul: "
-                          "the same matmuls, twice the bytes gathered",
-    "--no-rope-fusion": "RoPE is fused by torch.compile with the rest of the layer",
-    "--use-contiguous-parameters-in-local-ddp": "data parallelism is PyTorch DDP / FSDP2, which lays out its own "
-                                                "buckets",
-    "--keep_fp8_weight_transpose_cache": "fp8 weights are cast per matmul by torchao; there is no transpose cache",
-    "--fp8-interval": "delayed-scaling setting: megatrain's fp8 recomputes every scale at every step",
-    "--use-torch-fsdp2": "means --zero-stage 3 here (FSDP2 with parameters, gradients and optimizer state "
-                         "sharded), unless --zero-stage / --use-distributed-optimizer say otherwise",
-    "--local_rank": "taken from the LOCAL_RANK environment variable",
-    "--local-rank": "taken from the LOCAL_RANK environment variable",
-    "--no-async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
-    "--async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
-    "--transformer-impl": "megatrain has one transformer implementation (PyTorch)",
-    "--use-legacy-models": "megatrain has one model implementation",
-    "--apply-query-key-layer-scaling": "softmax is computed in fp32 by SDPA; no extra scaling is needed",
-    "--attention-softmax-in-fp32": "softmax is computed in fp32 by SDPA",
-    "--log-throughput": "throughput is always logged",
-    "--log-timers-to-tensorboard": "iteration time and throughput are always written to TensorBoard",
-    "--log-validation-ppl-to-tensorboard": "validation perplexity is always written to TensorBoard",
-    "--log-memory-to-tensorboard": "peak memory is always written to TensorBoard on CUDA",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 "
-                                            "(unless --grad-reduce-in-bf16)",
-}
-
-# Megatron flags that megatrain knows but does not implement; they are refused with this reason.
-UNSUPPORTED_FLAGS: dict[str, str] = {
-    "--num-experts": "mixture-of-experts models are not supported yet",
-    "--moe-router-topk": "mixture-of-experts models are not supported yet",
-    "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
-    "--encoder-num-layers": "encoder-decoder models are not supported",
-    "--decoder-num-layers": "use --num-layers",
-    "--use-cpu-initialization": None,
-    "--spec": "custom layer specs are not supported; the model shape is given by flags",
-    "--yaml-cfg": "use --config run.yaml",
-    "--retro-project-dir": "RETRO is not supported",
-    "--vision-backbone-type": "vision models are not supported",
-    "--mtp-num-layers": "multi-token prediction is not supported yet",
-    "--multi-latent-attention": "multi-latent attention is not supported yet",
-    "--qk-layernorm": "qk-layernorm is not supported yet",
-    "--rotary-interleaved": "interleaved rotary embeddings are not supported yet",
-    "--use-rotary-position-embeddings": None,
-    "--squared-relu": "squared-ReLU activation is not supported yet",
-    "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
-}
-UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
+__all__ = ["LEGACY_FLAG_NOTES", "UNSUPPORTED_FLAGS", "MegatronArgumentParser", "build_parser", "parse_args",
+           "validate_args", "world_size_from_env"]
 
 
 class MegatronArgumentParser(argparse.ArgumentParser):
@@ -107,317 +53,10 @@ class MegatronArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, default=None, help="number of transformer layers")
-    g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="MLP hidden size (default 4*hidden, or Megatron's SwiGLU default)")
-    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
-    g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default hidden/heads)")
-    g.add_argument("--group-query-attention", action="store_true", help="use grouped-query attention")
-    g.add_argument("--num-query-groups", type=int, default=1, help="query groups with --group-query-attention")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="maximum sequence length for learned positions (default --seq-length)")
-    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
-    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
-                   help="no learned absolute positions (with --position-embedding-type rope there are none anyway)")
-    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="fraction of each head's dims that RoPE rotates (the rest pass through)")
-    g.add_argument("--fp32-residual-connection", action="store_true",
-                   help="keep the residual stream between layers in float32 under bf16/fp16 (default: in the "
-                        "half-precision dtype, as Megatron-LM)")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="store norm weights centred on zero; the layers scale by 1 + weight")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this (times TP)")
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--layernorm-epsilon", type=float, default=None, help="old name of --norm-epsilon")
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA style)")
-    g.add_argument("--no-bias-gelu-fusion", action="store_true",
-                   help="exact (erf) GELU in the MLP; by default, as Megatron-LM's fused bias-GELU, the GELU "
-                        "of a model with linear biases is the tanh approximation (torch.compile fuses it)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
-                   help="no biases in linear layers")
-    g.add_argument("--seq-length", type=int, default=None, help="sequence length")
-
-
-def _add_regularization_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("regularization")
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--start-weight-decay", type=float, default=None)
-    g.add_argument("--end-weight-decay", type=float, default=None)
-    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
-    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping on the global L2 norm (0: off)")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-
-
-def _add_training_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None, help="batch size per GPU per forward pass")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per optimizer step (default micro-batch * data-parallel size)")
-    g.add_argument("--batch-size", type=int, default=None, help="old name of --micro-batch-size")
-    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="grow the global batch from START by INCREMENT over the first SAMPLES samples "
-                        "(needs --train-samples)")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--exit-interval", type=int, default=None, help="exit when iteration %% N == 0")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM save and exit cleanly")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="average the loss over all loss tokens of the global batch (default: over each "
-                        "micro-batch's tokens, then over micro-batches)")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="turn off Python's automatic garbage collection during training; collect every "
-                        "--manual-gc-interval iterations and around evaluation instead")
-    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations "
-                                                                       "(0: only at start and around evaluation)")
-    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
-                   help="with --manual-gc: do not collect around evaluation")
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
-                   help="release cached CUDA memory: 1 after each step's forward/backward and each evaluation, "
-                        "2 also after the optimizer step")
-    g.add_argument("--profile", action="store_true",
-                   help="record a torch.profiler trace of iterations --profile-step-start to --profile-step-end")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks to profile")
-    g.add_argument("--use-pytorch-profiler", action="store_true", help="the profiler used by --profile (always)")
-    g.add_argument("--profile-dir", default=None,
-                   help="where --profile writes its trace (default --tensorboard-dir, else ./profile)")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--max-nan-iterations", type=int, default=10,
-                   help="stop the run after this many iterations with a NaN/inf loss or gradient")
-    g.add_argument("--use-torch-compile", action="store_true", default=None,
-                   help="compile each transformer layer (default: on with CUDA, off on CPU)")
-    g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile", default=None)
-    g.add_argument("--torch-compile-scope", default="auto", choices=["auto", "layer", "model"],
-                   help="compile the whole model as one region (one process or replicated data parallel, "
-                        "not with TP, PP, CP or ZeRO), or each transformer layer; auto (default): the whole "
-                        "model where that is allowed and fp8 is off, else each layer")
-    g.add_argument("--torch-compile-mode", default="default",
-                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile mode of the compiled region(s); the CUDA-graph modes (reduce-overhead, "
-                        "max-autotune) are refused in training (--cuda-graph-impl local is the way to CUDA graphs)")
-    g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
-                   help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "
-                        "logits never exist (0 = off; default 1024 with CUDA, 0 on CPU; under tensor parallelism "
-                        "it chunks the vocab-parallel loss)")
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
-                   help="with --bf16/--fp16 the transformer layers' linear layers compute with a half-precision "
-                        "copy of their fp32 weights (refreshed once per step) and their weight-gradient matmuls "
-                        "add into the fp32 gradient (default where the model is not FSDP2-sharded, tensor- or "
-                        "pipeline-parallel, fp8 or fully recomputed); this flag turns that off: autocast casts "
-                        "per micro-batch and autograd adds the gradients")
-    g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local", "transformer_engine"],
-                   help="local: record each training micro-batch (batch, forward, loss, backward, gradient "
-                        "accumulation) as one CUDA graph after the warm-up and replay it (one process on CUDA; not "
-                        "with --fp16, recomputation, fp8 or fine-tuning); transformer_engine is refused (no "
-                        "Transformer Engine)")
-    g.add_argument("--cuda-graph-scope", nargs="+", default=[],
-                   help="what the graph holds: full_iteration (the whole micro-batch; the only scope, and the "
-                        "default, of --cuda-graph-impl local); the per-layer scopes (attn, mlp, ...) are refused")
-    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
-                   help="iterations run without the graph before it is recorded (compilation happens there)")
-    g.add_argument("--enable-cuda-graph", action="store_true",
-                   help="the older name of --cuda-graph-impl local")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-
-
-def _add_init_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("initialization")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--data-parallel-random-init", action="store_true",
-                   help="initialise each data-parallel replica with a different seed (Megatron's option)")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-
-
-def _add_lr_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("learning rate")
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="peak LR of the input embedding and output layer (their own schedule)")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="minimum LR of the input embedding and output layer (default --min-lr)")
-    # Megatron-LM's two spellings of each, and the names before its scheduler was renamed.
-    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", "--override-lr-scheduler",
-                   action="store_true",
-                   dest="override_opt_param_scheduler",
-                   help="on --load, train with the flags' LR and weight-decay schedule where it differs from the "
-                        "checkpoint's (the step count is still the checkpoint's); without this flag or "
-                        "--use-checkpoint-opt_param-scheduler a difference is refused")
-    g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
-                   "--use-checkpoint-lr-scheduler", action="store_true", dest="use_checkpoint_opt_param_scheduler",
-                   help="on --load, train with the checkpoint's LR and weight-decay schedule where it differs "
-                        "from the flags'")
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="directory to save checkpoints to")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None, help="directory to load a checkpoint from")
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
-    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: stop with an error when no checkpoint is found (default: start fresh)")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model configuration (every value a resume compares: layers, sizes, heads, "
-                        "positions, norms, ...) from the --load checkpoint instead of the flags")
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background; the loop waits only for a copy to host memory")
-    g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",
-                   help="after each save delete all but the newest K complete checkpoints (default: keep all)")
-    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
-                   help="megatrain extension: on --load, check the files' sizes only, not their checksums "
-                        "(verifying reads the whole checkpoint once)")
-    g.add_argument("--allow-non-finite-checkpoint", action="store_true",
-                   help="megatrain extension: load a checkpoint whose model or optimizer state holds NaN/Inf "
-                        "(refused by default)")
-
-
-def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mixed precision")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true")
-    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
-                   help="fp8 matmuls in the transformer layers through torchao (needs --bf16): hybrid = e4m3 "
-                        "forward, e5m2 gradients; e4m3 = e4m3 everywhere")
-    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
-                   help="fp8 scaling: tensorwise (dynamic per-tensor scales). delayed (Megatron's default) runs "
-                        "as tensorwise with a note; mxfp8 and blockwise are refused")
-    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling only (noted, not used)")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed scaling only (noted, not used)")
-    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
-                   help="delayed scaling only (noted, not used)")
-
-
-def _add_distributed_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("distributed")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="transformer layers on the first pipeline stage (uneven stages)")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="transformer layers on the last pipeline stage (uneven stages)")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="layers per virtual stage: interleaved 1F1B with (layers / pp) / N stages per rank")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                   help="model chunks per pipeline rank for the interleaved schedule")
-    g.add_argument("--pipeline-schedule", default=None,
-                   help="1f1b (default), interleaved-1f1b (default with virtual stages), "
-                        "interleaved-zero-bubble or gpipe")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="split every sequence over this many ranks (load-balanced chunks; attention gathers "
-                        "keys and values)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--tp-comm-overlap", action="store_true",
-                   help="overlap the sequence-parallel all-gathers and reduce-scatters with the GEMMs through "
-                        "torch's async tensor parallelism (inductor's micro-pipeline TP over symmetric memory); "
-                        "needs --sequence-parallel, and CUDA with --use-torch-compile to take effect")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=int, default=None)
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
-
-
-def _add_logging_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("logging")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
-    g.add_argument("--log-throughput", action="store_true", help="always on here")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true")
-    g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--wandb-save-dir", default=None)
-
-
-def _add_validation_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("validation")
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--skip-train", action="store_true")
-
-
-def _add_legacy_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("accepted for compatibility (see the notes printed at start)")
-    g.add_argument("--checkpoint-activations", action="store_true")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
-    g.add_argument("--num-gpus-per-node", type=int, default=None)
-    g.add_argument("--world-size", type=int, default=None)
-    g.add_argument("--use-flash-attn", action="store_true")
-    g.add_argument("--use-mcore-models", action="store_true")
-    g.add_argument("--use-legacy-models", action="store_true")
-    g.add_argument("--no-masked-softmax-fusion", action="store_true")
-    g.add_argument("--no-bias-dropout-fusion", action="store_true")
-    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
-    g.add_argument("--async-tensor-model-parallel-allreduce", action="store_true")
-    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true")
-    g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"])
-    g.add_argument("--DDP-impl", default=None, choices=["local", "torch"])
-    g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"])
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
-    g.add_argument("--cross-entropy-fusion-impl", default=None, choices=["native", "te"])
-    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true")
-    g.add_argument("--fp8-param-gather", action="store_true")
-    g.add_argument("--no-rope-fusion", action="store_true")
-    g.add_argument("--use-contiguous-parameters-in-local-ddp", action="store_true")
-    g.add_argument("--keep_fp8_weight_transpose_cache", "--keep-fp8-weight-transpose-cache", action="store_true",
-                   dest="keep_fp8_weight_transpose_cache")
-    g.add_argument("--fp8-interval", type=int, default=None)
-    g.add_argument("--use-torch-fsdp2", action="store_true")
-    g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])
+# The sections of --help, in order; each concern adds its flags to its sections (megatrain/flags.py).
+SECTIONS = ("network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
+            "mixed precision", "distributed", "logging", "validation", "data and dataloader", "tokenizer",
+            COMPAT_SECTION)
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> MegatronArgumentParser:
@@ -425,19 +64,27 @@ def build_parser(prog: str = "pretrain_gpt.py") -> MegatronArgumentParser:
     p = MegatronArgumentParser(prog=prog, allow_abbrev=False,
                                description="Pre-train a GPT model with Megatron-LM compatible flags.")
     p.add_argument("--config", default=None, help="YAML file whose keys supply the same fields as the flags")
-    _add_model_args(p)
-    _add_regularization_args(p)
-    _add_training_args(p)
-    _add_init_args(p)
-    _add_lr_args(p)
-    _add_checkpoint_args(p)
-    _add_mixed_precision_args(p)
-    _add_distributed_args(p)
-    _add_logging_args(p)
-    _add_validation_args(p)
-    add_data_args(p)
+    for title in SECTIONS:
+        p.add_argument_group(title)
+    add_loop_flags(p)
+    add_housekeeping_flags(p)
+    add_gpt_flags(p)
+    add_optimizer_flags(p)
+    add_lr_flags(p)
+    add_checkpoint_flags(p)
+    add_precision_flags(p)
+    add_parallel_flags(p)
+    add_runtime_flags(p)
+    add_logging_flags(p)
+    add_validation_flags(p)
+    add_data_flags(p)
     add_tokenizer_args(p)
-    _add_legacy_args(p)
+    add_compat_flags(p)
+    assert len(p._action_groups) == 2 + len(SECTIONS), "a concern added a section missing from SECTIONS"
+    # The usage line lists the flags section by section, as --help does (a stable sort: within a
+    # section, the order the concerns added them).
+    section_of = {id(a): i for i, g in enumerate(p._action_groups) for a in g._group_actions}
+    p._actions.sort(key=lambda a: section_of[id(a)])
     return p
 
 
@@ -507,8 +154,19 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
     return args
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise SystemExit(f"error: {message}")
+
+
+T = TypeVar("T")
+
+
+def _checked(build: Callable[..., T], *args: Any) -> T:
+    """``build(*args)``; the ValueError of a typed config refusing a flag becomes the one-line error."""
+    try:
+        return build(*args)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
@@ -628,10 +286,9 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "scaling), so delayed scaling's amax history and margin are not used"]
     if not args.bf16:
         _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
-    from megatrain.runtime.fp8 import fp8_available
+    from megatrain.runtime.fp8 import require_fp8
 
-    if not fp8_available():
-        _fail("--fp8-format needs torchao (float8 training), which is not installed: pip install 'megatrain[fp8]'")
+    _checked(require_fp8)
 
 
 def _validate_pipeline(args: argparse.Namespace) -> None:
@@ -645,13 +302,11 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
         if given:
             _fail(f"{', '.join(given)} need --pipeline-model-parallel-size > 1")
         return
-    from megatrain.parallel.pipeline import PipelineConfig, split_layers
+    from megatrain.parallel.pipeline import split_layers
+    from megatrain.training.run_config import pipeline_config_from_args
 
-    try:
-        cfg = PipelineConfig.from_args(args)
-        split_layers(args.num_layers, pp, cfg.virtual_stages, cfg.first_stage_layers, cfg.last_stage_layers)
-    except ValueError as e:
-        _fail(str(e))
+    cfg = _checked(pipeline_config_from_args, args)
+    _checked(split_layers, args.num_layers, pp, cfg.virtual_stages, cfg.first_stage_layers, cfg.last_stage_layers)
     if cfg.schedule in ("1f1b", "gpipe") and args.num_micro_batches < pp:
         _fail(f"--pipeline-schedule {cfg.schedule} needs at least --pipeline-model-parallel-size ({pp}) "
               f"micro-batches per iteration, got {args.num_micro_batches} (--global-batch-size "
@@ -673,25 +328,23 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
         args.recompute_num_layers = args.recompute_num_layers or 1
-    if args.recompute_granularity == "full" and args.recompute_method is None:
-        args.recompute_method = "uniform"
-        args.recompute_num_layers = args.recompute_num_layers or 1
 
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
         if getattr(args, flag) is None:
             _fail(f"--{flag.replace('_', '-')} is required")
+    for flag in ("seq_length", "micro_batch_size"):  # the model's sizes: GPTConfig, below
         if getattr(args, flag) <= 0:
             _fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
-        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by "
-              f"--num-attention-heads ({args.num_attention_heads})")
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    elif args.num_attention_heads % args.num_query_groups:
-        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-              f"--num-query-groups ({args.num_query_groups})")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    # The model's shape (head and query-group division, sizes, dropout, rotary dims): the transformer
+    # config checks it (these are the GPT scripts' flags; a family with other flags checks its own).
+    # The padded vocabulary comes with the tokenizer, later; no check involves it, so 1 stands in.
+    from megatrain.models.gpt.config import gpt_config_from_args
+
+    _checked(gpt_config_from_args, args, 1)
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _fail(f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
               f"({args.max_position_embeddings})")
@@ -702,34 +355,24 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _resolve_speed_defaults(args)
     if (args.train_iters is None) == (args.train_samples is None):
         _fail("give exactly one of --train-iters and --train-samples")
-    if args.lr is None:
-        _fail("--lr is required")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail("give only one of --override-opt_param-scheduler (the flags' schedule wins) and "
               "--use-checkpoint-opt_param-scheduler (the checkpoint's wins)")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters")
 
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    if cp < 1:
-        _fail(f"--context-parallel-size must be at least 1, got {cp}")
+    from megatrain.training.run_config import RunConfig, parallel_dims_from_args
+
+    # The sizes, their product against the world size and the data-parallel rest: ParallelDims checks them.
+    args.world_size_actual = world_size
+    dims = _checked(parallel_dims_from_args, args)
+    tp, pp, cp = dims.tp, dims.pp, dims.cp
+    args.data_parallel_size = dims.dp
+    args.sequence_parallel = dims.sequence_parallel  # off without tensor parallelism
     if cp > 1:
         if args.seq_length % (2 * cp):
             _fail(f"--context-parallel-size {cp} cuts each sequence into {2 * cp} chunks: --seq-length "
                   f"({args.seq_length}) must be divisible by {2 * cp}")
         if args.reset_attention_mask:
             _fail("--context-parallel-size > 1 with --reset-attention-mask (document masks) is not supported yet")
-    for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
-        if size < 1:
-            _fail(f"{name} must be at least 1, got {size}")
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel:
-        _fail(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-              f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
-    args.world_size_actual = world_size
-    args.data_parallel_size = world_size // model_parallel
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False
     if args.tp_comm_overlap:
         if tp == 1:
             args.tp_comm_overlap = False
@@ -759,11 +402,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                   f"{pp * per_micro} samples), so that every batch of the ramp fills the pipeline schedule")
         from megatrain.training.batch_rampup import BatchRampup
 
-        try:
-            rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
-                                 args.micro_batch_size * args.data_parallel_size)
-        except ValueError as e:
-            _fail(str(e))
+        rampup = _checked(BatchRampup, *args.rampup_batch_size, args.global_batch_size,
+                          args.micro_batch_size * args.data_parallel_size)
         args.train_iters_derived = rampup.iterations_for(args.train_samples)
     elif args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
@@ -809,4 +449,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail("no training data: give --data-path (or --train-data-path), or --mock-data for synthetic tokens")
     if args.data_path and args.train_data_path:
         _fail("give either --data-path or --train-data-path/--valid-data-path/--test-data-path, not both")
+    # Last, on the completed namespace: every typed config checks its own fields (the LR schedule,
+    # optimizer, data parallel, recomputation, compilation, data sources); the trainer builds its own.
+    _checked(RunConfig.from_args, args)
     return args

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from megatrain.atomic_io import atomic_write_text
-from megatrain.training.arguments import LEGACY_FLAG_NOTES, UNSUPPORTED_FLAGS, build_parser
+from megatrain.training.arguments import build_parser
+from megatrain.training.compat_flags import LEGACY_FLAG_NOTES, UNSUPPORTED_FLAGS
 
 HEADER = """# Megatron-LM flags in megatrain
 

@@ -18,12 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.save_lock import take_save_lock
-from megatrain.data.config import DataConfig
 from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.models.registry import DEFAULT_FAMILY, ModelFamily, get_family
-from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.distributed import (destroy_distributed, get_rank, init_distributed,
                                             init_single_process_group)
 from megatrain.parallel.parallelize import Parallelized, parallelize_model
@@ -31,7 +29,7 @@ from megatrain.parallel.random import seed_everything
 from megatrain.runtime.cuda_graph import MicroBatchGraphs
 from megatrain.training import checkpointing
 from megatrain.training.batch_rampup import BatchRampup
-from megatrain.training.builders import Precision, choose_device, padded_vocab_size
+from megatrain.training.builders import choose_device, padded_vocab_size
 from megatrain.training.checkpointing import TrainState
 from megatrain.training.console import print_rank0, print_rank_last
 from megatrain.training.evaluation import EvaluationMixin
@@ -40,8 +38,9 @@ from megatrain.training.flops import device_peak_tflops
 from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import MetricsWriter, format_train_log_line
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from megatrain.training.lr_schedule import LRScheduler
+from megatrain.training.optimizer import build_optimizer
+from megatrain.training.run_config import RunConfig
 from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep
 
 __all__ = ["Trainer", "pretrain", "print_rank0", "print_rank_last", "StepResult", "ExitRequest"]
@@ -57,7 +56,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self.family = get_family(family) if isinstance(family, str) else family
         self.start_time = time.time()
         self.device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.precision = Precision.from_args(args)
+        self.run = RunConfig.from_args(args)  # every typed config of the run, made once from the flags
+        self.precision = self.run.precision
         self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
         self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
         self.rampup: BatchRampup | None = None
@@ -69,10 +69,7 @@ class Trainer(StepMixin, EvaluationMixin):
                              f"does; under srun call megatrain.parallel.distributed.setup_env_from_slurm first)")
         # Before anything is written to --save: one run at a time writes there (held until close()).
         self._save_lock = take_save_lock(args.save) if args.save else None
-        try:
-            self.dims = ParallelDims.from_args(args, self.world_size)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        self.dims = self.run.dims
         if self.world_size == 1 and args.zero_stage > 0:  # FSDP2 over one rank needs a mesh
             init_single_process_group(self.device)
         if dist.is_initialized():
@@ -114,12 +111,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self.model = self.parallelized.model  # DDP wrapper or the (sharded) model itself
         self.module = self.parallelized.module  # the family's model, for its methods and state dicts
         self.grad_fusion = self.parallelized.grad_fusion
-        self.optimizer = build_optimizer(self.module, OptimizerConfig(
-            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
-            decoupled_lr=getattr(args, "decoupled_lr", None), decoupled_min_lr=getattr(args, "decoupled_min_lr", None)))
-        self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(args))
+        self.optimizer = build_optimizer(self.module, self.run.optimizer)
+        self.scheduler = LRScheduler(self.optimizer, self.run.lr_schedule)
         if args.fp16:
             self.scaler: Any = (ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
                 initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
@@ -156,10 +149,10 @@ class Trainer(StepMixin, EvaluationMixin):
         """Build on the meta device; TP/SP, recompute, compile, FSDP2/DDP; fill the weights (any layout)."""
         self.pipeline: Any = None
         if self.dims.pp > 1:  # this rank's pipeline stages, each parallelised like a model
-            from megatrain.parallel.pipeline import PipelineConfig, PipelineParallel
+            from megatrain.parallel.pipeline import PipelineParallel
             try:
                 self.pipeline = PipelineParallel.build(
-                    self.model_config, self.dims, self.args, PipelineConfig.from_args(self.args), device=self.device,
+                    self.model_config, self.dims, self.run.parallelize, self.run.pipeline, device=self.device,
                     seed=self.args.seed, num_micro_batches=self.args.num_micro_batches, objective=self.objective,
                     family=self.family)
             except ValueError as e:
@@ -169,7 +162,7 @@ class Trainer(StepMixin, EvaluationMixin):
             return Parallelized(p.model, p.module, None, p.grad_fusion, p.fp8_report)
         with torch.device("meta"):
             model = self.family.build_model(self.model_config)
-        return parallelize_model(model, self.dims, self.args, device=self.device, seed=self.args.seed,
+        return parallelize_model(model, self.dims, self.run.parallelize, device=self.device, seed=self.args.seed,
                                  family=self.family)
 
     def _build_cuda_graphs(self) -> MicroBatchGraphs | None:
@@ -190,7 +183,7 @@ class Trainer(StepMixin, EvaluationMixin):
         a = self.args
         if self.family.datasets is not None:
             return self.family.datasets(a, self.tokenizer, num_samples)
-        return build_train_valid_test_datasets(DataConfig.from_args(a), a.seq_length, a.seed, num_samples,
+        return build_train_valid_test_datasets(self.run.data, a.seq_length, a.seed, num_samples,
                                                self.tokenizer.vocab_size, self.tokenizer.eod)
 
     def build_objective(self) -> Any:

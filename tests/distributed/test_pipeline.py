@@ -190,11 +190,11 @@ def test_pipeline_flags_are_parsed_and_checked():
     base = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
-    from megatrain.parallel.pipeline import PipelineConfig
+    from megatrain.training.run_config import RunConfig
 
     args = parse_args(base + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
                       world_size=4)
-    cfg = PipelineConfig.from_args(args)
+    cfg = RunConfig.from_args(args).pipeline
     assert (cfg.size, cfg.virtual_stages, cfg.schedule) == (2, 2, "interleaved-1f1b")
     with pytest.raises(SystemExit, match="virtual stages"):
         parse_args(base + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",

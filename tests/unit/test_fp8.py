@@ -13,6 +13,7 @@ from megatrain.models.gpt import GPTModel  # noqa: E402
 from megatrain.parallel.dims import ParallelDims  # noqa: E402
 from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model  # noqa: E402
 from megatrain.training.arguments import parse_args  # noqa: E402
+from megatrain.training.run_config import RunConfig  # noqa: E402
 
 LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
              max_position_embeddings=32, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -100,4 +101,4 @@ def test_megatron_delayed_scaling_settings_run_with_a_note():
 def test_fp8_flags_parse():
     args = parse_args([*BASE, "--bf16", "--fp8-format", "e4m3"], validate=True)
     assert args.fp8_format == "e4m3" and args.fp8_recipe == "tensorwise"
-    assert ParallelizeConfig.from_args(args).fp8_format == "e4m3"
+    assert RunConfig.from_args(args).parallelize.fp8_format == "e4m3"

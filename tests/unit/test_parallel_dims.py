@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,10 +95,19 @@ def test_torchrun_variables_win_over_slurm():
 
 
 def test_flag_mapping():
-    args = SimpleNamespace(zero_stage=0, use_distributed_optimizer=True, overlap_grad_reduce=True,
-                           overlap_param_gather=False, ddp_bucket_size=1000, bf16=True, grad_reduce_in_bf16=False)
-    cfg = DataParallelConfig.from_args(args)
-    assert cfg.zero_stage == 1 and cfg.bucket_size == 1000 and cfg.param_dtype == torch.bfloat16
+    from megatrain.training.arguments import parse_args
+    from megatrain.training.run_config import RunConfig
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                       "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--device", "cpu",
+                       "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--bf16",
+                       "--recompute-granularity", "full"])
+    run = RunConfig.from_args(args)
+    cfg = run.parallelize.data_parallel
+    assert cfg.zero_stage == 1 and cfg.overlap_grad_reduce and not cfg.overlap_param_gather
+    assert cfg.bucket_size == 1000 and cfg.param_dtype == torch.bfloat16 and not cfg.grad_reduce_in_bf16
+    assert (run.parallelize.recompute.granularity, run.parallelize.recompute.method) == ("full", "uniform")
+    assert run.parallelize.compute_dtype == torch.bfloat16 and (run.dims.world_size, run.dims.dp) == (1, 1)
     with pytest.raises(ValueError, match="--zero-stage"):
         DataParallelConfig(zero_stage=4)
     rc = RecomputeConfig("full")

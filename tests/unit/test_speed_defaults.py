@@ -15,6 +15,7 @@ from megatrain.models.gpt import GPTModel
 from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
 from megatrain.training.arguments import parse_args
+from megatrain.training.run_config import RunConfig
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
@@ -45,10 +46,11 @@ def test_parallelize_sets_the_chunked_loss_from_the_flag():
                        attention_dropout=0.0)
     for chunk, expected in ((0, None), (48, 48)):
         args = _args("--device", "cpu", "--cross-entropy-chunk-size", str(chunk))
-        assert ParallelizeConfig.from_args(args).cross_entropy_chunk_size == chunk
+        cfg = RunConfig.from_args(args).parallelize
+        assert cfg.cross_entropy_chunk_size == chunk
         with torch.device("meta"):
             model = GPTModel(config)
-        head = parallelize_model(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1).loss_head
+        head = parallelize_model(model, ParallelDims(1), cfg, device=torch.device("cpu"), seed=1).loss_head
         got = head.chunk_size if isinstance(head, ChunkedCrossEntropy) else None
         assert got == expected
         if expected:
@@ -69,7 +71,8 @@ def test_compile_scope_and_mode_reach_the_model(monkeypatch):
         args = _args("--device", "cpu", "--use-torch-compile", *extra)
         with torch.device("meta"):
             model = GPTModel(config)
-        parallelize_model(model, ParallelDims(1), args, device=torch.device("cpu"), seed=1)
+        parallelize_model(model, ParallelDims(1), RunConfig.from_args(args).parallelize, device=torch.device("cpu"),
+                          seed=1)
         assert calls == expected, extra
 
 
@@ -145,7 +148,7 @@ def test_tp_comm_overlap_is_megatrons_flag_with_clear_conditions(monkeypatch):
     with pytest.raises(SystemExit, match="--tp-comm-overlap .* needs --sequence-parallel"):
         _args("--device", "cuda", *tp2, "--tp-comm-overlap")
     on = _args("--device", "cuda", *tp2, "--sequence-parallel", "--tp-comm-overlap")
-    assert on.tp_comm_overlap and ParallelizeConfig.from_args(on).tp_comm_overlap
+    assert on.tp_comm_overlap and RunConfig.from_args(on).parallelize.tp_comm_overlap
     for extra in (["--device", "cpu", *tp2, "--sequence-parallel"],  # no CUDA: runs without overlap, says so
                   ["--device", "cuda", *tp2, "--sequence-parallel", "--no-torch-compile"],
                   ["--device", "cpu", "--tensor-model-parallel-size", "1"]):  # no TP: nothing to overlap

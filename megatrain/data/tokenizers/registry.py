@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from megatrain.data.tokenizers import gpt2_bpe, huggingface, null, sentence_piece, tiktokenizer, wordpiece
 from megatrain.data.tokenizers.base import MegatrainTokenizer, TokenizerConfig
+from megatrain.flags import flag_section
 
 __all__ = ["TOKENIZER_BUILDERS", "TOKENIZER_TYPES", "add_tokenizer_args", "build_tokenizer"]
 
@@ -48,7 +49,7 @@ def build_tokenizer(cfg: Any) -> MegatrainTokenizer:
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's tokenizer flags (same names, dests and defaults)."""
-    group = parser.add_argument_group(title="tokenizer")
+    group = flag_section(parser, "tokenizer")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="Size of vocab before EOD or padding (NullTokenizer, TikTokenizer).")
     group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file.")

@@ -45,6 +45,9 @@ class TransformerConfig:
     causal_attention: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -77,9 +80,6 @@ class TransformerConfig:
             raise ValueError(f"gelu_approximation must be none or tanh, got {self.gelu_approximation!r}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.ffn_hidden_size <= 0:
             raise ValueError(
                 f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}"

@@ -1,0 +1,48 @@
+"""Checkpoint flags (``--save``, ``--load`` and what they keep, find and verify), with Megatron-LM's names.
+
+`megatrain.training.checkpointing` and the trainer read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatrain.flags import flag_section
+
+__all__ = ["add_checkpoint_flags"]
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the ``checkpointing`` flags to ``parser``."""
+    g = flag_section(parser, "checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None, help="directory to load a checkpoint from")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with an error when no checkpoint is found (default: start fresh)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model configuration (every value a resume compares: layers, sizes, heads, "
+                        "positions, norms, ...) from the --load checkpoint instead of the flags")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background; the loop waits only for a copy to host memory")
+    g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",
+                   help="after each save delete all but the newest K complete checkpoints (default: keep all)")
+    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
+                   help="megatrain extension: on --load, check the files' sizes only, not their checksums "
+                        "(verifying reads the whole checkpoint once)")
+    g.add_argument("--allow-non-finite-checkpoint", action="store_true",
+                   help="megatrain extension: load a checkpoint whose model or optimizer state holds NaN/Inf "
+                        "(refused by default)")

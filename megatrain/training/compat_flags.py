@@ -1,0 +1,118 @@
+"""Megatron-LM flags that mean nothing (or something simpler) here, and those that are refused.
+
+`add_compat_flags` accepts the first kind so that old scripts run; `parse_args` prints each one's
+note from `LEGACY_FLAG_NOTES`. `UNSUPPORTED_FLAGS` are not flags of the parser: the parser refuses
+them with the reason given here. docs/megatron_flags.md lists both (`megatrain.training.flag_table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatrain.flags import flag_section
+
+__all__ = ["LEGACY_FLAG_NOTES", "UNSUPPORTED_FLAGS", "COMPAT_SECTION", "add_compat_flags"]
+
+# Flags older scripts and guides pass that mean nothing (or something simpler) here.
+# flag -> one-line note printed when it is used.
+LEGACY_FLAG_NOTES: dict[str, str] = {
+    "--checkpoint-activations": "means --recompute-granularity full --recompute-method uniform here",
+    "--distributed-backend": "nccl on CUDA and gloo on CPU are chosen automatically",
+    "--num-gpus-per-node": "informational; the launcher (torchrun/SLURM) sets the processes per node",
+    "--world-size": "informational; the world size comes from the launcher",
+    "--use-flash-attn": "attention always uses PyTorch SDPA, which picks flash attention where it can",
+    "--use-mcore-models": "megatrain has one model implementation; the flag changes nothing",
+    "--no-masked-softmax-fusion": "attention uses SDPA; softmax fusion is not a separate switch",
+    "--no-bias-dropout-fusion": "fusion is left to torch.compile",
+    "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
+    "--attention-backend": "attention runs through PyTorch SDPA, which picks the flash / cuDNN / memory-efficient "
+                           "kernel itself (a start-up probe warns when only the slow math fallback fits)",
+    "--cross-entropy-loss-fusion": "the output layer's cross entropy is fused and chunked by "
+                                   "--cross-entropy-chunk-size (on by default with CUDA)",
+    "--cross-entropy-fusion-impl": "the output layer's cross entropy is fused and chunked by "
+                                   "--cross-entropy-chunk-size (on by default with CUDA)",
+    "--no-create-attention-mask-in-dataloader": "masks are built only with --reset-attention-mask; causal "
+                                                "attention needs none",
+    "--ckpt-format": "checkpoints are PyTorch DCP shards in Megatron's directory layout (like torch_dist), "
+                     "whatever the value",
+    "--fp8-param-gather": "weights are gathered in bf16 (FSDP2 mixed precision) and cast to fp8 at each matmul: "
+                          "the same matmuls, twice the bytes gathered",
+    "--no-rope-fusion": "RoPE is fused by torch.compile with the rest of the layer",
+    "--use-contiguous-parameters-in-local-ddp": "data parallelism is PyTorch DDP / FSDP2, which lays out its own "
+                                                "buckets",
+    "--keep_fp8_weight_transpose_cache": "fp8 weights are cast per matmul by torchao; there is no transpose cache",
+    "--fp8-interval": "delayed-scaling setting: megatrain's fp8 recomputes every scale at every step",
+    "--use-torch-fsdp2": "means --zero-stage 3 here (FSDP2 with parameters, gradients and optimizer state "
+                         "sharded), unless --zero-stage / --use-distributed-optimizer say otherwise",
+    "--local_rank": "taken from the LOCAL_RANK environment variable",
+    "--local-rank": "taken from the LOCAL_RANK environment variable",
+    "--no-async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
+    "--async-tensor-model-parallel-allreduce": "communication overlap is handled by PyTorch",
+    "--transformer-impl": "megatrain has one transformer implementation (PyTorch)",
+    "--use-legacy-models": "megatrain has one model implementation",
+    "--apply-query-key-layer-scaling": "softmax is computed in fp32 by SDPA; no extra scaling is needed",
+    "--attention-softmax-in-fp32": "softmax is computed in fp32 by SDPA",
+    "--log-throughput": "throughput is always logged",
+    "--log-timers-to-tensorboard": "iteration time and throughput are always written to TensorBoard",
+    "--log-validation-ppl-to-tensorboard": "validation perplexity is always written to TensorBoard",
+    "--log-memory-to-tensorboard": "peak memory is always written to TensorBoard on CUDA",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 "
+                                            "(unless --grad-reduce-in-bf16)",
+}
+
+# Megatron flags that megatrain knows but does not implement; they are refused with this reason.
+UNSUPPORTED_FLAGS: dict[str, str] = {
+    "--num-experts": "mixture-of-experts models are not supported yet",
+    "--moe-router-topk": "mixture-of-experts models are not supported yet",
+    "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
+    "--encoder-num-layers": "encoder-decoder models are not supported",
+    "--decoder-num-layers": "use --num-layers",
+    "--use-cpu-initialization": None,
+    "--spec": "custom layer specs are not supported; the model shape is given by flags",
+    "--yaml-cfg": "use --config run.yaml",
+    "--retro-project-dir": "RETRO is not supported",
+    "--vision-backbone-type": "vision models are not supported",
+    "--mtp-num-layers": "multi-token prediction is not supported yet",
+    "--multi-latent-attention": "multi-latent attention is not supported yet",
+    "--qk-layernorm": "qk-layernorm is not supported yet",
+    "--rotary-interleaved": "interleaved rotary embeddings are not supported yet",
+    "--use-rotary-position-embeddings": None,
+    "--squared-relu": "squared-ReLU activation is not supported yet",
+    "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
+}
+UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
+
+COMPAT_SECTION = "accepted for compatibility (see the notes printed at start)"
+
+
+def add_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the flags accepted only for compatibility (their notes are in `LEGACY_FLAG_NOTES`)."""
+    g = flag_section(parser, COMPAT_SECTION)
+    g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    g.add_argument("--num-gpus-per-node", type=int, default=None)
+    g.add_argument("--world-size", type=int, default=None)
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--use-mcore-models", action="store_true")
+    g.add_argument("--use-legacy-models", action="store_true")
+    g.add_argument("--no-masked-softmax-fusion", action="store_true")
+    g.add_argument("--no-bias-dropout-fusion", action="store_true")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"])
+    g.add_argument("--DDP-impl", default=None, choices=["local", "torch"])
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"])
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    g.add_argument("--cross-entropy-fusion-impl", default=None, choices=["native", "te"])
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true")
+    g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--no-rope-fusion", action="store_true")
+    g.add_argument("--use-contiguous-parameters-in-local-ddp", action="store_true")
+    g.add_argument("--keep_fp8_weight_transpose_cache", "--keep-fp8-weight-transpose-cache", action="store_true",
+                   dest="keep_fp8_weight_transpose_cache")
+    g.add_argument("--fp8-interval", type=int, default=None)
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])
