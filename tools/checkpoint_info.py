@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatrain.training.checkpoint_info import main  # noqa: E402
+from megatrain.checkpoint.info import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ from megatrain.convert.tokenizer_files import write_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import canonical_parameter_name
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -27,9 +27,9 @@ from megatrain.errors import user_errors_exit
 from megatrain.json_input import parse_json
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 from megatrain.training.builders import padded_vocab_size
-from megatrain.training.checkpointing import TrainState
+from megatrain.checkpoint import TrainState
 
 
 def build_parser() -> argparse.ArgumentParser:

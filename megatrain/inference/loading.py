@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 
 
 def load_model(load: str, device: torch.device, step: int | None = None,

@@ -24,6 +24,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megatrain.models.common.config_checks import ConfigCheck
+
 __all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_config", "DEFAULT_FAMILY"]
 
 DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-only megatrain
@@ -44,7 +46,7 @@ class ModelFamily:
     objective: Callable[..., Any]  # (args, tokenizer) -> Objective
     flops: Callable[..., float]  # (config, batch size, seq length) -> FLOPs of one forward+backward
     memory: Callable[..., Any] | None = None  # estimate_memory-like (config, **layout) -> MemoryEstimate
-    config_checks: dict[str, tuple[str, str]] = field(default_factory=dict)
+    config_checks: dict[str, ConfigCheck] = field(default_factory=dict)  # field name -> its check
     hf: Any = None
     description: str = ""
 

@@ -34,10 +34,10 @@ from megatrain.parallel.distributed import (destroy_distributed, get_rank, get_w
                                             init_single_process_group)
 from megatrain.parallel.parallelize import parallelize_gpt
 from megatrain.parallel.random import seed_everything
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import Precision, choose_device, model_config_from_args, padded_vocab_size
-from megatrain.training.checkpointing import TrainState
+from megatrain.checkpoint import TrainState
 from megatrain.runtime.cuda_graph import MicroBatchGraphs
 from megatrain.training.flops import device_peak_tflops, num_floating_point_operations
 from megatrain.training.housekeeping import Housekeeping

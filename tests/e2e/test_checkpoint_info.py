@@ -8,8 +8,8 @@ import sys
 
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer
 from tests.e2e.conftest import run_cmd
 
