@@ -1,5 +1,5 @@
-"""Show what a checkpoint holds: iteration, the layout it was saved with, model, parameter count,
-size on disk and the run's arguments.
+"""Show what a checkpoint holds: iteration, the layout it was saved with, model family and shape,
+parameter count, size on disk and the run's arguments.
 
     python tools/checkpoint_info.py SAVE_DIR            # the newest complete checkpoint
     python tools/checkpoint_info.py SAVE_DIR/iter_0000100 --no-args

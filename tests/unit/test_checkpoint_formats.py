@@ -152,3 +152,20 @@ def test_a_damaged_family_or_a_newer_format_is_refused(tmp_path, capsys, changes
     assert "iter_0000002 is not usable" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--ckpt-step 2"):
         checkpointing.find_checkpoint(str(tmp_path), 2)
+
+
+def test_the_checkpoint_package_imports_nothing_above_it():
+    """megatrain.checkpoint (and the GPT family it reads through the registry) never imports the
+    training, inference, conversion, parallel or data code."""
+    import subprocess
+    import sys
+
+    code = ("import pkgutil, sys, megatrain.checkpoint as c\n"
+            "for m in pkgutil.iter_modules(c.__path__): __import__('megatrain.checkpoint.' + m.name)\n"
+            "from megatrain.models.registry import get_family; get_family('gpt')\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('megatrain.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    assert "megatrain.checkpoint.info" in out and "megatrain.models.gpt.family" in out
+    above = [m for m in out if m.split(".")[1] in ("training", "inference", "convert", "parallel", "data")]
+    assert above == []
