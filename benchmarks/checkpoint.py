@@ -5,7 +5,7 @@
     python benchmarks/checkpoint.py --shape 1.7b --dir /local/disk --output benchmarks/RESULTS.md
 
 The model (fp32 weights) and AdamW state (two fp32 moments) are written through
-`megatrain.training.checkpointing` exactly as `pretrain_gpt.py --save` writes them. Reported:
+`megatrain.checkpoint` exactly as `pretrain_gpt.py --save` writes them. Reported:
 checkpoint size, synchronous save and load throughput (GB/s = 1e9 bytes of checkpoint files per
 second, median of --repeats), and for --async-save the time the caller was blocked (first save,
 which allocates the host buffers, and the later ones) and the time until the background write
@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
-from megatrain.training import checkpointing  # noqa: E402
-from megatrain.training.checkpointing import Checkpointer, TrainState  # noqa: E402
+from megatrain import checkpoint as checkpointing  # noqa: E402
+from megatrain.checkpoint import Checkpointer, TrainState  # noqa: E402
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer  # noqa: E402
 
 SHAPES = {

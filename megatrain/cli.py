@@ -33,7 +33,7 @@ COMMANDS = {
     "serve": ("megatrain.inference.serve", "main"),
     "convert-to-hf": ("megatrain.convert.export_hf", "main"),
     "convert-from-hf": ("megatrain.convert.import_hf", "main"),
-    "checkpoint-info": ("megatrain.training.checkpoint_info", "main"),
+    "checkpoint-info": ("megatrain.checkpoint.info", "main"),
     "demo": ("megatrain.demo", "main"),
 }
 

@@ -1,6 +1,6 @@
 """Checkpoint flags (``--save``, ``--load`` and what they keep, find and verify), with Megatron-LM's names.
 
-`megatrain.training.checkpointing` and the trainer read them.
+`megatrain.checkpoint` and the trainer read them.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from megatrain.atomic_io import atomic_path, atomic_write_json
 from megatrain.convert.tokenizer_files import write_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.common.init import canonical_parameter_name
-from megatrain.models.registry import ModelFamily, family_of_checkpoint, family_of_config
-from megatrain.training import checkpointing
+from megatrain.models.registry import ModelFamily, family_of_config, get_family
+from megatrain import checkpoint as checkpointing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -118,7 +118,8 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     meta = checkpointing.read_meta(ckpt)
     if "model_config" not in meta:
         raise ValueError(f"--checkpoint-path {ckpt}: meta.json has no model_config")
-    family, cfg = family_of_checkpoint(meta)
+    cfg = checkpointing.checkpoint_model_config(ckpt, meta)
+    family = get_family(checkpointing.checkpoint_family(meta))
     if family.hf is None:
         raise ValueError(f"--checkpoint-path {ckpt}: the {family.name} model family has no Hugging Face export")
     hf = family.hf

@@ -26,9 +26,9 @@ from megatrain.convert.tokenizer_files import import_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.json_input import parse_json
 from megatrain.models.registry import family_for_hf
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 from megatrain.training.builders import padded_vocab_size
-from megatrain.training.checkpointing import TrainState
+from megatrain.checkpoint import TrainState
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from megatrain.models.registry import family_of_checkpoint
-from megatrain.training import checkpointing
+from megatrain.models.registry import get_family
+from megatrain import checkpoint as checkpointing
 
 
 def load_model(load: str, device: torch.device, step: int | None = None,
@@ -25,7 +25,8 @@ def load_model(load: str, device: torch.device, step: int | None = None,
     if ckpt is None:
         raise SystemExit(f"error: --load {load}: no checkpoint found")
     meta = checkpointing.read_meta(ckpt)
-    family, config = family_of_checkpoint(meta)
+    config = checkpointing.checkpoint_model_config(ckpt, meta)
+    family = get_family(checkpointing.checkpoint_family(meta))
     with torch.device("meta"):
         model = family.build_model(config)
     if tp_mesh is not None:

@@ -25,8 +25,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_config", "family_of_checkpoint",
-           "family_for_hf", "DEFAULT_FAMILY"]
+from megatrain.models.common.config_checks import ConfigCheck
+
+__all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_config", "family_for_hf",
+           "DEFAULT_FAMILY"]
 
 DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-only megatrain
 
@@ -46,7 +48,7 @@ class ModelFamily:
     objective: Callable[..., Any]  # (args, tokenizer) -> Objective
     flops: Callable[..., float]  # (config, batch size, seq length) -> FLOPs of one forward+backward
     memory: Callable[..., Any] | None = None  # estimate_memory-like (config, **layout) -> MemoryEstimate
-    config_checks: dict[str, tuple[str, str]] = field(default_factory=dict)
+    config_checks: dict[str, ConfigCheck] = field(default_factory=dict)  # field name -> its check
     hf: Any = None
     # (args, tokenizer, num_samples per split) -> (train, valid, test); None: Megatron's GPT datasets
     # (indexed .bin/.idx documents cut into --seq-length + 1 token samples, or --mock-data)
@@ -84,12 +86,6 @@ def family_of_config(config: Any) -> ModelFamily:
     if not matches:
         raise ValueError(f"no model family has the config class {type(config).__name__}")
     return max(matches, key=lambda f: len(f.config_class.__mro__))
-
-
-def family_of_checkpoint(meta: dict[str, Any]) -> tuple[ModelFamily, Any]:
-    """(family, its config) a checkpoint's meta data describes (checkpoints that name no family are GPT's)."""
-    family = get_family(str(meta.get("family") or DEFAULT_FAMILY))
-    return family, family.config_class(**meta["model_config"])
 
 
 def family_for_hf(hf_config: dict[str, Any]) -> ModelFamily:

@@ -145,8 +145,6 @@ class PipelineRankModel(nn.Module):
     work on it as on the family's model.
     """
 
-    is_pipeline_stage = True  # holds part of the model: other stages' checkpoint tensors are not its own
-
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
         self.config = stages[0].config

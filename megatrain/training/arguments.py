@@ -171,13 +171,12 @@ def _checked(build: Callable[..., T], *args: Any) -> T:
 
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
-    from megatrain.training.checkpointing import (CONFIG_CHECKS, checkpoint_gelu_approximation, find_checkpoint,
-                                                  read_meta)
+    from megatrain.checkpoint import find_checkpoint, read_meta
+    from megatrain.models.gpt.checkpoint_compat import CONFIG_CHECKS, checkpoint_gelu_approximation
 
     # Every model-config field a resume compares (the flags' dests have the same names); the padded
     # vocabulary follows the tokenizer and resume_vocab_size, the GELU is taken below.
-    model_args = [name for name, (how, _) in CONFIG_CHECKS.items()
-                  if how in ("compare", "rope", "learned") and name != "vocab_size"]
+    model_args = [name for name, check in CONFIG_CHECKS.items() if check.how == "compare" and name != "vocab_size"]
 
     if not args.load:
         _fail("--use-checkpoint-args needs --load")

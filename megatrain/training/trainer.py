@@ -26,11 +26,11 @@ from megatrain.parallel.distributed import (destroy_distributed, get_rank, init_
                                             init_single_process_group)
 from megatrain.parallel.parallelize import Parallelized, parallelize_model
 from megatrain.parallel.random import seed_everything
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 from megatrain.runtime.cuda_graph import MicroBatchGraphs
-from megatrain.training import checkpointing
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import choose_device, padded_vocab_size
-from megatrain.training.checkpointing import TrainState
 from megatrain.training.console import print_rank0, print_rank_last
 from megatrain.training.evaluation import EvaluationMixin
 from megatrain.training.exits import ExitRequest
@@ -231,7 +231,8 @@ class Trainer(StepMixin, EvaluationMixin):
                                                  load_optim=not (a.finetune or a.no_load_optim),
                                                  load_rng=False,
                                                  model_config=self.model_config, finetune=a.finetune,
-                                                 allow_non_finite=getattr(a, "allow_non_finite_checkpoint", False))
+                                                 allow_non_finite=getattr(a, "allow_non_finite_checkpoint", False),
+                                                 partial=self.pipeline is not None)
         except checkpointing.CheckpointError as e:
             raise SystemExit(f"error: --load {load}: {e}") from None
         if not (a.finetune or a.no_load_rng):

@@ -15,8 +15,8 @@ from megatrain.checkpoint import save_lock
 from megatrain.locking import acquire
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 
 CONFIG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, max_position_embeddings=8,
                    hidden_dropout=0.0, attention_dropout=0.0)

@@ -15,8 +15,8 @@ import torch
 from dist_harness import SEED, full_parameters, global_batch, micro_loss, make_optimizer, run_workers, tiny_config
 
 from megatrain.models.gpt import GPTModel, canonical_parameter_name
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 
 CONFIG = tiny_config("llama")  # untied output layer, GQA, SwiGLU
 

@@ -11,8 +11,8 @@ import torch
 from dist_harness import SEED, full_parameters, run_workers, tiny_config
 
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 from megatrain.training.logging import parse_train_log_line
 from tests.e2e.conftest import REPO, cpu_env, free_port, run_and_signal, run_cmd
 

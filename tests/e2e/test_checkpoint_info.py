@@ -8,8 +8,8 @@ import sys
 
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer
 from tests.e2e.conftest import run_cmd
 
@@ -26,12 +26,14 @@ def test_checkpoint_info_prints_iteration_layout_parameters_size_and_args(tmp_pa
     proc = run_cmd([sys.executable, "tools/checkpoint_info.py", str(tmp_path)])
     out = proc.stdout
     assert "iteration:         10" in out and "consumed samples:  80" in out
+    assert "model:             gpt, num_layers 1, hidden_size 16" in out and ", format 4)" in out
     assert "world 1 = tp 1 x pp 1 x cp 1 x dp 1 (ZeRO stage 0" in out
     assert f"parameters:        {model.num_parameters():,} in " in out
     assert "iterations 5, 10" in out and "  lr = 0.001" in out
     info = json.loads(run_cmd([sys.executable, "tools/checkpoint_info.py", str(tmp_path), "--ckpt-step", "5",
                                "--json", "--no-args"]).stdout)
     assert info["iteration"] == 5 and info["complete"] and info["parameters"] == model.num_parameters()
+    assert info["family"] == "gpt" and info["format_version"] == 4
     size = sum(p.stat().st_size for p in (tmp_path / "iter_0000005").iterdir())
     assert info["size_bytes"] == size and "args" not in info
     bad = run_cmd([sys.executable, "tools/checkpoint_info.py", str(tmp_path / "nowhere")], check=False)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 from tests.e2e.conftest import cpu_env, free_port, run_and_signal
 
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

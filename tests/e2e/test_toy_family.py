@@ -67,14 +67,15 @@ def test_the_toy_family_trains_validates_and_logs_every_loss(reference):
 
 
 def test_the_checkpoint_names_the_family_and_its_config_and_resumes_exactly(reference):
-    from megatrain.models.registry import family_of_checkpoint
-    from megatrain.training import checkpointing
+    from megatrain.models.registry import get_family
+    from megatrain import checkpoint as checkpointing
     from tests.toy_family import TOY
     from tests.toy_family.model import ToyEncoderConfig
 
     (train, valid), save, _ = reference
-    meta = checkpointing.read_meta(checkpointing.find_checkpoint(str(save), 8))
-    family, config = family_of_checkpoint(meta)
+    ckpt = checkpointing.find_checkpoint(str(save), 8)
+    meta = checkpointing.read_meta(ckpt)
+    family, config = get_family(checkpointing.checkpoint_family(meta)), checkpointing.checkpoint_model_config(ckpt, meta)
     assert family is TOY and meta["family"] == "toy"
     assert config == ToyEncoderConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
                                       max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)

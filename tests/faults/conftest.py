@@ -78,7 +78,7 @@ class FaultCheckpoint:
 
 @pytest.fixture(scope="session")
 def fault_checkpoint(tmp_path_factory) -> FaultCheckpoint:
-    from megatrain.training.checkpointing import checkpoint_dir
+    from megatrain.checkpoint import checkpoint_dir
 
     save = tmp_path_factory.mktemp("fault_checkpoint") / "ckpt"
     proc = run_cmd(fault_train_cmd(4, "--save", str(save), "--save-interval", "2"), env=cpu_env())
@@ -90,7 +90,7 @@ def fault_checkpoint(tmp_path_factory) -> FaultCheckpoint:
 
 @pytest.fixture
 def fault_checkpoint_copy(fault_checkpoint: FaultCheckpoint, tmp_path: Path) -> FaultCheckpoint:
-    from megatrain.training.checkpointing import checkpoint_dir
+    from megatrain.checkpoint import checkpoint_dir
 
     save = tmp_path / "ckpt"
     shutil.copytree(fault_checkpoint.save, save)

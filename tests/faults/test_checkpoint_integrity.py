@@ -1,7 +1,7 @@
 """Checkpoint faults with the real `pretrain_gpt.py`: a byte changed in place in each file kind of
-a checkpoint, NaN weights, a checkpoint of format 2, two runs sharing one --save (started together
-and apart, a killed holder), and a disk that fills up during a save (a small tmpfs mounted in a
-user namespace). Each asserts one clear line, no traceback, and nothing lost.
+a checkpoint, NaN weights, the committed checkpoints of formats 2 and 3 (training continues
+exactly), one of another model family, two runs sharing one --save (started together and apart, a
+killed holder), and a disk that fills up during a save (a small tmpfs mounted in a user namespace). Each asserts one clear line, no traceback, and nothing lost.
 
 The processes of a test run concurrently where they are independent, to keep the file short.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import integrity
 from tests.e2e.conftest import REPO, cpu_env
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
@@ -159,14 +160,57 @@ def test_nan_weights_are_refused_and_a_nan_validation_loss_has_nan_ppl(saved, tm
     assert "lm loss value: NAN | lm loss PPL: NAN |" in out  # not exp(20)
 
 
-def test_a_format_2_checkpoint_loads_and_training_continues(tmp_path):
-    rc, out, err = _wait(_start(_pretrain(*FORMAT2_MODEL, "--train-iters", "4", "--override-opt_param-scheduler", "--load", str(FORMAT2),
-                                          "--save", str(tmp_path / "new")), tmp_path / "log"), tmp_path / "log")
-    assert rc == 0, err
-    assert f"loaded checkpoint from {FORMAT2 / 'iter_0000002'} at iteration 2" in out
-    assert _iterations(out) == [3, 4]
-    assert checkpointing.read_meta(str(tmp_path / "new" / "iter_0000004"))["format_version"] == 3
-    assert not (FORMAT2 / ".megatrain.lock").exists()  # --load alone takes no lock
+# The model of tests/data/checkpoint_format3, and the losses of iterations 3 and 4 of the run it was
+# saved from (commit 341c4db; see tests/data/README.md).
+FORMAT3_MODEL = [*FORMAT2_MODEL, "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                 "--ffn-hidden-size", "16", "--disable-bias-linear"]
+FORMAT3 = REPO / "tests" / "data" / "checkpoint_format3"
+FORMAT3_LOSSES = ["3.689199E+00", "3.704996E+00"]
+# What commit 341c4db printed resuming from tests/data/checkpoint_format2 as below (no optimizer state in it).
+FORMAT2_LOSSES = ["3.685901E+00", "3.696728E+00"]
+
+
+def _losses(out: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"\] iteration +(\d+)/.*?\| lm loss: ([^ ]+) \|", out)}
+
+
+def test_checkpoints_of_formats_2_and_3_load_and_training_continues_exactly(tmp_path):
+    results = _run_all({
+        "format2": _pretrain(*FORMAT2_MODEL, "--train-iters", "4", "--override-opt_param-scheduler", "--load",
+                             str(FORMAT2), "--save", str(tmp_path / "new2")),
+        "format3": _pretrain(*FORMAT3_MODEL, "--train-iters", "4", "--load", str(FORMAT3),
+                             "--save", str(tmp_path / "new3")),
+        "uninterrupted": _pretrain(*FORMAT3_MODEL, "--train-iters", "4")}, tmp_path)
+    for name, path in (("format2", FORMAT2), ("format3", FORMAT3)):
+        rc, out, err = results[name]
+        assert rc == 0, err
+        assert f"loaded checkpoint from {path / 'iter_0000002'} at iteration 2" in out
+        assert _iterations(out) == [3, 4]
+        meta = checkpointing.read_meta(str(tmp_path / f"new{name[-1]}" / "iter_0000004"))
+        assert meta["format_version"] == 4 and meta["family"] == "gpt"
+        assert not (path / ".megatrain.lock").exists()  # --load alone takes no lock
+    assert list(_losses(results["format2"][1]).values()) == FORMAT2_LOSSES
+    assert list(_losses(results["format3"][1]).values()) == FORMAT3_LOSSES
+    assert _losses(results["uninterrupted"][1]) == {1: "3.692139E+00", 2: "3.698542E+00",
+                                                    3: FORMAT3_LOSSES[0], 4: FORMAT3_LOSSES[1]}
+
+
+def test_a_checkpoint_of_another_model_family_is_refused_in_one_line(tmp_path):
+    """The format-3 checkpoint made a format-4 one of the (made-up) family "bert"; its markers rewritten."""
+    ckpt = tmp_path / "bert" / "iter_0000002"
+    shutil.copytree(FORMAT3 / "iter_0000002", ckpt)
+    (tmp_path / "bert" / checkpointing.TRACKER).write_text("2\n")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta.update(format_version=4, family="bert")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    names = [n for n in os.listdir(ckpt) if not n.startswith("complete_rank")]
+    (ckpt / "complete_rank00000.json").write_text(integrity.marker_text(str(ckpt), 0, 1, 2, names))
+    assert checkpointing.checkpoint_problem(str(ckpt), verify=True) is None
+    rc, out, err = _wait(_start(_pretrain(*FORMAT3_MODEL, "--train-iters", "4", "--load", str(tmp_path / "bert")),
+                                tmp_path / "log"), tmp_path / "log")
+    line = _one_error_line(rc, out, err)
+    assert line == (f"error: --load {tmp_path / 'bert'}: checkpoint {ckpt} holds a model of the family 'bert' and "
+                    f"the flags build one of the family 'gpt' (a checkpoint loads only into a model of its own family)")
 
 
 # Long runs with data loader workers (forked while the --save lock is held).
@@ -238,7 +282,8 @@ def _can_mount_tmpfs(where: Path) -> bool:
 
 CHECK_AFTER = """
 import json, os, sys
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import integrity
 save = sys.argv[1]
 print(json.dumps({"names": sorted(os.listdir(save)), "tracker": open(os.path.join(save, checkpointing.TRACKER)).read(),
                   "problem": checkpointing.checkpoint_problem(checkpointing.checkpoint_dir(save, 1), verify=True)}))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 
 
 def test_small_tmpfs_fills_up_with_enospc(fault_small_tmpfs):

@@ -23,7 +23,7 @@ from megatrain.data.config import DataConfig
 from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.json_input import parse_json
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 
 REPO = Path(__file__).resolve().parents[2]
 DEEP = "[" * 100_000 + "]" * 100_000

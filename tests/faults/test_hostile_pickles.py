@@ -317,7 +317,7 @@ def test_dcp_never_unpickles_metadata_itself(saved, tmp_path):
     the file again (its own reader would unpickle it with plain pickle)."""
     from megatrain.models.gpt.config import GPTConfig
     from megatrain.models.gpt import GPTModel
-    from megatrain.training import checkpointing
+    import megatrain.checkpoint as checkpointing
 
     marker = tmp_path / "pwned"
     _, ckpt = _copy(saved, tmp_path)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 from tests.unit.test_server import TOKENIZER, tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

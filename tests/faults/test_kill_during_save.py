@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.training import checkpointing
+from megatrain import checkpoint as checkpointing
 from tests.e2e.conftest import REPO, cpu_env, run_cmd
 from tests.faults.conftest import fault_losses, fault_train_cmd
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from megatrain.models.common.transformer_layer import TransformerLayer
 @dataclass
 class ToyEncoderConfig(TransformerConfig):
     num_classes: int = 4
-    causal_attention: bool = False
+    causal_attention: ClassVar[bool] = False  # an encoder: every position sees the whole sequence
 
 
 def toy_config_from_args(args, vocab_size: int) -> ToyEncoderConfig:

@@ -20,8 +20,8 @@ from megatrain.checkpoint import integrity, save_lock
 from megatrain.locking import acquire
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import CheckpointError, TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import CheckpointError, TrainState
 from megatrain.training.logging import format_validation_line, parse_validation_line, validation_ppl
 from tests.unit.test_checkpointing import CONFIG, _trained
 
@@ -118,7 +118,7 @@ def _file_of_kind(ckpt: str, kind: str) -> str:
 
 def test_saved_markers_hold_checksums_of_every_file(two_checkpoints):
     _, newest = two_checkpoints
-    assert checkpointing.read_meta(newest)["format_version"] == 3
+    assert checkpointing.read_meta(newest)["format_version"] == 4
     marker = integrity.read_marker(newest, 0)
     assert set(marker.checksums) == set(marker.files) == {n for n in os.listdir(newest)
                                                            if not n.startswith("complete_rank")}

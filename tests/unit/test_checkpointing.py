@@ -13,8 +13,8 @@ import torch
 
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import Checkpointer, CheckpointError, TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import Checkpointer, CheckpointError, TrainState
 from megatrain.training.optimizer import OptimizerConfig, build_optimizer
 
 CONFIG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, max_position_embeddings=8,
@@ -229,20 +229,26 @@ def test_config_differences_field_by_field():
 
 
 def test_every_model_config_field_has_a_comparison_decision_and_a_flag():
-    """A new GPTConfig field must be placed in CONFIG_CHECKS; each compared one (but the padded
-    vocabulary) is a flag's dest, so --use-checkpoint-args can take it from the checkpoint."""
+    """A new GPTConfig field must be placed in the GPT family's CONFIG_CHECKS; each compared one
+    (but the padded vocabulary) is a flag's dest, so --use-checkpoint-args can take it from the
+    checkpoint; a condition names a config field."""
     from dataclasses import fields
 
+    from megatrain.models.gpt.checkpoint_compat import CONFIG_CHECKS
+    from megatrain.models.registry import get_family
     from megatrain.training.arguments import build_parser
 
-    assert set(checkpointing.CONFIG_CHECKS) == {f.name for f in fields(GPTConfig)}
-    assert {how for how, _ in checkpointing.CONFIG_CHECKS.values()} == {"compare", "rope", "learned", "warn", "no"}
+    assert get_family("gpt").config_checks is CONFIG_CHECKS
+    names = {f.name for f in fields(GPTConfig)}
+    assert set(CONFIG_CHECKS) == names
+    assert {check.how for check in CONFIG_CHECKS.values()} == {"compare", "warn", "no"}
     parser = build_parser()
     dests = {a.dest for a in parser._actions}
     options = {o for a in parser._actions for o in a.option_strings}
-    for name, (how, flag) in checkpointing.CONFIG_CHECKS.items():
-        assert flag in options, flag
-        if how in ("compare", "rope", "learned") and name != "vocab_size":
+    for name, check in CONFIG_CHECKS.items():
+        assert check.flag in options, check.flag
+        assert check.when is None or check.when[0] in names, name
+        if check.how == "compare" and name != "vocab_size":
             assert name in dests, name
 
 

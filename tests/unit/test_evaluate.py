@@ -18,8 +18,8 @@ from megatrain.data.tokenizers import build_tokenizer
 from megatrain.inference.evaluate import last_word_accuracy
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = {"tokenizer_type": "NullTokenizer", "vocab_size": 30}

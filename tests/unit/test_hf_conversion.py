@@ -25,8 +25,8 @@ from megatrain.inference.generation import generate  # noqa: E402
 from megatrain.inference.loading import load_model  # noqa: E402
 from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
-from megatrain.training import checkpointing  # noqa: E402
-from megatrain.training.checkpointing import TrainState  # noqa: E402
+from megatrain import checkpoint as checkpointing  # noqa: E402
+from megatrain.checkpoint import TrainState  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 GPT2_FILES = REPO / ".." / "shared" / "data" / "gpt2"

@@ -19,8 +19,8 @@ from megatrain.inference.generation import generate
 from megatrain.inference.server import ServerLimits, TextGenerationService, make_server
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
-from megatrain.training import checkpointing
-from megatrain.training.checkpointing import TrainState
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = {"tokenizer_type": "NullTokenizer", "vocab_size": 30}  # text is ids; eod = 30

@@ -4,6 +4,7 @@ embeddings, the transformer layer) read. A family's config subclasses it and add
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass
@@ -41,8 +42,8 @@ class TransformerConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     # Self-attention sees earlier positions only (decoders); False: every position of the sequence
-    # (encoders), unless an explicit mask says otherwise.
-    causal_attention: bool = True
+    # (encoders), unless an explicit mask says otherwise. A property of the family, not a field.
+    causal_attention: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):

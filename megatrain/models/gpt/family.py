@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.models.gpt.hf import ADAPTER
+from megatrain.models.gpt.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.gpt.config import GPTConfig, gpt_config_from_args
 from megatrain.models.gpt.flops import num_floating_point_operations
 from megatrain.models.gpt.memory import estimate_memory
@@ -32,6 +33,7 @@ GPT = register(ModelFamily(
     objective=_objective,
     flops=num_floating_point_operations,
     memory=estimate_memory,
+    config_checks=CONFIG_CHECKS,
     hf=ADAPTER,
     description="decoder-only transformers: GPT-2 style by default, LLaMA style by flags",
 ))

@@ -1,8 +1,8 @@
 """``tools/checkpoint_info.py``: what a checkpoint holds, without loading its tensors.
 
 `checkpoint_info(path, step=None)` returns a plain dict (iteration, consumed samples, the layout
-it was saved with, model config, parameter count, optimizer/RNG presence, size on disk, whether
-it is complete, the run's arguments); `format_info` renders it as text. ``path`` is a ``--save``
+it was saved with, model family and config, parameter count, optimizer/RNG presence, size on
+disk, whether it is complete, the run's arguments); `format_info` renders it as text. ``path`` is a ``--save``
 directory (its newest complete checkpoint, or ``step``) or one ``iter_XXXXXXX`` directory.
 """
 
@@ -14,7 +14,11 @@ import math
 import os
 from typing import Any, Sequence
 
-from megatrain.training import checkpointing
+from megatrain.checkpoint.errors import CheckpointError
+from megatrain.checkpoint.layout import checkpoint_problem, find_checkpoint, iterations_in
+from megatrain.checkpoint.load import model_shapes
+from megatrain.checkpoint.meta import checkpoint_family, read_meta
+from megatrain.checkpoint.safe_pickle import read_dcp_metadata
 
 __all__ = ["checkpoint_info", "format_info", "main"]
 
@@ -36,26 +40,27 @@ def _human(n: float) -> str:
 
 
 def checkpoint_info(path: str, step: int | None = None) -> dict[str, Any]:
-    ckpt = checkpointing.find_checkpoint(path, step)
+    ckpt = find_checkpoint(path, step)
     if ckpt is None:
         raise SystemExit(f"error: {path}: no checkpoint found")
-    meta = checkpointing.read_meta(ckpt)
-    metadata = checkpointing.read_dcp_metadata(ckpt)
-    model_shapes = checkpointing._model_shapes(metadata)
-    params = sum(math.prod(s) for s in model_shapes.values())
+    meta = read_meta(ckpt)
+    metadata = read_dcp_metadata(ckpt)
+    shapes = model_shapes(metadata)
+    params = sum(math.prod(s) for s in shapes.values())
     optim_tensors = sum(1 for k in metadata.state_dict_metadata if k.startswith("optimizer."))
     save_dir = os.path.dirname(os.path.normpath(ckpt))
-    others = checkpointing._iterations_in(save_dir)
+    others = iterations_in(save_dir)
     layout = meta.get("layout") or {"world_size": meta.get("world_size", 1)}
     return {
         "checkpoint": ckpt,
-        "complete": checkpointing.checkpoint_problem(ckpt) is None,
+        "complete": checkpoint_problem(ckpt) is None,
         "iteration": meta["train_state"]["iteration"],
         "consumed_train_samples": meta["train_state"].get("consumed_train_samples"),
         "layout": layout,
+        "family": checkpoint_family(meta),
         "model_config": meta.get("model_config", {}),
         "parameters": params,
-        "tensors": len(model_shapes),
+        "tensors": len(shapes),
         "has_optimizer": bool(meta.get("has_optimizer")),
         "optimizer_tensors": optim_tensors,
         "has_rng": bool(meta.get("has_rng")),
@@ -78,9 +83,9 @@ def format_info(info: dict[str, Any], show_args: bool = True) -> str:
     else:
         layout = f"world {lay.get('world_size', 1)}"
     cfg = info["model_config"]
-    model = ", ".join(f"{k} {cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                                 "num_query_groups", "ffn_hidden_size", "vocab_size",
-                                                 "max_position_embeddings") if k in cfg)
+    shape = [f"{k} {cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                                        "ffn_hidden_size", "vocab_size", "max_position_embeddings") if k in cfg]
+    model = ", ".join([info["family"], *shape])
     lines = [
         f"checkpoint:        {info['checkpoint']}" + ("" if info["complete"] else "  (INCOMPLETE)"),
         f"iteration:         {info['iteration']}",
@@ -110,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = p.parse_args(argv)
     try:
         info = checkpoint_info(a.path, a.ckpt_step)
-    except checkpointing.CheckpointError as e:
+    except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
     if a.no_args:
         info.pop("args")
