@@ -9,6 +9,7 @@ exercised too.
 
 from __future__ import annotations
 
+from megatrain.models.common.config_checks import ConfigCheck
 from megatrain.models.registry import ModelFamily, register
 from tests.toy_family.model import (ToyEncoder, ToyEncoderConfig, ToyStage, initial_value, tensor_parallel_plan,
                                     toy_config_from_args, toy_flops)
@@ -24,7 +25,8 @@ TOY = register(ModelFamily(
     tensor_parallel_plan=tensor_parallel_plan,
     objective=lambda args, tokenizer: ClassificationObjective(),
     flops=toy_flops,
-    config_checks={"num_layers": ("compare", "--num-layers"), "hidden_size": ("compare", "--hidden-size"),
-                   "num_classes": ("compare", "--toy-num-classes")},
+    config_checks={"num_layers": ConfigCheck("compare", "--num-layers"),
+                   "hidden_size": ConfigCheck("compare", "--hidden-size"),
+                   "num_classes": ConfigCheck("compare", "(the toy's number of classes)")},
     description="test-only bidirectional encoder with two classification losses",
 ))
