@@ -3,7 +3,9 @@ ids, attention mask.
 
 :class:`Batch` is the base of every batch kind: a dataclass of tensors (or None) that moves to a
 device, concatenates micro-batches (pipeline parallelism runs an iteration's micro-batches as one),
-and gives its context-parallel part. :class:`CausalLMBatch` is GPT's (pre-training and fine-tuning).
+and gives its context-parallel part (the base refuses; a kind that supports it says how).
+:class:`CausalLMBatch` is GPT's (pre-training and fine-tuning); :class:`MaskedLMBatch` and
+:class:`Seq2SeqBatch` are the fields of Megatron's BERT and T5 samples, for those families' objectives.
 
 Same semantics as Megatron-LM's ``get_ltor_masks_and_position_ids``, vectorised, with one
 difference of convention: our ``attention_mask`` follows SDPA (``True`` = may attend), while
@@ -22,7 +24,7 @@ from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 
-__all__ = ["Batch", "CausalLMBatch", "make_batch", "to_device"]
+__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "make_batch", "to_device"]
 
 B = TypeVar("B", bound="Batch")
 
@@ -78,6 +80,41 @@ class CausalLMBatch(Batch):
             positions = torch.arange(self.tokens.shape[1], device=self.tokens.device).unsqueeze(0)
         return replace(self, tokens=self.tokens.index_select(1, index), labels=self.labels.index_select(1, index),
                        loss_mask=self.loss_mask.index_select(1, index), position_ids=positions.index_select(1, index))
+
+
+@dataclass
+class MaskedLMBatch(Batch):
+    """Masked-language-model batches (Megatron's BERT samples): tokens with masked positions replaced,
+    tokentype ids, the original tokens as labels where the loss mask is set, the padding mask
+    (True = a real token), and the sentence-order label of each sample (-1 without that head).
+    ``images`` has room for a vision encoder's input ([b, c, h, w]), None for text."""
+
+    tokens: torch.Tensor  # int64 [b, s]
+    tokentype_ids: torch.Tensor  # int64 [b, s]
+    labels: torch.Tensor  # int64 [b, s]
+    loss_mask: torch.Tensor  # float [b, s]
+    padding_mask: torch.Tensor  # bool [b, s]
+    sentence_order: Optional[torch.Tensor] = None  # int64 [b]
+    images: Optional[torch.Tensor] = None
+
+    sequence_fields: ClassVar[tuple[str, ...]] = ("tokens", "tokentype_ids", "labels", "loss_mask", "padding_mask")
+
+
+@dataclass
+class Seq2SeqBatch(Batch):
+    """Encoder-decoder batches (Megatron's T5 samples): encoder tokens and their padding mask, decoder
+    input tokens, labels and loss mask, and the decoder's padding mask. ``images`` has room for a
+    vision encoder's input, None for text."""
+
+    encoder_tokens: torch.Tensor  # int64 [b, s_enc]
+    encoder_padding_mask: torch.Tensor  # bool [b, s_enc]
+    decoder_tokens: torch.Tensor  # int64 [b, s_dec]
+    labels: torch.Tensor  # int64 [b, s_dec]
+    loss_mask: torch.Tensor  # float [b, s_dec]
+    decoder_padding_mask: torch.Tensor  # bool [b, s_dec]
+    images: Optional[torch.Tensor] = None
+
+    sequence_fields: ClassVar[tuple[str, ...]] = ("decoder_tokens", "labels", "loss_mask", "decoder_padding_mask")
 
 
 def to_device(samples: Any, device: torch.device) -> Any:

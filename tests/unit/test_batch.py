@@ -55,3 +55,28 @@ def test_matches_megatron(flags):
 def test_bad_shape():
     with pytest.raises(ValueError, match="batch, seq_length"):
         make_batch(torch.zeros(5, dtype=torch.long), 0)
+
+
+def test_typed_batches_move_concatenate_and_refuse_context_parallelism_they_cannot_split():
+    import dataclasses
+
+    from megatrain.data.batch import CausalLMBatch, MaskedLMBatch, Seq2SeqBatch
+    from megatrain.parallel.context_parallel import split_batch
+
+    b, s = 2, 8
+    masked = MaskedLMBatch(torch.ones(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long),
+                           torch.ones(b, s, dtype=torch.long), torch.ones(b, s), torch.ones(b, s, dtype=torch.bool),
+                           sentence_order=torch.tensor([0, 1]))
+    both = MaskedLMBatch.cat([masked, masked.to(torch.device("cpu"))])
+    assert both.tokens.shape == (4, s) and both.sentence_order.tolist() == [0, 1, 0, 1] and both.images is None
+    assert both.seq_length == s
+    seq2seq = Seq2SeqBatch(torch.ones(b, 6, dtype=torch.long), torch.ones(b, 6, dtype=torch.bool),
+                           torch.ones(b, s, dtype=torch.long), torch.ones(b, s, dtype=torch.long), torch.ones(b, s),
+                           torch.ones(b, s, dtype=torch.bool))
+    assert Seq2SeqBatch.cat([seq2seq, seq2seq]).encoder_tokens.shape == (4, 6)
+    for batch in (masked, seq2seq):
+        with pytest.raises(ValueError, match=f"--context-parallel-size > 1 does not support {type(batch).__name__}"):
+            split_batch(batch, 2, 0)
+    causal = make_batch(torch.arange(2 * 9).view(2, 9), None)
+    assert torch.equal(CausalLMBatch.cat([causal, causal]).labels[2:], causal.labels)
+    assert dataclasses.replace(causal, attention_mask=None).attention_mask is None
