@@ -59,11 +59,11 @@ class Trainer(StepMixin, EvaluationMixin):
         self.run = RunConfig.from_args(args)  # every typed config of the run, made once from the flags
         self.precision = self.run.precision
         self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
-        self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
+        self.per_token_loss = args.calculate_per_token_loss
         self.rampup: BatchRampup | None = None
         self.num_micro_batches = args.num_micro_batches  # of the current iteration (--rampup-batch-size)
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
-        if self.world_size != getattr(args, "world_size_actual", self.world_size):
+        if self.world_size != args.world_size_actual:
             raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "
                              f"launcher started {self.world_size} processes; set WORLD_SIZE before parsing (torchrun "
                              f"does; under srun call megatrain.parallel.distributed.setup_env_from_slurm first)")
@@ -76,19 +76,19 @@ class Trainer(StepMixin, EvaluationMixin):
             self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
         self.cp_rank, self.cp_size = self.dims.local_rank_on("cp"), self.dims.cp
-        if getattr(args, "rampup_batch_size", None):
+        if args.rampup_batch_size:
             self.rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
                                       args.micro_batch_size * self.dp_size)
         seed_everything(args.seed, pp_rank=self.dims.pp_rank, dp_rank=self.dp_rank,
-                        data_parallel_random_init=bool(getattr(args, "data_parallel_random_init", False)))
+                        data_parallel_random_init=args.data_parallel_random_init)
 
         self.tokenizer = build_tokenizer(args)
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
         self._found_checkpoint = checkpointing.find_checkpoint(
-            args.load, args.ckpt_step, verify=not getattr(args, "no_verify_checkpoint_checksums", False)) \
+            args.load, args.ckpt_step, verify=not args.no_verify_checkpoint_checksums) \
             if args.load else None
-        if args.load and self._found_checkpoint is None and getattr(args, "exit_on_missing_checkpoint", False):
+        if args.load and self._found_checkpoint is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"error: --load {args.load}: no complete checkpoint found "
                              "(--exit-on-missing-checkpoint)")
         if self._found_checkpoint:  # a checkpoint saved under another TP size may be padded differently
@@ -130,8 +130,8 @@ class Trainer(StepMixin, EvaluationMixin):
                                     wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
                                     wandb_save_dir=args.wandb_save_dir, run_config=vars(args))
         self.writer.log_config(vars(args))
-        self.checkpointer = checkpointing.Checkpointer(async_save=bool(getattr(args, "async_save", False)),
-                                                       keep_last=getattr(args, "keep_last_checkpoints", None),
+        self.checkpointer = checkpointing.Checkpointer(async_save=args.async_save,
+                                                       keep_last=args.keep_last_checkpoints,
                                                        verbose=get_rank() == 0)
         self.cuda_graphs = self._build_cuda_graphs()
         self._rng_checkpoint: str | None = None
@@ -167,7 +167,7 @@ class Trainer(StepMixin, EvaluationMixin):
 
     def _build_cuda_graphs(self) -> MicroBatchGraphs | None:
         a = self.args
-        if getattr(a, "cuda_graph_impl", "none") != "local":
+        if a.cuda_graph_impl != "local":
             return None
         if not self.objective.batches_in_cuda_graph:
             raise SystemExit(f"error: --cuda-graph-impl local: {type(self.objective).__name__} builds its batches "
@@ -202,8 +202,8 @@ class Trainer(StepMixin, EvaluationMixin):
                 return None
             return iter(build_pretraining_data_loader(ds, consumed, a.micro_batch_size, self.dp_rank, self.dp_size,
                                                       a.num_workers, pin_memory=pin,
-                                                      dataloader_type=getattr(a, "dataloader_type", None) or "single",
-                                                      data_sharding=getattr(a, "data_sharding", True)))
+                                                      dataloader_type=a.dataloader_type or "single",
+                                                      data_sharding=a.data_sharding))
 
         self.train_iter = loader(self.train_ds, self.state.consumed_train_samples)
         self.valid_iter = loader(self.valid_ds, self.state.consumed_valid_samples)
@@ -231,7 +231,7 @@ class Trainer(StepMixin, EvaluationMixin):
                                                  load_optim=not (a.finetune or a.no_load_optim),
                                                  load_rng=False,
                                                  model_config=self.model_config, finetune=a.finetune,
-                                                 allow_non_finite=getattr(a, "allow_non_finite_checkpoint", False),
+                                                 allow_non_finite=a.allow_non_finite_checkpoint,
                                                  partial=self.pipeline is not None)
         except checkpointing.CheckpointError as e:
             raise SystemExit(f"error: --load {load}: {e}") from None
@@ -279,7 +279,7 @@ class Trainer(StepMixin, EvaluationMixin):
             self.model_config, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, tp=self.dims.tp,
             pp=self.dims.pp, dp=self.dims.dp, zero_stage=a.zero_stage, sequence_parallel=a.sequence_parallel,
             recompute_granularity=a.recompute_granularity, half_precision=self.precision.dtype != torch.float32,
-            optimizer=a.optimizer, loss_chunked=bool(getattr(a, "cross_entropy_chunk_size", 0)),
+            optimizer=a.optimizer, loss_chunked=bool(a.cross_entropy_chunk_size),
             num_micro_batches=a.num_micro_batches, cp=self.dims.cp)
 
     def train(self) -> TrainState:
@@ -415,7 +415,7 @@ def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer,
              family: str | ModelFamily = DEFAULT_FAMILY) -> TrainState:
     """Build everything from parsed arguments for a model ``family``, train, evaluate at the end, save
     (Megatron's ``pretrain``; the family stands for its model, dataset and forward-step providers)."""
-    for note in getattr(args, "legacy_notes", []):
+    for note in args.legacy_notes:
         print_rank0(note)
     trainer = trainer_class(args, family=family)
     try:
