@@ -15,6 +15,8 @@ from megatrain.data import preprocess as pp
 from megatrain.data.indexed_dataset import IndexedDataset
 from megatrain.data.merge_datasets import main as merge_main
 from megatrain.data.preprocess import PreprocessError, split_sentences
+from megatrain.data.preprocess import driver as pp_driver
+from megatrain.data.preprocess import inputs as pp_inputs
 from megatrain.data.tokenizers import TokenizerConfig, build_tokenizer
 
 GPT2_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gpt2"
@@ -136,7 +138,7 @@ def test_plain_text_gz_and_glob_inputs(tmp_path):
 
 
 def test_workers_2_identical_to_workers_1(tmp_path, monkeypatch):
-    monkeypatch.setattr(pp, "CHUNK_LINES", 7)  # many chunks, so ordering across workers matters
+    monkeypatch.setattr(pp_inputs, "CHUNK_LINES", 7)  # many chunks, so ordering across workers matters
     rng = np.random.default_rng(0)
     rows = [{"text": " ".join(map(str, rng.integers(0, 1000, rng.integers(0, 30))))} for _ in range(300)]
     inp = write_jsonl(tmp_path / "c.jsonl", rows)
@@ -205,9 +207,9 @@ def test_skip_bad_lines_counts(tmp_path, capsys):
 
 def test_interrupt_leaves_no_files(tmp_path, monkeypatch):
     inp = write_jsonl(tmp_path / "c.jsonl", [{"text": "1 2"}] * 50)
-    monkeypatch.setattr(pp, "CHUNK_LINES", 5)
+    monkeypatch.setattr(pp_inputs, "CHUNK_LINES", 5)
     calls = {"n": 0}
-    real = pp._Progress.update
+    real = pp_driver._Progress.update
 
     def interrupt_after_some(self, *a):
         real(self, *a)
@@ -215,7 +217,7 @@ def test_interrupt_leaves_no_files(tmp_path, monkeypatch):
         if calls["n"] == 3:  # data already written to the temporary .bin
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(pp._Progress, "update", interrupt_after_some)
+    monkeypatch.setattr(pp_driver._Progress, "update", interrupt_after_some)
     for workers in ("1", "2"):
         with pytest.raises(SystemExit) as e:
             run(tmp_path, inp, *NULL, "--workers", workers, "--json-keys", "text")
