@@ -254,7 +254,7 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
     ``grad_fusion``, ``fp8`` (a format) and ``fused_adamw``: see :class:`HarnessTrainer`.
     ``Run.info``: ``fused_linears`` (layers of the gradient-accumulation fusion), ``fp8_layers``
     (fp8 linear layers), ``chunks`` (the chunked head loss, or under TP the chunked vocab-parallel
-    loss, is used), ``homogeneous_groups`` (every optimizer group holds one kind of tensor: plain, or
+    loss, is used), ``fused_adamw`` (the optimizer runs fused kernels), ``homogeneous_groups`` (every optimizer group holds one kind of tensor: plain, or
     DTensors of one mesh), and after the first micro-batch of an iteration with several,
     ``unsynced`` (data parallel: the gradients were not reduced) and ``kept_unsharded`` (ZeRO-1/2).
     ``evaluate``: also the validation loss of one global batch after the last step.
@@ -277,6 +277,7 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
             "fused_linears": len(made.grad_fusion.linears) if made.grad_fusion is not None else 0,
             "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in unwrap(trainer.model).modules()),
             "chunks": getattr(made.loss_head, "chunk_size", 0) > 0,
+            "fused_adamw": bool(trainer.optimizer.defaults.get("fused")),
             "homogeneous_groups": all(
                 len({getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) for p in g["params"]}) <= 1
                 for g in trainer.optimizer.param_groups),
