@@ -4,7 +4,7 @@ real trainer in both, see dist_harness)."""
 
 from __future__ import annotations
 
-from dist_harness import compare, reference_runs, run_workers, train_layouts
+from dist_harness import compare, run_layouts
 
 TOLERANCE = 1e-5
 CHUNK = "--cross-entropy-chunk-size 12"
@@ -15,8 +15,8 @@ CASES = {"ddp_tied": ("gpt2", CHUNK, dict(steps=4)),
 
 
 def test_chunked_loss_in_data_parallel_and_tensor_parallel_layouts():
-    references, _ = reference_runs(CASES)
-    for per_rank in run_workers(train_layouts, 2, CASES):
+    references, results = run_layouts(CASES, 2)
+    for per_rank in results:
         for name, run in per_rank.items():
             assert run.info["chunks"], name
             assert not references[name].info["chunks"], name

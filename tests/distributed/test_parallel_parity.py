@@ -3,15 +3,15 @@
 Each layout is the real trainer (``Trainer.train_step``) built from Megatron flags, 5 iterations
 (4 micro-batches per global batch, masked per-micro-batch mean loss, active gradient clipping,
 AdamW) on gloo CPU processes, compared with the same trainer in one plain process; the gathered
-full parameters must agree within 1e-5 relative error. All layouts of one world size share one
-spawned job (process start-up dominates); the references and the one-process layouts share one.
+full parameters must agree within 1e-5 relative error. All layouts of one world size and their
+references share one spawned job (process start-up dominates).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from dist_harness import CLIP, compare, reference_runs, run_workers, train_layouts
+from dist_harness import CLIP, compare, run_layouts
 
 TOLERANCE = 1e-5
 DDP_OVERLAP = "--overlap-grad-reduce --overlap-param-gather"
@@ -62,22 +62,22 @@ WORLD4 = {
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    """(the reference of every layout, the runs of WORLD1): one job of one process."""
-    return reference_runs({**WORLD2, **WORLD1, **WORLD4}, extra=WORLD1)
+def world1():
+    return run_layouts(WORLD1, 1)
 
 
 @pytest.fixture(scope="module")
-def world2_results():
-    return run_workers(train_layouts, 2, WORLD2)
+def world2():
+    return run_layouts(WORLD2, 2)
 
 
 @pytest.fixture(scope="module")
-def world4_results():
-    return run_workers(train_layouts, 4, WORLD4)
+def world4():
+    return run_layouts(WORLD4, 4)
 
 
-def _check(results: list[dict], references: dict, name: str, layout: tuple) -> None:
+def _check(world: tuple[dict, list[dict]], name: str, layout: tuple) -> None:
+    references, results = world
     _, flags, kwargs = layout
     for rank, per_rank in enumerate(results):
         run = per_rank[name]
@@ -103,18 +103,17 @@ def _check(results: list[dict], references: dict, name: str, layout: tuple) -> N
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
-def test_world2_layout_matches_one_process(world2_results, one_process, name):
-    _check(world2_results, one_process[0], name, WORLD2[name])
+def test_world2_layout_matches_one_process(world2, name):
+    _check(world2, name, WORLD2[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD1))
-def test_one_process_sharded_optimizer_matches_plain_process(one_process, name):
-    references, runs = one_process
-    _check([runs], references, name, WORLD1[name])
+def test_one_process_sharded_optimizer_matches_plain_process(world1, name):
+    _check(world1, name, WORLD1[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_world4_layout_matches_one_process(world4_results, one_process, name):
-    _check(world4_results, one_process[0], name, WORLD4[name])
+def test_world4_layout_matches_one_process(world4, name):
+    _check(world4, name, WORLD4[name])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_harness import CLIP, reference_runs, relative_errors, run_workers, train_layouts
+from dist_harness import CLIP, relative_errors, run_layouts
 
 TOLERANCE = 1e-5
 PP2, PP4 = "--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4"
@@ -45,21 +45,17 @@ WORLD4 = {
 
 
 @pytest.fixture(scope="module")
-def references():
-    return reference_runs({**WORLD2, **WORLD4})[0]
+def world2():
+    return run_layouts(WORLD2, 2)
 
 
 @pytest.fixture(scope="module")
-def world2_results():
-    return run_workers(train_layouts, 2, WORLD2)
+def world4():
+    return run_layouts(WORLD4, 4)
 
 
-@pytest.fixture(scope="module")
-def world4_results():
-    return run_workers(train_layouts, 4, WORLD4)
-
-
-def _check(results: list[dict], references: dict, name: str) -> None:
+def _check(world: tuple[dict, list[dict]], name: str) -> None:
+    references, results = world
     ref = references[name]
     held: set[str] = set()
     for rank, per_rank in enumerate(results):
@@ -80,14 +76,14 @@ def _check(results: list[dict], references: dict, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
-def test_world2_pipeline_matches_one_process(world2_results, references, name):
-    _check(world2_results, references, name)
+def test_world2_pipeline_matches_one_process(world2, name):
+    _check(world2, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_world4_pipeline_matches_one_process(world4_results, references, name):
-    _check(world4_results, references, name)
+def test_world4_pipeline_matches_one_process(world4, name):
+    _check(world4, name)
 
 
 # ---- the layer split and the flags (no processes) -------------------------------------------------
