@@ -275,9 +275,10 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
     ``grad_fusion``, ``fp8`` (a format) and ``fused_adamw``: see :class:`HarnessTrainer`.
     ``Run.info``: ``fused_linears`` (layers of the gradient-accumulation fusion), ``fp8_layers``
     (fp8 linear layers), ``chunks`` (the chunked head loss, or under TP the chunked vocab-parallel
-    loss, is used), ``fused_adamw`` (the optimizer runs fused kernels), ``homogeneous_groups`` (every optimizer group holds one kind of tensor: plain, or
-    DTensors of one mesh), and after the first micro-batch of an iteration with several,
-    ``unsynced`` (data parallel: the gradients were not reduced) and ``kept_unsharded`` (ZeRO-1/2).
+    loss, is used), ``fused_adamw`` (the optimizer runs fused kernels), ``homogeneous_groups``
+    (every optimizer group holds one kind of tensor: plain, or DTensors of one mesh), and after the
+    first micro-batch of an iteration with several, ``unsynced`` (data parallel: the gradients were
+    not reduced) and ``kept_unsharded`` (ZeRO-1/2).
     ``evaluate``: also the validation loss of one global batch after the last step.
     """
     from megatrain.parallel.data_parallel import unwrap
