@@ -87,7 +87,8 @@ def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     return [res["value"] for res in _spawn(fn, world_size, args, None)]
 
 
-def run_alone_then_workers(alone: Callable[[], Any], fn: Callable, world_size: int, *args: Any) -> tuple[Any, list[Any]]:
+def run_alone_then_workers(alone: Callable[[], Any], fn: Callable, world_size: int,
+                           *args: Any) -> tuple[Any, list[Any]]:
     """``alone()`` in the first process before the group forms (one process on its own, as a
     single-process run sees the world), then :func:`run_workers`' job in the same processes: the
     results of both. Saves a process start-up, which dominates these tests' time."""
