@@ -4,28 +4,42 @@
 calls ``fn(rank, world_size, *args)`` in each and returns the list of their return values (any
 picklable object). An exception in a worker fails the test with that worker's traceback.
 
-``train_reference`` / ``train_parallel`` run the same few optimizer steps (micro-batches, masked
-mean loss per micro-batch, gradient clipping, AdamW) on one process and on a parallel layout.
+``train_layout(style, flags)`` is a few iterations of the real trainer
+(:class:`megatrain.training.trainer.Trainer`, each one ``train_step()``) built from Megatron
+flags: the tiny model of ``style``, the harness's run (4 micro-batches per global batch, active
+gradient clipping, AdamW) and the layout's flags (``--tensor-model-parallel-size 2
+--sequence-parallel``, ...). The harness only feeds the data (:class:`HarnessTrainer` overrides
+``build_datasets``: the same samples for every layout, data-parallel ranks reading their share of
+each global batch; about a fifth of the tokens are end-of-document, masked by --eod-mask-loss) and
+reads what the trainer made and returned. A layout's reference (:func:`reference_of`) is the same
+trainer in one process without the layout flags; :func:`run_layouts` runs layouts and their
+references in one spawned job, :func:`compare` measures a run against its reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
+import functools
+import inspect
 import os
+import shlex
 import socket
 import tempfile
 import traceback
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from megatrain.models.gpt import canonical_parameter_name
 from megatrain.models.gpt.config import GPTConfig
-from megatrain.models.gpt import GPTModel, canonical_parameter_name
 from megatrain.parallel.distributed import destroy_distributed
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm_
+from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from megatrain.training.trainer import Trainer
 
 
 def _free_port() -> int:
@@ -34,39 +48,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple,
+           alone: Callable[[], Any] | None) -> None:
     faulthandler.enable(all_threads=True)  # a C++ abort in a worker shows where Python was
     torch.set_num_threads(1)
-    out: dict[str, Any]
+    out: dict[str, Any] = {"ok": True}
+    if alone is not None and rank == 0:  # a process of its own: no launcher variables, no process group
+        try:
+            out["alone"] = alone()
+            assert not dist.is_initialized(), "the process-alone part left a process group behind"
+        except BaseException:  # noqa: BLE001 - reported to the parent; the other ranks still need this one
+            out = {"ok": False, "error": traceback.format_exc()}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        out = {"ok": True, "value": fn(rank, world_size, *args)}
+        out["value"] = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent
-        out = {"ok": False, "error": traceback.format_exc()}
+        out = {"ok": False, "error": out.get("error", "") + traceback.format_exc()}
     finally:
         destroy_distributed()
     torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+def _spawn(fn: Callable, world_size: int, args: tuple, alone: Callable[[], Any] | None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_entry, args=(world_size, _free_port(), result_dir, fn, args), nprocs=world_size,
+        mp.start_processes(_entry, args=(world_size, _free_port(), result_dir, fn, args, alone), nprocs=world_size,
                            join=True, start_method="spawn")
         results = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
                    for r in range(world_size)]
     errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if not res["ok"]]
     if errors:
         raise AssertionError("worker failed\n" + "\n".join(errors))
-    return [res["value"] for res in results]
+    return results
 
 
-# ---- tiny deterministic training runs -----------------------------------------------------------
+def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    return [res["value"] for res in _spawn(fn, world_size, args, None)]
+
+
+def run_alone_then_workers(alone: Callable[[], Any], fn: Callable, world_size: int,
+                           *args: Any) -> tuple[Any, list[Any]]:
+    """``alone()`` in the first process before the group forms (one process on its own, as a
+    single-process run sees the world), then :func:`run_workers`' job in the same processes: the
+    results of both. Saves a process start-up, which dominates these tests' time."""
+    results = _spawn(fn, world_size, args, alone)
+    return results[0]["alone"], [res["value"] for res in results]
+
+
+# ---- the tiny model, its data and hyper-parameters ------------------------------------------------
+
+SEQ, MICRO, GLOBAL, STEPS, SEED = 16, 2, 8, 5, 1234
+VOCAB = 64  # NullTokenizer --vocab-size 63: ids 0..62 and the end-of-document id 63, padded to 64 (also x TP 2)
+EOD = VOCAB - 1
+CLIP = 0.5  # small enough that clipping is active on these runs
+
 
 def tiny_config(style: str = "gpt2", **overrides: Any) -> GPTConfig:
-    fields: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                                  max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+    """The model :func:`model_flags` describe (for tests that build models themselves)."""
+    fields: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                                  max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
                                   ffn_hidden_size=64)
     if style == "llama":
         fields.update(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -75,15 +116,58 @@ def tiny_config(style: str = "gpt2", **overrides: Any) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-SEQ, MICRO, GLOBAL, STEPS, SEED = 16, 2, 8, 5, 1234
+def model_flags(style: str = "gpt2", num_layers: int = 2, dropout: float = 0.0) -> list[str]:
+    """Megatron flags of :func:`tiny_config` (GPT-2 style, or LLaMA style: GQA, RoPE, RMSNorm, SwiGLU,
+    no biases, untied output layer)."""
+    flags = ["--num-layers", str(num_layers), "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+             "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout)]
+    if style == "llama":
+        return flags + ["--ffn-hidden-size", "48", "--group-query-attention", "--num-query-groups", "2",
+                        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                        "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+    assert style == "gpt2", style
+    return flags + ["--ffn-hidden-size", "64", "--no-bias-gelu-fusion"]  # exact GELU, as tiny_config
 
 
-def global_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens, labels and loss mask [GLOBAL, SEQ] of one step (some tokens masked)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    data = torch.randint(0, vocab, (GLOBAL, SEQ + 1), generator=g)
-    mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.2).float()
-    return data[:, :-1], data[:, 1:], mask
+def run_flags(steps: int = STEPS) -> list[str]:
+    """Everything but the model and the layout: batches, optimizer, data, CPU."""
+    return ["--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--train-iters", str(steps),
+            "--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-eps", "1e-4",
+            "--clip-grad", str(CLIP), "--seed", str(SEED), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(VOCAB - 1), "--make-vocab-size-divisible-by", "32", "--eod-mask-loss",
+            "--mock-data", "--num-workers", "0", "--eval-iters", "1", "--device", "cpu"]
+
+
+def sample(index: int) -> np.ndarray:
+    """Sample ``index``: SEQ + 1 tokens, about a fifth of them end-of-document (their loss is masked)."""
+    g = torch.Generator().manual_seed(1000 + index)
+    tokens = torch.randint(0, EOD, (SEQ + 1,), generator=g)
+    eod = torch.rand(SEQ + 1, generator=g) < 0.2
+    return torch.where(eod, EOD, tokens).numpy()
+
+
+VALID_OFFSET = 100_000  # validation samples are drawn after every training sample
+
+
+class Samples:
+    """A dataset of :func:`sample` s from ``offset`` on, as the trainer's loader reads one."""
+
+    def __init__(self, size: int, offset: int = 0) -> None:
+        self.size, self.offset = size, offset
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return sample(self.offset + i)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, labels and loss mask [GLOBAL, SEQ] of the training samples of ``step``, as the
+    trainer's batches hold them (for tests that run models themselves)."""
+    data = torch.from_numpy(np.stack([sample(step * GLOBAL + i) for i in range(GLOBAL)]))
+    return data[:, :-1], data[:, 1:], (data[:, :-1] != EOD).float()
 
 
 def micro_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,68 +176,72 @@ def micro_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tenso
 
 
 def make_optimizer(model: torch.nn.Module, fused: bool | None = None) -> torch.optim.Optimizer:
-    """AdamW with the trainer's kernel choice for this (possibly parallel) model, or ``fused``."""
+    """AdamW with the run's hyper-parameters and the trainer's kernel choice, or ``fused``."""
     return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4, fused=fused))
 
 
-CLIP = 0.5  # small enough that clipping is active on these runs
+# ---- the real trainer -----------------------------------------------------------------------------
 
+class HarnessTrainer(Trainer):
+    """The trainer fed :class:`Samples`, recording what the checks read between micro-batches.
 
-def train_reference(config: GPTConfig, steps: int = STEPS,
-                    fp8: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, all micro-batches of every global batch: (losses, final parameters)."""
-    torch.manual_seed(SEED)
-    with torch.device("meta"):
-        model = GPTModel(config)
-    if fp8 is not None:
-        from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8
+    Settings without a flag (tests only): ``parallelize`` replaces fields of the
+    :class:`~megatrain.parallel.parallelize.ParallelizeConfig` the trainer takes from the flags --
+    ``grad_accumulation_fusion=True`` forces the gradient-accumulation fusion with float32 compute
+    (the trainer applies it only under --bf16/--fp16; float32 weight copies give the plain layers'
+    numbers, so its per-micro-batch protocol is checked exactly) and ``fp8_format`` gives fp8 layers
+    with float32 compute (--fp8-format needs --bf16, whose rounding is far above the checks'
+    tolerance); ``fused_adamw`` rebuilds the trainer's optimizer with torch's fused AdamW kernels,
+    which it picks only on CUDA (the step then takes the trainer's fused path: queued with the
+    overflow flag, skipping itself on the device).
+    """
 
-        convert_to_fp8(model, Fp8Config(fp8))
-    model.to_empty(device="cpu")
-    model.init_weights(SEED)
-    opt = make_optimizer(model)
-    losses = []
-    n_micro = GLOBAL // MICRO
-    for step in range(steps):
-        tokens, labels, mask = global_batch(step, config.vocab_size)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for m in range(n_micro):
-            sl = slice(m * MICRO, (m + 1) * MICRO)
-            loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
-            (loss / n_micro).backward()
-            total += loss.item()
-        clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        losses.append(total / n_micro)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    def __init__(self, args: Any, *, parallelize: dict[str, Any] | None = None, fused_adamw: bool = False) -> None:
+        self.parallelize_overrides = parallelize or {}
+        self.between_micro_batches: dict[str, bool] = {}
+        self._micro_batches_seen = 0
+        super().__init__(args)
+        if fused_adamw:
+            self._use_fused_adamw()
 
+    def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
+        train, valid, _ = num_samples
+        return Samples(train), Samples(max(valid, GLOBAL), VALID_OFFSET), None
 
-def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered to its full value, keyed by canonical name."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        out[canonical_parameter_name(name)] = t.clone()
-    return out
+    def _build_model(self) -> Any:
+        if not self.parallelize_overrides:
+            return super()._build_model()
+        from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
 
+        assert self.dims.pp == 1, "the overrides are for one model, not pipeline stages"
+        self.pipeline = None
+        cfg = dataclasses.replace(ParallelizeConfig.from_args(self.args), **self.parallelize_overrides)
+        with torch.device("meta"):
+            model = self.family.build_model(self.model_config)
+        return parallelize_model(model, self.dims, cfg, device=self.device, seed=self.args.seed, family=self.family)
 
-def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
-    worst = 0.0
-    for k in a:
-        err = ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item()
-        worst = max(worst, err)
-    return worst
+    def _use_fused_adamw(self) -> None:
+        from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
 
+        opt = self.optimizer  # the trainer's groups (Megatron's, split by tensor kind), fused kernels
+        groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in opt.param_groups]
+        accepted = inspect.signature(type(opt)).parameters
+        defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k not in ("fused", "foreach")}
+        self.optimizer = type(opt)(groups, **defaults, fused=True)
+        self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(self.args))
 
-def relative_errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {k: ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a}
-
-
-RUN_INFO: dict[str, Any] = {}
+    def _micro_batch_backward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._micro_batch_backward(*args, **kwargs)
+        self._micro_batches_seen += 1
+        if self._micro_batches_seen == 1 and self.num_micro_batches > 1:  # still inside its gradient_sync
+            if self.dims.dp > 1:
+                self.between_micro_batches["unsynced"] = _gradients_unsynced(self.module, self.dims)
+            if self.args.zero_stage in (1, 2):
+                # ZeRO-1/2 keep the gathered parameters until the iteration's last micro-batch.
+                layer = next(iter(self.module.layers.values()))
+                self.between_micro_batches["kept_unsharded"] = not any(isinstance(p, DTensor)
+                                                                       for p in layer.parameters())
+        return out
 
 
 def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
@@ -168,85 +256,114 @@ def _gradients_unsynced(module: torch.nn.Module, dims: Any) -> bool:
     return not torch.equal(gathered[0], gathered[1])
 
 
-def train_parallel(config: GPTConfig, *, tp: int = 1, sp: bool = False, zero: int = 0,
-                   recompute: tuple = (None, None, None), overlap: bool = False, steps: int = STEPS,
-                   bucket_size: int | None = None, chunk: int = 0, fused: bool | None = None,
-                   fp8: str | None = None, grad_fusion: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The run of :func:`train_reference` on this process group's layout (inside a worker).
+@dataclasses.dataclass
+class Run:
+    """What a run gives the checks (on one rank)."""
 
-    ``chunk`` asks for the chunked output-layer loss; ``RUN_INFO["chunks"]`` says whether it is used.
-    ``grad_fusion`` forces the gradient-accumulation fusion (float32 weight copies here) and follows
-    the trainer's protocol with it; ``RUN_INFO["fused_linears"]`` counts its layers.
+    losses: list[float]  # StepResult.loss of each iteration
+    grad_norms: list[float]  # StepResult.grad_norm of each iteration
+    params: dict[str, torch.Tensor]  # this rank's parameters (its stages'), each gathered to its full value
+    info: dict[str, Any]  # facts about what the trainer built (see :func:`train_layout`)
+    eval_loss: float | None = None
+
+
+def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers: int = 2, dropout: float = 0.0,
+                 grad_fusion: bool = False, fp8: str | None = None, fused_adamw: bool = False,
+                 evaluate: bool = False) -> Run:
+    """``steps`` iterations of :class:`HarnessTrainer` with the Megatron flags ``layout`` (for this
+    process group: ``"--tensor-model-parallel-size 2 --sequence-parallel"``, ...), inside a worker.
+
+    ``grad_fusion``, ``fp8`` (a format) and ``fused_adamw``: see :class:`HarnessTrainer`.
+    ``Run.info``: ``fused_linears`` (layers of the gradient-accumulation fusion), ``fp8_layers``
+    (fp8 linear layers), ``chunks`` (the chunked head loss, or under TP the chunked vocab-parallel
+    loss, is used), ``fused_adamw`` (the optimizer runs fused kernels), ``homogeneous_groups``
+    (every optimizer group holds one kind of tensor: plain, or DTensors of one mesh), and after the
+    first micro-batch of an iteration with several, ``unsynced`` (data parallel: the gradients were
+    not reduced) and ``kept_unsharded`` (ZeRO-1/2).
+    ``evaluate``: also the validation loss of one global batch after the last step.
     """
-    from megatrain.parallel.data_parallel import DataParallelConfig, gradient_sync, unwrap
-    from megatrain.parallel.dims import ParallelDims
-    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
-    from megatrain.parallel.recompute import RecomputeConfig
+    from megatrain.parallel.data_parallel import unwrap
+    from megatrain.training.arguments import parse_args
 
-    dims = ParallelDims(dist.get_world_size(), tp=tp, sequence_parallel=sp)
-    dims.build_mesh("cpu")
-    torch.manual_seed(SEED)
-    with torch.device("meta"):
-        model = GPTModel(config)
-    cfg = ParallelizeConfig(DataParallelConfig(zero_stage=zero, overlap_grad_reduce=overlap,
-                                               overlap_param_gather=overlap, bucket_size=bucket_size),
-                            RecomputeConfig(*recompute), cross_entropy_chunk_size=chunk, fp8_format=fp8,
-                            grad_accumulation_fusion=True if grad_fusion else None)
-    made = parallelize_model(model, dims, cfg, device=torch.device("cpu"), seed=SEED)
-    model, fusion = made.model, made.grad_fusion
-    RUN_INFO["fused_linears"] = len(fusion.linears) if fusion is not None else 0
-    RUN_INFO["fp8_layers"] = sum(type(m).__name__ == "Float8Linear" for m in unwrap(model).modules())
-    # the chunked head loss, or under TP the chunked vocab-parallel loss
-    RUN_INFO["chunks"] = getattr(made.loss_head, "chunk_size", 0) > 0
-    opt = make_optimizer(unwrap(model), fused)
-    # Every parameter group holds one kind of tensor (plain, or DTensors of one mesh): one kernel call each.
-    RUN_INFO["homogeneous_groups"] = all(len({getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None)
-                                              for p in g["params"]}) <= 1 for g in opt.param_groups)
-    n_micro = GLOBAL // MICRO // dims.dp
-    dp_rank = dims.dp_rank
-    losses = []
-    for step in range(steps):
-        tokens, labels, mask = global_batch(step, config.vocab_size)
-        opt.zero_grad(set_to_none=True)
-        if fusion is not None:
-            fusion.refresh()
-        total = torch.zeros(())
-        for m in range(n_micro):
-            start = (m * dims.dp + dp_rank) * MICRO  # Megatron's order: micro-batch m of every dp rank
-            sl = slice(start, start + MICRO)
-            last = m == n_micro - 1
-            with gradient_sync(model, last, made.keep_unsharded):
-                if fusion is not None:  # as the trainer: DDP's reduction reads the last micro-batch's gradients
-                    fusion.stage(hold_others=not (last and dims.dp > 1))
-                loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
-                if fusion is not None:
-                    fusion.release()
-                (loss / n_micro).backward()
-                if fusion is not None:
-                    fusion.merge_held()
-            total += loss.detach()
-            if step == 0 and m == 0 and n_micro > 1 and dims.dp > 1:
-                RUN_INFO["unsynced"] = _gradients_unsynced(unwrap(model), dims)
-            if step == 0 and m == 0 and n_micro > 1 and zero in (1, 2):
-                # ZeRO-1/2 keep the gathered parameters until the iteration's last micro-batch.
-                layer = next(iter(unwrap(model).layers.values()))
-                RUN_INFO["kept_unsharded"] = not any(isinstance(p, DTensor) for p in layer.parameters())
-        RUN_INFO.setdefault("grad_norms", []).append(
-            float(clip_grad_norm_(list(unwrap(model).parameters()), CLIP)))
-        opt.step()
-        total /= n_micro
-        if dims.dp > 1:
-            dist.all_reduce(total, group=dims.submesh("dp").get_group())
-            total /= dims.dp
-        losses.append(total.item())
-    return losses, full_parameters(unwrap(model))
+    args = parse_args([*model_flags(style, num_layers, dropout), *run_flags(steps), *shlex.split(layout)])
+    overrides: dict[str, Any] = {}
+    if grad_fusion:
+        overrides["grad_accumulation_fusion"] = True
+    if fp8 is not None:
+        overrides["fp8_format"] = fp8
+    trainer = HarnessTrainer(args, parallelize=overrides, fused_adamw=fused_adamw)
+    try:
+        assert trainer.model_config == tiny_config(style, num_layers=num_layers, hidden_dropout=dropout,
+                                                   attention_dropout=dropout), "the flags and tiny_config differ"
+        made = trainer.parallelized
+        info: dict[str, Any] = {
+            "fused_linears": len(made.grad_fusion.linears) if made.grad_fusion is not None else 0,
+            "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in unwrap(trainer.model).modules()),
+            "chunks": getattr(made.loss_head, "chunk_size", 0) > 0,
+            "fused_adamw": bool(trainer.optimizer.defaults.get("fused")),
+            "homogeneous_groups": all(
+                len({getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) for p in g["params"]}) <= 1
+                for g in trainer.optimizer.param_groups),
+        }
+        results = [trainer.train_step() for _ in range(steps)]
+        info.update(trainer.between_micro_batches)
+        eval_loss = trainer.evaluate(trainer.valid_iter, 1)["lm loss"] if evaluate else None
+        return Run([r.loss for r in results], [r.grad_norm for r in results], full_parameters(trainer.module),
+                   info, eval_loss)
+    finally:
+        trainer.close()
 
 
-def compare_to_reference(config: GPTConfig, **layout: Any) -> dict[str, float]:
-    """Max relative errors of per-step losses and final full parameters against one process."""
-    ref_losses, ref_params = train_reference(config, layout.get("steps", STEPS), fp8=layout.get("fp8"))
-    RUN_INFO.clear()
-    losses, params = train_parallel(config, **layout)
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    ref = {canonical_parameter_name(k): v for k, v in ref_params.items()}
-    return {"loss": loss_err, "params": max_relative_error(params, ref), **RUN_INFO}
+# A layout: (model style, Megatron flags, keyword arguments of train_layout)
+Layout = tuple[str, str, dict[str, Any]]
+
+
+def train_layouts(rank: int, world_size: int, layouts: dict[str, Layout]) -> dict[str, Run]:
+    """:func:`train_layout` of every named layout (a worker function for :func:`run_workers`)."""
+    return {name: train_layout(style, flags, **kwargs) for name, (style, flags, kwargs) in layouts.items()}
+
+
+def reference_of(layout: Layout) -> Layout:
+    """A layout's reference: one process with no layout flag (the plain loss, no fusion or
+    recomputation, the default optimizer kernels), the same model, iterations and fp8 layers."""
+    style, _, kwargs = layout
+    return style, "", {k: v for k, v in kwargs.items() if k in ("steps", "num_layers", "dropout", "fp8", "evaluate")}
+
+
+def _train_references(layouts: dict[str, Layout]) -> dict[str, Run]:
+    refs = {name: reference_of(layout) for name, layout in layouts.items()}
+    runs = {key: train_layout(style, flags, **kwargs) for key, (style, flags, kwargs)
+            in {repr(r): r for r in refs.values()}.items()}  # a reference shared by several layouts runs once
+    return {name: runs[repr(r)] for name, r in refs.items()}
+
+
+def run_layouts(layouts: dict[str, Layout], world_size: int) -> tuple[dict[str, Run], list[dict[str, Run]]]:
+    """Every layout on ``world_size`` processes, and each one's reference (:func:`reference_of`),
+    from one spawned job: (references, the layouts' runs of every rank)."""
+    return run_alone_then_workers(functools.partial(_train_references, layouts), train_layouts, world_size, layouts)
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to its full value, keyed by canonical name."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[canonical_parameter_name(name)] = t.clone()
+    return out
+
+
+def relative_errors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a}
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    return max(relative_errors(a, b).values())
+
+
+def compare(run: Run, reference: Run) -> dict[str, float]:
+    """Max relative errors of the per-step losses and the final full parameters against the reference."""
+    return {"loss": max(abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses, strict=True)),
+            "params": max_relative_error(run.params, reference.params)}

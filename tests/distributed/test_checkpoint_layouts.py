@@ -46,7 +46,7 @@ def _optimizer_state(model, opt) -> dict[str, torch.Tensor]:
 
 
 def _step(model, opt) -> None:
-    tokens, labels, mask = global_batch(0, CONFIG.vocab_size)
+    tokens, labels, mask = global_batch(0)
     opt.zero_grad()
     micro_loss(model, tokens, labels, mask).backward()
     opt.step()

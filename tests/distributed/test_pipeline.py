@@ -1,156 +1,89 @@
 """Pipeline parallel layouts train exactly like one process: per-step losses and final parameters.
 
-Each layout runs 5 optimizer steps (masked per-micro-batch mean loss, active gradient clipping,
-AdamW) through :class:`megatrain.parallel.pipeline.PipelineParallel` on gloo CPU processes and is
-compared with one plain process doing all micro-batches; every rank's parameters (its stages',
+Each layout is the real trainer (``Trainer.train_step``, running
+:class:`megatrain.parallel.pipeline.PipelineParallel`) built from Megatron flags, 5 iterations
+(masked per-micro-batch mean loss, active gradient clipping, AdamW) on gloo CPU processes,
+compared with the same trainer in one plain process; every rank's parameters (its stages',
 gathered over TP/FSDP) must agree with the reference within 1e-5 relative error, and together the
-ranks must hold every parameter. GPT-2 style models tie the input and output embeddings, so they
-also check that the two copies (first and last stage) stay one parameter. All layouts of one world
-size share one spawned job.
+ranks must hold every parameter; the trainer's evaluation after the last step must agree too.
+GPT-2 style models tie the input and output embeddings, so they also check that the two copies
+(first and last stage) stay one parameter. All layouts of one world size share one spawned job.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from dist_harness import (CLIP, GLOBAL, MICRO, SEED, STEPS, full_parameters, global_batch, make_optimizer,
-                          relative_errors, run_workers, tiny_config, train_reference)
-from megatrain.models.gpt import canonical_parameter_name
+from dist_harness import CLIP, relative_errors, run_layouts
 
 TOLERANCE = 1e-5
+PP2, PP4 = "--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4"
+V2 = "--num-virtual-stages-per-pipeline-rank 2"
+FIRST1 = "--decoder-first-pipeline-num-layers 1"
 
-# name -> (model style and overrides, layout)
+
+def _layout(style: str, flags: str, num_layers: int) -> tuple:
+    """(model style, layout flags, keyword arguments of train_layout): evaluated after the last step."""
+    return style, flags, dict(num_layers=num_layers, evaluate=True)
+
+
 WORLD2 = {
-    "pp2_1f1b_tied": (("gpt2", dict(num_layers=4)), dict(pp=2)),
-    "pp2_interleaved_v2_untied": (("llama", dict(num_layers=4)), dict(pp=2, v=2)),
-    "pp2_interleaved_v2_tied_recompute": (("gpt2", dict(num_layers=4)),
-                                          dict(pp=2, v=2, recompute=("full", "uniform", 1))),
-    "pp2_zero_bubble_v2": (("llama", dict(num_layers=4)), dict(pp=2, v=2, schedule="interleaved-zero-bubble")),
-    "pp2_gpipe_uneven": (("gpt2", dict(num_layers=3)), dict(pp=2, first=1, schedule="gpipe")),
+    "pp2_1f1b_tied": _layout("gpt2", PP2, 4),
+    "pp2_interleaved_v2_untied": _layout("llama", f"{PP2} {V2}", 4),
+    "pp2_interleaved_v2_tied_recompute": _layout("gpt2", f"{PP2} {V2} --recompute-granularity full "
+                                                         "--recompute-method uniform --recompute-num-layers 1", 4),
+    "pp2_zero_bubble_v2": _layout("llama", f"{PP2} {V2} --pipeline-schedule interleaved-zero-bubble", 4),
+    "pp2_gpipe_uneven": _layout("gpt2", f"{PP2} {FIRST1} --pipeline-schedule gpipe", 3),
 }
 WORLD4 = {
-    "pp4_uneven_tied": (("gpt2", dict(num_layers=7)), dict(pp=4, first=1, last=2)),
-    "pp2_tp2_sp_tied": (("gpt2", dict(num_layers=4)), dict(pp=2, tp=2, sp=True)),
-    "pp2_tp2_llama": (("llama", dict(num_layers=2)), dict(pp=2, tp=2)),
-    "pp2_dp2_distributed_optimizer_tied": (("gpt2", dict(num_layers=4)), dict(pp=2, zero=1)),
-    "pp2_dp2_ddp_interleaved": (("llama", dict(num_layers=4)), dict(pp=2, v=2)),
+    "pp4_uneven_tied": _layout("gpt2", f"{PP4} {FIRST1} --decoder-last-pipeline-num-layers 2", 7),
+    "pp2_tp2_sp_tied": _layout("gpt2", f"{PP2} --tensor-model-parallel-size 2 --sequence-parallel", 4),
+    "pp2_tp2_llama": _layout("llama", f"{PP2} --tensor-model-parallel-size 2", 2),
+    "pp2_dp2_distributed_optimizer_tied": _layout("gpt2", f"{PP2} --use-distributed-optimizer", 4),
+    "pp2_dp2_ddp_interleaved": _layout("llama", f"{PP2} {V2}", 4),
 }
 
 
-def train_pipeline(config: Any, *, pp: int, v: int = 1, first: int | None = None, last: int | None = None,
-                   tp: int = 1, sp: bool = False, zero: int = 0, recompute: tuple = (None, None, None),
-                   schedule: str | None = None) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    from megatrain.data.batch import make_batch
-    from megatrain.models.gpt.objective import CausalLMObjective
-    from megatrain.parallel.data_parallel import DataParallelConfig
-    from megatrain.parallel.dims import ParallelDims
-    from megatrain.parallel.parallelize import ParallelizeConfig
-    from megatrain.parallel.pipeline import PipelineConfig, PipelineParallel
-    from megatrain.parallel.recompute import RecomputeConfig
-
-    dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp, sequence_parallel=sp)
-    dims.build_mesh("cpu")
-    torch.manual_seed(SEED)
-    n_micro = GLOBAL // MICRO // dims.dp
-    pipe = PipelineParallel.build(
-        config, dims, ParallelizeConfig(DataParallelConfig(zero_stage=zero), RecomputeConfig(*recompute)),
-        PipelineConfig(size=pp, virtual_stages=v, first_stage_layers=first, last_stage_layers=last,
-                       schedule=schedule),
-        device=torch.device("cpu"), seed=SEED, num_micro_batches=n_micro, objective=CausalLMObjective())
-    opt = make_optimizer(pipe.module)
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, labels, mask = global_batch(step, config.vocab_size)
-        batches = []
-        for m in range(n_micro):
-            start = (m * dims.dp + dims.dp_rank) * MICRO
-            sl = slice(start, start + MICRO)
-            b = make_batch(torch.cat([tokens[sl], labels[sl][:, -1:]], dim=1), None)
-            b.loss_mask = mask[sl]
-            batches.append(b)
-        opt.zero_grad(set_to_none=True)
-        total = pipe.train_step(batches).sum() / n_micro
-        norms.append(float(pipe.clip_grad_norm_(list(pipe.module.parameters()), CLIP)))
-        opt.step()
-        if dims.dp > 1:
-            dist.all_reduce(total, group=dims.submesh("dp").get_group())
-            total /= dims.dp
-        losses.append(total.item())
-    eval_total = pipe.eval_step(batches).sum() / n_micro
-    if dims.dp > 1:
-        dist.all_reduce(eval_total, group=dims.submesh("dp").get_group())
-        eval_total /= dims.dp
-    return losses, full_parameters(pipe.module), norms + [float(eval_total)]
-
-
-def _compare(rank: int, world_size: int, layouts: dict) -> dict:
-    out = {}
-    for name, ((style, overrides), layout) in layouts.items():
-        config = tiny_config(style, **overrides)
-        ref_losses, ref_params = train_reference(config)
-        ref = {canonical_parameter_name(k): v for k, v in ref_params.items()}
-        losses, params, extra = train_pipeline(config, **layout)
-        norms, eval_loss = extra[:-1], extra[-1]
-        errors = relative_errors(params, {k: ref[k] for k in params})
-        # The reference's loss on the last batch with its final weights, for the evaluation check.
-        out[name] = {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-                     "params": max(errors.values()), "worst": max(errors, key=errors.get),
-                     "names": sorted(params), "all_names": sorted(ref), "norms": norms,
-                     "eval": eval_loss, "ref_eval": _reference_eval(config, ref)}
-    return out
-
-
-def _reference_eval(config: Any, params: dict[str, torch.Tensor]) -> float:
-    from megatrain.models.gpt import GPTModel
-
-    model = GPTModel(config)
-    model.load_state_dict(params)
-    tokens, labels, mask = global_batch(STEPS - 1, config.vocab_size)
-    with torch.no_grad():
-        per_token = model(tokens, labels=labels)
-    per_micro = [(per_token[i:i + MICRO] * mask[i:i + MICRO]).sum() / mask[i:i + MICRO].sum()
-                 for i in range(0, GLOBAL, MICRO)]
-    return float(torch.stack(per_micro).mean())
+@pytest.fixture(scope="module")
+def world2():
+    return run_layouts(WORLD2, 2)
 
 
 @pytest.fixture(scope="module")
-def world2_results():
-    return run_workers(_compare, 2, WORLD2)
+def world4():
+    return run_layouts(WORLD4, 4)
 
 
-@pytest.fixture(scope="module")
-def world4_results():
-    return run_workers(_compare, 4, WORLD4)
-
-
-def _check(results: list[dict], name: str) -> None:
+def _check(world: tuple[dict, list[dict]], name: str) -> None:
+    references, results = world
+    ref = references[name]
     held: set[str] = set()
     for rank, per_rank in enumerate(results):
-        r = per_rank[name]
-        assert r["loss"] < TOLERANCE, f"rank {rank}: per-step loss differs from one process by {r['loss']:.2e}"
-        assert r["params"] < TOLERANCE, f"rank {rank}: final parameters differ from one process by {r['params']:.2e}"
-        assert max(r["norms"]) > CLIP, "gradient clipping was not active; the check would be weaker"
-        assert abs(r["eval"] - r["ref_eval"]) / r["ref_eval"] < TOLERANCE, (r["eval"], r["ref_eval"])
-        held |= set(r["names"])
-    assert held == set(results[0][name]["all_names"]), sorted(held ^ set(results[0][name]["all_names"]))
-    norms = [tuple(per_rank[name]["norms"]) for per_rank in results]
+        run = per_rank[name]
+        errors = relative_errors(run.params, {k: ref.params[k] for k in run.params})
+        loss = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+        assert loss < TOLERANCE, f"rank {rank}: per-step loss differs from one process by {loss:.2e}"
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < TOLERANCE, \
+            f"rank {rank}: final parameters differ from one process by {errors[worst]:.2e} ({worst})"
+        assert max(run.grad_norms) > CLIP, "gradient clipping was not active; the check would be weaker"
+        assert abs(run.eval_loss - ref.eval_loss) / ref.eval_loss < TOLERANCE, (run.eval_loss, ref.eval_loss)
+        held |= set(run.params)
+    assert held == set(ref.params), sorted(held ^ set(ref.params))
+    norms = [tuple(per_rank[name].grad_norms) for per_rank in results]
     assert len(set(norms)) == 1, f"ranks measured different gradient norms: {norms}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
-def test_world2_pipeline_matches_one_process(world2_results, name):
-    _check(world2_results, name)
+def test_world2_pipeline_matches_one_process(world2, name):
+    _check(world2, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_world4_pipeline_matches_one_process(world4_results, name):
-    _check(world4_results, name)
+def test_world4_pipeline_matches_one_process(world4, name):
+    _check(world4, name)
 
 
 # ---- the layer split and the flags (no processes) -------------------------------------------------

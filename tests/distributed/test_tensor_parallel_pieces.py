@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-from dist_harness import GLOBAL, MICRO, full_parameters, global_batch, micro_loss, make_optimizer, run_workers, tiny_config
+from dist_harness import run_workers, tiny_config, train_layout
 
 from megatrain.models.common.attention import SelfAttention
 from megatrain.models.gpt import GPTModel, TransformerLayer
@@ -163,37 +163,20 @@ def _rng_checks(dims: ParallelDims) -> dict[str, bool]:
     return out
 
 
-def _train_with_dropout(dims: ParallelDims, sp: bool, recompute: tuple) -> tuple[list[float], dict]:
-    from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
-    from megatrain.parallel.recompute import RecomputeConfig
-
-    config = tiny_config("llama" if sp else "gpt2", attention_dropout=0.2, hidden_dropout=0.2)
-    torch.manual_seed(11)
-    with torch.device("meta"):
-        model = GPTModel(config)
-    model = parallelize_model(model, dims, ParallelizeConfig(recompute=RecomputeConfig(*recompute)),
-                            device=torch.device("cpu"), seed=5).model
-    model.train()
-    opt = make_optimizer(model)
-    losses = []
-    for step in range(3):
-        tokens, labels, mask = global_batch(step, config.vocab_size)
-        opt.zero_grad(set_to_none=True)
-        for m in range(GLOBAL // MICRO):
-            sl = slice(m * MICRO, (m + 1) * MICRO)
-            loss = micro_loss(model, tokens[sl], labels[sl], mask[sl])
-            loss.backward()
-        losses.append(loss.item())
-        opt.step()
-    return losses, full_parameters(model)
+def _train_with_dropout(sp: bool, recompute: str) -> tuple[list[float], dict]:
+    """Three iterations of the real trainer under TP 2, dropout on, with the recompute flags."""
+    flags = "--tensor-model-parallel-size 2" + (" --sequence-parallel" if sp else "") + recompute
+    run = train_layout("llama" if sp else "gpt2", flags, steps=3, dropout=0.2)
+    return run.losses, run.params
 
 
-def _dropout_training_checks(dims: ParallelDims) -> dict[str, float | bool]:
+def _dropout_training_checks() -> dict[str, float | bool]:
     out: dict[str, float | bool] = {}
     for sp in (False, True):
-        base_losses, base = _train_with_dropout(dims, sp, (None, None, None))
-        for name, rc in (("full", ("full", "uniform", 1)), ("selective", ("selective", None, None))):
-            losses, params = _train_with_dropout(dims, sp, rc)
+        base_losses, base = _train_with_dropout(sp, "")
+        for name, rc in (("full", " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
+                         ("selective", " --recompute-granularity selective")):
+            losses, params = _train_with_dropout(sp, rc)
             out[f"recompute_{name}_sp{int(sp)}"] = max(
                 max(abs(a - b) for a, b in zip(losses, base_losses)),
                 max((params[k] - base[k]).abs().max().item() for k in base))
@@ -211,7 +194,7 @@ def _all_checks(rank: int, world_size: int) -> dict:
     dims.build_mesh("cpu")
     tp_mesh = dims.submesh("tp")
     return {"modules": _module_checks(tp_mesh), "loss": _loss_checks(tp_mesh), "rng": _rng_checks(dims),
-            "dropout_training": _dropout_training_checks(dims)}
+            "dropout_training": _dropout_training_checks()}
 
 
 @pytest.fixture(scope="module")
