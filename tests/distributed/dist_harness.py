@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import functools
-import inspect
 import os
 import shlex
 import socket
@@ -191,44 +190,27 @@ class HarnessTrainer(Trainer):
     (the trainer applies it only under --bf16/--fp16; float32 weight copies give the plain layers'
     numbers, so its per-micro-batch protocol is checked exactly) and ``fp8_format`` gives fp8 layers
     with float32 compute (--fp8-format needs --bf16, whose rounding is far above the checks'
-    tolerance); ``fused_adamw`` rebuilds the trainer's optimizer with torch's fused AdamW kernels,
-    which it picks only on CUDA (the step then takes the trainer's fused path: queued with the
+    tolerance); ``fused_adamw`` builds the trainer's optimizer with torch's fused AdamW kernels,
+    which it picks by itself only on CUDA (the step then takes the trainer's fused path: queued with the
     overflow flag, skipping itself on the device).
     """
 
     def __init__(self, args: Any, *, parallelize: dict[str, Any] | None = None, fused_adamw: bool = False) -> None:
         self.parallelize_overrides = parallelize or {}
+        self.fused_adamw = fused_adamw
         self.between_micro_batches: dict[str, bool] = {}
         self._micro_batches_seen = 0
         super().__init__(args)
-        if fused_adamw:
-            self._use_fused_adamw()
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
         train, valid, _ = num_samples
         return Samples(train), Samples(max(valid, GLOBAL), VALID_OFFSET), None
 
     def _build_model(self) -> Any:
-        if not self.parallelize_overrides:
-            return super()._build_model()
-        from megatrain.parallel.parallelize import ParallelizeConfig, parallelize_model
-
-        assert self.dims.pp == 1, "the overrides are for one model, not pipeline stages"
-        self.pipeline = None
-        cfg = dataclasses.replace(ParallelizeConfig.from_args(self.args), **self.parallelize_overrides)
-        with torch.device("meta"):
-            model = self.family.build_model(self.model_config)
-        return parallelize_model(model, self.dims, cfg, device=self.device, seed=self.args.seed, family=self.family)
-
-    def _use_fused_adamw(self) -> None:
-        from megatrain.training.lr_schedule import LRScheduler, lr_schedule_config_from_args
-
-        opt = self.optimizer  # the trainer's groups (Megatron's, split by tensor kind), fused kernels
-        groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in opt.param_groups]
-        accepted = inspect.signature(type(opt)).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k not in ("fused", "foreach")}
-        self.optimizer = type(opt)(groups, **defaults, fused=True)
-        self.scheduler = LRScheduler(self.optimizer, lr_schedule_config_from_args(self.args))
+        self.run.parallelize = dataclasses.replace(self.run.parallelize, **self.parallelize_overrides)
+        if self.fused_adamw:
+            self.run.optimizer = dataclasses.replace(self.run.optimizer, fused=True)
+        return super()._build_model()
 
     def _micro_batch_backward(self, *args: Any, **kwargs: Any) -> Any:
         out = super()._micro_batch_backward(*args, **kwargs)
