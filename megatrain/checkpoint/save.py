@@ -17,6 +17,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -326,8 +327,11 @@ class Checkpointer:
             _write_and_finish(pending, upload.result)
             self.last_write_s = time.perf_counter() - pending.started
             if self.verbose and pending.rank == 0:
-                print(f" checkpoint at iteration {pending.iteration:7d} written in the background to "
-                      f"{pending.final} ({self.last_write_s:.2f} s)", flush=True)
+                # One write (print writes the text and the newline separately): the training thread's
+                # log lines must not land between them.
+                sys.stdout.write(f" checkpoint at iteration {pending.iteration:7d} written in the background to "
+                                 f"{pending.final} ({self.last_write_s:.2f} s)\n")
+                sys.stdout.flush()
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait()
             self._error = e
 
