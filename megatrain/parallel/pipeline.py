@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatrain.models.common.objective import Objective, combine_losses
+from megatrain.models.common.objective import Objective, loss_means
 from megatrain.models.registry import ModelFamily, family_of_config
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -307,7 +307,7 @@ class PipelineParallel:
             counts = counts.clone()
             dist.all_reduce(counts, group=self.cp_group)
             cp = self.dims.cp
-        means = combine_losses(terms, counts)
+        means = loss_means(torch.stack([loss_sum for loss_sum, _ in terms]), counts)
         self._micro_losses.append(means.detach())
         loss = means.sum()
         if not self._training:

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from megatrain.data.batch import to_device
+from megatrain.models.common.objective import loss_means
 from megatrain.parallel.context_parallel import split_batch
 from megatrain.parallel.data_parallel import gradient_sync
 from megatrain.training.loss_scaler import found_inf_in_grads, reduce_found_inf, unscale_grads_
@@ -103,7 +104,7 @@ class StepMixin:
     def _mean_losses(self, loss_sums: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Each loss's mean over its loss tokens (with context parallelism, this rank's share of it:
         its tokens' loss over the whole sequence's token count; the shares sum to it)."""
-        return loss_sums / self._cp_sum(tokens.detach()).clamp(min=1.0)
+        return loss_means(loss_sums, self._cp_sum(tokens.detach()))
 
     def _micro_batch_loss(self, loss_sums: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """What a training micro-batch back-propagates (times :meth:`_micro_batch_weight`) and

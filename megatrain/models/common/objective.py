@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Objective", "combine_losses"]
+__all__ = ["Objective", "loss_means"]
 
 
 class Objective:
@@ -51,6 +51,6 @@ class Objective:
         raise NotImplementedError
 
 
-def combine_losses(terms: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> torch.Tensor:
-    """The mean of every loss term, as a vector [len(terms)]: its sum over ``counts`` (at least 1)."""
-    return torch.stack([loss_sum for loss_sum, _ in terms]) / counts.clamp(min=1.0)
+def loss_means(loss_sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each loss's mean: its sum over its count (at least 1); vectors with one entry per loss name."""
+    return loss_sums / counts.clamp(min=1.0)
