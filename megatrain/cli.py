@@ -1,6 +1,7 @@
 """The `megatrain` command: one entry point for every workflow step.
 
     megatrain pretrain ...          same flags as pretrain_gpt.py
+    megatrain pretrain-bert ...     same flags as pretrain_bert.py
     megatrain preprocess ...        same flags as tools/preprocess_data.py
     megatrain train-tokenizer ...   train a byte-level BPE (GPT-2 format vocab.json + merges.txt)
     megatrain merge-datasets ...    join several .bin/.idx prefixes
@@ -23,6 +24,7 @@ import sys
 # subcommand -> (module, function taking argv)
 COMMANDS = {
     "pretrain": ("megatrain.training.main", "main"),
+    "pretrain-bert": ("megatrain.training.main", "main_bert"),
     "preprocess": ("megatrain.data.preprocess", "main"),
     "train-tokenizer": ("megatrain.data.train_tokenizer", "main"),
     "merge-datasets": ("megatrain.data.merge_datasets", "main"),

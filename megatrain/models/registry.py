@@ -12,7 +12,9 @@ callables and data (compare torchtitan's ``ModelSpec`` and Megatron's ``model_pr
 * ``flops`` and ``memory``: the formulas of the log line and the start-up memory report;
 * ``config_checks``: how each config field is compared between a checkpoint and the flags;
 * ``datasets``: its train/valid/test datasets (None: Megatron's GPT token datasets);
-* ``hf``: its Hugging Face adapter (None when it has none).
+* ``hf``: its Hugging Face adapter (None when it has none);
+* ``add_flags``, ``flag_defaults`` and ``check_args``: what its script (``pretrain_bert.py``) adds to
+  the general pre-training command line, the defaults it changes there, and its own checks.
 
 The training loop, pipeline, checkpointing, conversion and inference code read a family only
 through this object: adding one is writing its folder and one :func:`register` call (see
@@ -33,7 +35,7 @@ __all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_c
 DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-only megatrain
 
 # Families that ship with megatrain, imported on first use (registering is a side effect of import).
-_BUILTIN = {"gpt": "megatrain.models.gpt.family"}
+_BUILTIN = {"gpt": "megatrain.models.gpt.family", "bert": "megatrain.models.bert.family"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class ModelFamily:
     # (args, tokenizer, num_samples per split) -> (train, valid, test); None: Megatron's GPT datasets
     # (indexed .bin/.idx documents cut into --seq-length + 1 token samples, or --mock-data)
     datasets: Callable[..., Any] | None = None
+    add_flags: Callable[[Any], None] | None = None  # (argparse parser) -> None: the family's own flags
+    flag_defaults: dict[str, Any] = field(default_factory=dict)  # defaults its script changes (Megatron's)
+    check_args: Callable[[Any], None] | None = None  # (validated namespace) -> None; ValueError naming a flag
     description: str = ""
 
 

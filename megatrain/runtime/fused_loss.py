@@ -132,12 +132,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
                 ignore_index: int, dtype: torch.dtype, compile: bool, half_weight: torch.Tensor | None = None,
-                prev_grad: torch.Tensor | None = None) -> torch.Tensor:
+                prev_grad: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         loss_fn, _ = _kernels(compile)
         h = hidden.to(dtype)
         w = weight.to(dtype) if half_weight is None else half_weight
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            logits = h @ w.t()  # [N, V] in the compute dtype
+            logits = h @ w.t() if bias is None else torch.addmm(bias.to(dtype), h, w.t())  # [N, V], compute dtype
             n = logits.shape[0]
             loss = torch.empty(n, dtype=_stats_dtype(dtype), device=logits.device)
             lse = torch.empty_like(loss)
@@ -147,6 +147,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
         ctx.save_for_backward(h, w, logits, lse, target, prev_grad)
         ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype, half_weight is not None)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return loss
 
     @staticmethod
@@ -156,7 +157,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         h, w, logits, lse, target, prev_grad = ctx.saved_tensors
         _, grad_fn = _kernels(compile)
         grad_loss = grad_loss.contiguous()
-        grad_hidden = grad_weight = None
+        grad_hidden = grad_weight = grad_bias = None
         with torch.autocast(device_type=logits.device.type, enabled=False):
             n = logits.shape[0]
             step = _rows_per_call(n, chunk_size, compile)
@@ -170,17 +171,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight = wgrad_float32(prev_grad, grad_logits, h).to(weight_dtype)
             elif ctx.needs_input_grad[1]:
                 grad_weight = (grad_logits.t() @ h).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[9]:
+                grad_bias = grad_logits.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, grad_bias
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                           *, ignore_index: int = -100, compile: bool = False, half_weight: torch.Tensor | None = None,
-                          prev_grad: torch.Tensor | None = None) -> torch.Tensor:
+                          prev_grad: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, labels)`` in float32, shaped like ``labels``.
 
     hidden [..., h] (after the final norm), weight [V, h] (the output layer or the tied word
     embeddings), labels [...]. The matmuls run in autocast's dtype when autocast is on (else in
-    hidden's dtype); the softmax statistics in float32, ``chunk_size`` tokens at a time.
+    hidden's dtype); the softmax statistics in float32, ``chunk_size`` tokens at a time. ``bias`` [V]:
+    the output layer's bias (BERT's), added to the logits.
     ``half_weight``: a compute-dtype copy of ``weight`` to use instead of casting it; then the weight
     gradient is ``prev_grad + G^T h`` in float32 from one matmul (gradient-accumulation fusion,
     :mod:`megatrain.runtime.grad_accumulation_fusion`).
@@ -192,7 +196,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     flat = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                             int(chunk_size), int(ignore_index),
                                             compute_dtype(hidden) if half_weight is None else half_weight.dtype,
-                                            bool(compile), half_weight, prev_grad)
+                                            bool(compile), half_weight, prev_grad, bias)
     return flat.view(labels.shape)
 
 
@@ -217,10 +221,12 @@ class ChunkedCrossEntropy:
                              f"got {self.chunk_size}")
 
     def per_token_loss(self, model: Any, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss-head protocol (:mod:`megatrain.models.common.heads`): ``model.output_weight()``."""
-        return self(hidden, model.output_weight(), labels)
+        """The loss-head protocol (:mod:`megatrain.models.common.heads`): ``model.output_weight()`` and
+        ``model.output_bias()``."""
+        return self(hidden, model.output_weight(), labels, model.output_bias())
 
     @torch.compiler.disable  # a whole-model compile stops here: the chunks run their own kernels
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile,
-                                     half_weight=self.half_weight, prev_grad=self.main_grad_in)
+                                     half_weight=self.half_weight, prev_grad=self.main_grad_in, bias=bias)

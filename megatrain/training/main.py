@@ -1,16 +1,62 @@
-"""`megatrain pretrain`: parse Megatron-style flags and run pre-training."""
+"""`megatrain pretrain` / `megatrain pretrain-bert`: parse Megatron-style flags and run pre-training of
+a model family (``pretrain_gpt.py``, ``pretrain_bert.py``)."""
 
 from __future__ import annotations
 
+import argparse
+from typing import Sequence
+
 from megatrain.errors import user_errors_exit
+from megatrain.models.registry import DEFAULT_FAMILY, get_family
 from megatrain.parallel.distributed import setup_env_from_slurm
-from megatrain.training.arguments import parse_args
+from megatrain.training.arguments import build_parser, parse_args
 from megatrain.training.trainer import pretrain
+
+__all__ = ["main", "main_bert", "family_parser", "parse_family_args"]
+
+
+def family_parser(family: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The general pre-training parser plus the family's own flags and defaults (its script's)."""
+    fam = get_family(family)
+    parser = build_parser(prog=prog or f"pretrain_{family}.py")
+    parser.description = f"Pre-train {fam.description or family} with Megatron-LM compatible flags."
+    if fam.add_flags is not None:
+        fam.add_flags(parser)
+    if fam.flag_defaults:
+        parser.set_defaults(**fam.flag_defaults)
+    return parser
+
+
+def parse_family_args(family: str, argv: Sequence[str] | None = None, *, prog: str | None = None,
+                      validate: bool = True) -> argparse.Namespace:
+    """Parse and validate a family's command line (the general checks, then the family's own)."""
+    args = parse_args(argv, parser=family_parser(family, prog), validate=validate)
+    check = get_family(family).check_args
+    if validate and check is not None:
+        try:
+            check(args)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    return args
+
+
+def _run(family: str, argv: list[str] | None, prog: str | None) -> None:
+    # `srun python pretrain_gpt.py ...` (no torchrun): the ranks come from SLURM_* variables,
+    # and the flags are checked against that world size.
+    setup_env_from_slurm()
+    if family == DEFAULT_FAMILY:
+        pretrain(parse_args(argv))
+    else:
+        pretrain(parse_family_args(family, argv, prog=prog), family=family)
 
 
 @user_errors_exit
 def main(argv: list[str] | None = None) -> None:
-    # `srun python pretrain_gpt.py ...` (no torchrun): the ranks come from SLURM_* variables,
-    # and the flags are checked against that world size.
-    setup_env_from_slurm()
-    pretrain(parse_args(argv))
+    """``pretrain_gpt.py``."""
+    _run(DEFAULT_FAMILY, argv, None)
+
+
+@user_errors_exit
+def main_bert(argv: list[str] | None = None) -> None:
+    """``pretrain_bert.py``."""
+    _run("bert", argv, "pretrain_bert.py")

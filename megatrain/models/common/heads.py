@@ -26,6 +26,8 @@ class LanguageModelOutput(Protocol):
 
     def output_weight(self) -> torch.Tensor: ...  # the output layer's weight [V, h]
 
+    def output_bias(self) -> torch.Tensor | None: ...  # the output layer's bias [V] (BERT's), or None
+
 
 class LossHead(Protocol):
     def per_token_loss(self, model: LanguageModelOutput, hidden: torch.Tensor,

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 __all__ = ["TensorParallelPlan", "transformer_layer_plan", "layers_plan", "vocab_parallel_embedding_plan",
-           "lm_head_plan"]
+           "lm_head_plan", "ShardParametersOnVocab"]
 
 
 @dataclass
@@ -107,3 +109,16 @@ def lm_head_plan(final_norm: str, output_layer: str | None, sequence_parallel: b
         styles.append((output_layer, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                      use_local_output=False)))
     return styles
+
+
+class ShardParametersOnVocab(ParallelStyle):
+    """Every parameter of the module sharded on dim 0 (the vocabulary) as a DTensor, nothing else:
+    for an output layer whose forward is a plain ``F.linear`` (BERT's: its bias, and its weight when
+    untied), so that a replicated input gives vocab-sharded logits."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        return distribute_module(module, device_mesh, partition)

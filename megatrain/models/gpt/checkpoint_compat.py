@@ -9,46 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatrain.models.common.config_checks import ConfigCheck
+from megatrain.models.common.config_checks import TRANSFORMER_CONFIG_CHECKS, ConfigCheck
 from megatrain.models.gpt.config import GPTConfig
 
 __all__ = ["CONFIG_CHECKS", "checkpoint_gelu_approximation"]
 
-_ROPE = ("position_embedding_type", "rope")
-_LEARNED = ("position_embedding_type", "learned_absolute")  # with RoPE there is no position table
-
-CONFIG_CHECKS: dict[str, ConfigCheck] = {
-    "num_layers": ConfigCheck("compare", "--num-layers"),
-    "hidden_size": ConfigCheck("compare", "--hidden-size"),
-    "num_attention_heads": ConfigCheck("compare", "--num-attention-heads"),
-    # the padded size; the checkpoint code keeps the checkpoint's when it fits (resume_vocab_size)
-    "vocab_size": ConfigCheck("compare", "--vocab-size", note=(
-        "the padded vocabulary; it depends on --make-vocab-size-divisible-by x --tensor-model-parallel-size: "
-        "choose them so the padding matches")),
-    "max_position_embeddings": ConfigCheck("compare", "--max-position-embeddings", when=_LEARNED),
-    "ffn_hidden_size": ConfigCheck("compare", "--ffn-hidden-size"),
-    "kv_channels": ConfigCheck("compare", "--kv-channels"),
-    "num_query_groups": ConfigCheck("compare", "--num-query-groups"),
-    "position_embedding_type": ConfigCheck("compare", "--position-embedding-type"),
-    "rotary_base": ConfigCheck("compare", "--rotary-base", when=_ROPE),
-    "rotary_percent": ConfigCheck("compare", "--rotary-percent", when=_ROPE),
-    "normalization": ConfigCheck("compare", "--normalization"),
-    "norm_epsilon": ConfigCheck("compare", "--norm-epsilon"),
-    "apply_layernorm_1p": ConfigCheck("compare", "--apply-layernorm-1p",
-                                      note="the norm weights would mean another scale"),
-    "swiglu": ConfigCheck("compare", "--swiglu"),
-    # exact or tanh-approximated GELU: a fused-kernel choice in Megatron-LM, hence a warning
-    "gelu_approximation": ConfigCheck("warn", "--no-bias-gelu-fusion", when=("swiglu", False), values={
-        "none": "exact GELU", "tanh": "tanh-approximated GELU"}, note=(
-        "the default with linear biases is the tanh approximation, as Megatron-LM's fused bias-GELU; "
-        "--no-bias-gelu-fusion gives exact GELU; --use-checkpoint-args takes the checkpoint's")),
-    "add_bias_linear": ConfigCheck("compare", "--disable-bias-linear", inverted=True),
-    "untie_embeddings_and_output_weights": ConfigCheck("compare", "--untie-embeddings-and-output-weights"),
-    "fp32_residual_connection": ConfigCheck("no", "--fp32-residual-connection"),  # precision of the residual stream
-    "hidden_dropout": ConfigCheck("no", "--hidden-dropout"),
-    "attention_dropout": ConfigCheck("no", "--attention-dropout"),
-    "init_method_std": ConfigCheck("no", "--init-method-std"),  # initialisation only; the loaded weights replace it
-}
+# Every GPTConfig field is a TransformerConfig field: the shared table is the GPT family's.
+CONFIG_CHECKS: dict[str, ConfigCheck] = dict(TRANSFORMER_CONFIG_CHECKS)
 
 
 def checkpoint_gelu_approximation(model_config: dict[str, Any]) -> str:

@@ -1,18 +1,9 @@
-"""FLOPs of one GPT training iteration (what the log line's TFLOP/s and MFU divide).
-
-The FLOPs count is Megatron-LM's model FLOPs (forward + backward, no recomputation), with
-B global batch, s sequence length, h hidden, L layers, n heads, g query groups, d head dim,
-F ffn hidden, V padded vocabulary and E = 3 with SwiGLU (fc1 is twice as wide) else 2:
-
-    FLOPs = B*s*[6*h*E*F*L + 6*L*(h*d*(n+2g) + d*n*h) + 6*h*V] + 6*B*s^2*L*n*d
-
-Every matmul costs 2*m*k*n forward and twice that backward (gradients of input and weight),
-hence the 6. The last term is causal attention: QK^T and attention x V over half of the s x s
-score matrix.
-"""
+"""FLOPs of one GPT training iteration: Megatron-LM's transformer formula
+(:mod:`megatrain.models.common.flops`), with causal attention counted over half the score matrix."""
 
 from __future__ import annotations
 
+from megatrain.models.common.flops import transformer_flops
 from megatrain.models.gpt.config import GPTConfig
 
 __all__ = ["num_floating_point_operations"]
@@ -20,11 +11,4 @@ __all__ = ["num_floating_point_operations"]
 
 def num_floating_point_operations(cfg: GPTConfig, batch_size: int, seq_length: int) -> float:
     """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens."""
-    assert cfg.ffn_hidden_size is not None and cfg.kv_channels is not None and cfg.num_query_groups is not None
-    B, s = batch_size, seq_length
-    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
-    n, g, d, F = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
-    E = 3 if cfg.swiglu else 2
-    per_token = 6 * h * E * F * L + 6 * L * (h * d * (n + 2 * g) + d * n * h) + 6 * h * V
-    attention = 6 * B * s * s * L * n * d
-    return float(B * s * per_token + attention)
+    return transformer_flops(cfg, batch_size, seq_length)

@@ -109,6 +109,10 @@ class GPTModel(nn.Module):
         assert self.embedding is not None, "tied output weights need the word embeddings"
         return self.embedding.word_embeddings.weight
 
+    def output_bias(self) -> None:
+        """GPT's output layer has no bias."""
+        return None
+
     loss = staticmethod(per_token_cross_entropy)
 
     # ---- forward ------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""One pipeline stage of a BertModel, under the model's own parameter names.
+
+A stage is a BertModel with the layers it does not own deleted and the parts it does not own set to
+None. The embedding belongs to the first stage; the final norm, the heads and the losses to the
+last. With tied input/output embeddings (the default) the last stage keeps its own copy of
+``embedding.word_embeddings.weight`` for the output layer, initialised from the same
+``initial_value``; the pipeline sums the two copies' gradients after every backward pass, as
+Megatron does (:meth:`BertStage.tied_parameters`), and the copy counts once in the gradient norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatrain.models.bert.config import BertConfig
+from megatrain.models.bert.model import BertModel, padding_attention_mask
+
+__all__ = ["BertStage"]
+
+
+class BertStage(BertModel):
+    """``forward(x, padding_mask, tokentype_ids, labels, sentence_order)``: ``x`` is token ids on the
+    first stage and hidden states [b, s, h] elsewhere; the last stage returns the losses (the logits
+    without ``labels``), the others hidden states."""
+
+    def __init__(self, config: BertConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> None:
+        super().__init__(config)
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        keep = {str(i) for i in layer_ids}
+        for key in [k for k in self.layers.keys() if k not in keep]:
+            del self.layers[key]
+        self.holds_tied_copy = False
+        if not self.is_first:
+            if self.is_last and not config.untie_embeddings_and_output_weights:
+                assert self.embedding is not None
+                self.embedding.position_embeddings = None  # the output layer's copy of the word embeddings only
+                self.embedding.tokentype_embeddings = None
+                self.holds_tied_copy = True
+            else:
+                self.embedding = None
+        if not self.is_last:
+            self.final_layernorm = self.lm_head = self.output_layer = self.pooler = self.binary_head = None
+
+    @staticmethod
+    def ties_first_and_last(config: BertConfig) -> bool:
+        return not config.untie_embeddings_and_output_weights
+
+    def tied_parameters(self) -> list[torch.Tensor]:
+        if not self.ties_first_and_last(self.config) or self.embedding is None:
+            return []
+        return [self.embedding.word_embeddings.weight] if self.is_first or self.holds_tied_copy else []
+
+    def norm_duplicates(self) -> list[torch.Tensor]:
+        return [self.embedding.word_embeddings.weight] if self.holds_tied_copy and self.embedding is not None else []
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,  # type: ignore[override]
+                tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                sentence_order: torch.Tensor | None = None):
+        # The whole sequence's positions (under sequence parallelism x holds this rank's part of it).
+        s = padding_mask.shape[1] if padding_mask is not None else x.shape[1]
+        position_ids = torch.arange(s, device=x.device).unsqueeze(0)
+        hidden = self.embed(x, position_ids, tokentype_ids) if self.is_first else x
+        hidden = self.encode(hidden, position_ids, padding_attention_mask(padding_mask))
+        if not self.is_last:
+            return hidden
+        return self.head(hidden, labels, sentence_order)

@@ -1,0 +1,31 @@
+"""Megatron-LM's model FLOPs of one training iteration of a transformer stack (what the log line's
+TFLOP/s and MFU divide), for every family that Megatron counts with its transformer formula.
+
+B global batch, s sequence length, h hidden, L layers, n heads, g query groups, d head dim,
+F ffn hidden, V padded vocabulary and E = 3 with SwiGLU (fc1 is twice as wide) else 2:
+
+    FLOPs = B*s*[6*h*E*F*L + 6*L*(h*d*(n+2g) + d*n*h) + 6*h*V] + 6*B*s^2*L*n*d
+
+Every matmul costs 2*m*k*n forward and twice that backward (gradients of input and weight),
+hence the 6. The last term is attention: QK^T and attention x V over half of the s x s score
+matrix (Megatron counts causal attention; it uses the same formula for BERT, so bidirectional
+attention is counted at half its cost there, as in Megatron's logs).
+"""
+
+from __future__ import annotations
+
+from megatrain.models.common.config import TransformerConfig
+
+__all__ = ["transformer_flops"]
+
+
+def transformer_flops(cfg: TransformerConfig, batch_size: int, seq_length: int) -> float:
+    """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens."""
+    assert cfg.ffn_hidden_size is not None and cfg.kv_channels is not None and cfg.num_query_groups is not None
+    B, s = batch_size, seq_length
+    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    n, g, d, F = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
+    E = 3 if cfg.swiglu else 2
+    per_token = 6 * h * E * F * L + 6 * L * (h * d * (n + 2 * g) + d * n * h) + 6 * h * V
+    attention = 6 * B * s * s * L * n * d
+    return float(B * s * per_token + attention)
