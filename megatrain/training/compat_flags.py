@@ -79,6 +79,10 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--use-rotary-position-embeddings": None,
     "--squared-relu": "squared-ReLU activation is not supported yet",
     "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
+    # BERT's own flags (pretrain_bert.py knows them): pretrain_gpt.py points there.
+    "--bert-no-binary-head": "a BERT flag: train BERT with pretrain_bert.py",
+    "--mask-prob": "a masked-LM data flag: train BERT with pretrain_bert.py",
+    "--short-seq-prob": "a masked-LM data flag: train BERT with pretrain_bert.py",
 }
 UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
 

@@ -1,4 +1,5 @@
-"""Writes docs/megatron_flags.md: every flag pretrain_gpt.py accepts, and the Megatron flags it refuses."""
+"""Writes docs/megatron_flags.md: every flag pretrain_gpt.py accepts, each model family's script's own
+flags (pretrain_bert.py's), and the Megatron flags it refuses."""
 
 from __future__ import annotations
 
@@ -28,23 +29,49 @@ def _default(action: argparse.Action) -> str:
     return "" if d is None or d == argparse.SUPPRESS else f"`{d}`"
 
 
+def _row(action: argparse.Action) -> str | None:
+    flags = [o for o in action.option_strings if o.startswith("--")]
+    if not flags or flags[0] == "--help":
+        return None
+    legacy = next((LEGACY_FLAG_NOTES[f] for f in flags if f in LEGACY_FLAG_NOTES), None)
+    status = f"compatibility: {legacy}" if legacy else "supported"
+    help_text = (action.help or "").replace("|", "\\|").replace("%%", "%")
+    return f"| `{', '.join(flags)}` | {_default(action)} | {status} | {help_text} |"
+
+
+def _family_sections() -> list[str]:
+    """Each family script's own flags (those its parser adds to the general one) and changed defaults."""
+    from megatrain.models.registry import DEFAULT_FAMILY, family_names, get_family
+    from megatrain.training.main import family_parser
+
+    general = {o for a in build_parser()._actions for o in a.option_strings}
+    lines = []
+    for name in family_names():
+        family = get_family(name)
+        if name == DEFAULT_FAMILY or (family.add_flags is None and not family.flag_defaults):
+            continue
+        parser = family_parser(name)
+        rows = [_row(a) for a in parser._actions if not set(a.option_strings) & general]
+        lines.append(f"## pretrain_{name}.py's own flags\n\nEvery flag above, and these:\n\n"
+                     "| flag | default | status | meaning |\n|---|---|---|---|")
+        lines.extend(r for r in rows if r)
+        if family.flag_defaults:
+            changed = ", ".join(f"`--{k.replace('_', '-')}` {v}" for k, v in sorted(family.flag_defaults.items()))
+            lines.append(f"\nDefaults that differ from pretrain_gpt.py's (as in Megatron's script): {changed}.")
+        lines.append("")
+    return lines
+
+
 def render() -> str:
     parser = build_parser()
     lines = [HEADER]
     for group in parser._action_groups:
-        rows = []
-        for action in group._group_actions:
-            flags = [o for o in action.option_strings if o.startswith("--")]
-            if not flags or flags[0] == "--help":
-                continue
-            legacy = next((LEGACY_FLAG_NOTES[f] for f in flags if f in LEGACY_FLAG_NOTES), None)
-            status = f"compatibility: {legacy}" if legacy else "supported"
-            help_text = (action.help or "").replace("|", "\\|").replace("%%", "%")
-            rows.append(f"| `{', '.join(flags)}` | {_default(action)} | {status} | {help_text} |")
+        rows = [r for r in map(_row, group._group_actions) if r]
         if rows:
             lines.append(f"## {group.title}\n\n| flag | default | status | meaning |\n|---|---|---|---|")
             lines.extend(rows)
             lines.append("")
+    lines.extend(_family_sections())
     lines.append("## Megatron-LM flags that are not supported\n\n| flag | reason |\n|---|---|")
     lines.extend(f"| `{flag}` | {reason} |" for flag, reason in sorted(UNSUPPORTED_FLAGS.items()))
     lines.append("")

@@ -1,4 +1,5 @@
-"""The example launch scripts are valid shell and every flag they pass to pretrain_gpt.py exists."""
+"""The example launch scripts are valid shell and every flag they pass to the training script exists
+(pretrain_gpt.py's parser, or pretrain_bert.py's with the BERT family's flags)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.training.arguments import build_parser
+from megatrain.training.main import family_parser
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.s*"))
+ROOT = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = sorted(p for p in ROOT.rglob("*.s*") if p.suffix in (".sh", ".sbatch"))
+SCRIPTS = {"pretrain_bert.py": "bert", "pretrain_gpt.py": "gpt"}
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_example_script_is_valid_shell_with_known_flags(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text(encoding="utf-8")
-    command = text[text.index("pretrain_gpt.py"):]
+    entry = next(name for name in SCRIPTS if name in text)
+    if "DISTRIBUTED_ARGS=(" in text:  # Megatron's style: the flags in bash arrays before the launch
+        command = re.sub(r"DISTRIBUTED_ARGS=\(.*?\)", "", text, flags=re.S)
+        command = "\n".join(line for line in command.splitlines() if not line.lstrip().startswith("#"))
+    else:
+        command = text[text.index(entry):]
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", command))
-    known = {opt for action in build_parser()._actions for opt in action.option_strings}
+    known = {opt for action in family_parser(SCRIPTS[entry])._actions for opt in action.option_strings}
     assert flags and not (flags - known), f"{script.name}: unknown flags {sorted(flags - known)}"
