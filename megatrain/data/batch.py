@@ -95,6 +95,8 @@ class MaskedLMBatch(Batch):
     loss_mask: torch.Tensor  # float [b, s]
     padding_mask: torch.Tensor  # bool [b, s]
     sentence_order: Optional[torch.Tensor] = None  # int64 [b]
+    # int64 [b, k]: k positions per sample holding every labelled one (the masked-LM head runs there only)
+    lm_positions: Optional[torch.Tensor] = None
     images: Optional[torch.Tensor] = None
 
     sequence_fields: ClassVar[tuple[str, ...]] = ("tokens", "tokentype_ids", "labels", "loss_mask", "padding_mask")

@@ -159,7 +159,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
         if linears or extra:
             fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters())
     if device.type == "cuda":
-        warn_if_attention_falls_back(config, cfg.compute_dtype, device, explicit_mask=cfg.attention_mask)
+        # An encoder's padding mask is an explicit mask too (flash attention takes only causal ones).
+        warn_if_attention_falls_back(config, cfg.compute_dtype, device,
+                                     explicit_mask=cfg.attention_mask or not config.causal_attention)
     wrapped = model
     if distributed and dims.replicas > 1 and not fsdp:
         wrapped = apply_ddp(model, dims.replica_mesh(), cfg.data_parallel, device)

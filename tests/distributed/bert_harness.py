@@ -21,6 +21,8 @@ from dist_harness import CLIP, SEED, Run, full_parameters, run_alone_then_worker
 from megatrain.training.trainer import Trainer
 
 SEQ, MICRO, GLOBAL, STEPS = 16, 2, 8, 4
+MASK_PROB = 0.5  # at most int(0.5 x (SEQ - 3)) + 1 = 7 masked positions per sample
+MAX_PREDICTIONS = int(MASK_PROB * (SEQ - 3)) + 1
 WORDS = [f"w{i}" for i in range(40)] + [f"##p{i}" for i in range(10)]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB_SIZE = len(SPECIAL) + len(WORDS) + 2  # + [BOS], [EOS] that the tokenizer appends
@@ -42,9 +44,9 @@ def sample(index: int) -> dict[str, Any]:
     text[0], text[split - 1], text[length - 1] = 2, 3, 3
     types = np.zeros(SEQ, np.int64)
     types[split:length] = 1
-    loss_mask = np.zeros(SEQ, np.int64)
-    loss_mask[1:length - 1] = g.rand(length - 2) < 0.2
-    loss_mask[1] = 1
+    loss_mask = np.zeros(SEQ, np.int64)  # 1 to MAX_PREDICTIONS masked positions, as --mask-prob allows
+    count = min(int(g.randint(1, MAX_PREDICTIONS + 1)), length - 2)
+    loss_mask[g.choice(np.arange(1, length - 1), count, replace=False)] = 1
     labels = np.where(loss_mask == 1, text, -1)
     text = np.where((loss_mask == 1) & (g.rand(SEQ) < 0.8), 4, text)
     padding = (np.arange(SEQ) < length).astype(np.int64)
@@ -75,7 +77,7 @@ def bert_flags(layout: str = "", *, num_layers: int = 2, steps: int = STEPS, bin
     gets them too), ``layout``: the parallel layout's flags."""
     flags = ["--num-layers", str(num_layers), "--hidden-size", "32", "--num-attention-heads", "4",
              "--ffn-hidden-size", "64", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-             "--hidden-dropout", "0", "--attention-dropout", "0", "--no-bias-gelu-fusion",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--no-bias-gelu-fusion", "--mask-prob", str(MASK_PROB),
              "--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--train-iters", str(steps),
              "--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-eps", "1e-4",
              "--clip-grad", str(CLIP), "--seed", str(SEED), "--tokenizer-type", "BertWordPieceLowerCase",

@@ -43,7 +43,7 @@ def check_bert_args(args: argparse.Namespace) -> None:
 
 
 def _objective(args: Any, tokenizer: Any) -> MaskedLMObjective:
-    return MaskedLMObjective(binary_head=args.bert_binary_head)
+    return MaskedLMObjective.from_args(args)
 
 
 def _datasets(args: Any, tokenizer: Any, num_samples: Sequence[int | None]):

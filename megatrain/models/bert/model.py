@@ -160,16 +160,25 @@ class BertModel(nn.Module):
         return self.binary_head(self.pooler(hidden))
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-             sentence_order: torch.Tensor | None = None):
+             sentence_order: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
         """The last layer's hidden states -> final norm -> (logits, sentence-order logits), or with
-        ``labels`` the losses (see the class docstring)."""
+        ``labels`` the losses (see the class docstring).
+
+        ``lm_positions`` [b, k] (with ``labels``): the only positions whose masked-LM loss is computed
+        (every position with a label among them, each once); the masked-LM head then runs on k
+        positions per sample instead of s, and the loss elsewhere is 0, as it is for unlabelled
+        positions anyway."""
         assert self.final_layernorm is not None and self.lm_head is not None
         hidden = self.final_layernorm(hidden)
         sop_logits = self.sentence_order_logits(hidden)
-        transformed = self.lm_head(hidden)
         if labels is None:
-            return self.logits(transformed), sop_logits
-        lm_loss = self.loss_head.per_token_loss(self, transformed, labels)
+            return self.logits(self.lm_head(hidden)), sop_logits
+        if lm_positions is None:
+            lm_loss = self.loss_head.per_token_loss(self, self.lm_head(hidden), labels)
+        else:
+            picked = hidden.gather(1, lm_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            picked_loss = self.loss_head.per_token_loss(self, self.lm_head(picked), labels.gather(1, lm_positions))
+            lm_loss = picked_loss.new_zeros(labels.shape).scatter(1, lm_positions, picked_loss)
         if sop_logits is None:
             return lm_loss
         if sentence_order is None:
@@ -181,7 +190,7 @@ class BertModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                sentence_order: torch.Tensor | None = None):
+                sentence_order: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
         s = tokens.shape[1]
         if self.config.position_embedding_type == "learned_absolute" and s > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {s} tokens is longer than --max-position-embeddings "
@@ -189,7 +198,7 @@ class BertModel(nn.Module):
         position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
         hidden = self.embed(tokens, position_ids, tokentype_ids)
         hidden = self.encode(hidden, position_ids, padding_attention_mask(padding_mask))
-        return self.head(hidden, labels, sentence_order)
+        return self.head(hidden, labels, sentence_order, lm_positions)
 
     # ---- parameters -----------------------------------------------------------------------------
 

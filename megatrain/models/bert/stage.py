@@ -58,7 +58,7 @@ class BertStage(BertModel):
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,  # type: ignore[override]
                 tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                sentence_order: torch.Tensor | None = None):
+                sentence_order: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
         # The whole sequence's positions (under sequence parallelism x holds this rank's part of it).
         s = padding_mask.shape[1] if padding_mask is not None else x.shape[1]
         position_ids = torch.arange(s, device=x.device).unsqueeze(0)
@@ -66,4 +66,4 @@ class BertStage(BertModel):
         hidden = self.encode(hidden, position_ids, padding_attention_mask(padding_mask))
         if not self.is_last:
             return hidden
-        return self.head(hidden, labels, sentence_order)
+        return self.head(hidden, labels, sentence_order, lm_positions)
