@@ -1,9 +1,11 @@
 """`tools/convert_checkpoint_to_hf.py`: a megatrain checkpoint -> a Hugging Face model folder.
 
 The checkpoint is loaded whole into one process (DCP reshards whatever layout saved it: TP, FSDP,
-DDP), mapped to GPT2LMHeadModel or LlamaForCausalLM names and written as ``config.json``,
-``generation_config.json``, ``model.safetensors`` (or shards plus ``model.safetensors.index.json``)
-and the tokenizer files. ``transformers`` is not needed to export.
+DDP), mapped to the Hugging Face class its family's adapter chooses (GPT: GPT2LMHeadModel or
+LlamaForCausalLM; BERT: MegatronBertForPreTraining or MegatronBertForMaskedLM) and written as
+``config.json``, ``generation_config.json`` (generative families), ``model.safetensors`` (or shards
+plus ``model.safetensors.index.json``) and the tokenizer files. ``transformers`` is not needed to
+export.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 from megatrain.atomic_io import atomic_path, atomic_write_json
-from megatrain.convert.tokenizer_files import write_hf_tokenizer
+from megatrain.convert.tokenizer_files import SpecialTokens, open_tokenizer, write_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.registry import ModelFamily, family_of_config, get_family
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this size")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="rows of the exported embedding (default: the vocabulary the model was imported with, "
-                        "else the padded size)")
+                        "else the tokenizer's size for families that export it (BERT), else the padded size)")
     p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer flags")
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
@@ -125,10 +127,25 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     hf = family.hf
     architecture = hf.architecture(cfg)  # refuse before reading any weights
     saved_args = meta.get("args", {}) or {}
-    rows = vocab_size or saved_args.get("hf_vocab_size") or cfg.vocab_size
+    max_shard_bytes = parse_size(max_shard_size)
+    tok_args = {k: saved_args.get(k) for k in TOKENIZER_FIELDS if saved_args.get(k) is not None}
+    for k, v in (tokenizer_overrides or {}).items():
+        if v is not None:
+            tok_args[k] = v
+    tokenizer = open_tokenizer(tok_args)
+    rows = vocab_size or saved_args.get("hf_vocab_size")
+    if not rows and hf.vocab_from_tokenizer:  # the tokenizer's true size: no padding rows in the export
+        if tokenizer is None:
+            raise ValueError(f"--checkpoint-path {ckpt}: a {architecture} export has as many vocabulary rows as the "
+                             "tokenizer has tokens, and the tokenizer cannot be opened; pass its flags "
+                             "(--tokenizer-type, --vocab-file) or --vocab-size")
+        rows = tokenizer.vocab_size
+        if rows > cfg.vocab_size:
+            raise ValueError(f"--checkpoint-path {ckpt}: the tokenizer has {rows} tokens but the model's embedding "
+                             f"only {cfg.vocab_size} rows; is it the tokenizer the model was trained with?")
+    rows = rows or cfg.vocab_size
     if rows <= 0:
         raise ValueError(f"--vocab-size must be positive, got {rows}")
-    max_shard_bytes = parse_size(max_shard_size)
 
     os.makedirs(output_path, exist_ok=True)
     print(f" exporting {ckpt} ({architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) to {output_path}",
@@ -137,21 +154,19 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     hf_state = hf.to_hf_state_dict(state, cfg, architecture, vocab_size=rows)
     hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state.items()}
 
-    tok_args = {k: saved_args.get(k) for k in TOKENIZER_FIELDS if saved_args.get(k) is not None}
-    for k, v in (tokenizer_overrides or {}).items():
-        if v is not None:
-            tok_args[k] = v
-    special = write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings)
+    special = (write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings, tokenizer=tokenizer,
+                                  vocab_rows=rows) if tokenizer is not None else SpecialTokens())
 
     names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress)
     config = hf.config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype],
                             bos_token_id=special.bos_token_id, eos_token_id=special.eos_token_id,
                             pad_token_id=special.pad_token_id)
     atomic_write_json(os.path.join(output_path, "config.json"), config, indent=2, sort_keys=True)
-    generation = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id}
-    if special.pad_token_id is not None:
-        generation["pad_token_id"] = special.pad_token_id
-    atomic_write_json(os.path.join(output_path, "generation_config.json"), generation, indent=2, sort_keys=True)
+    if hf.generation_config:
+        generation = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id}
+        if special.pad_token_id is not None:
+            generation["pad_token_id"] = special.pad_token_id
+        atomic_write_json(os.path.join(output_path, "generation_config.json"), generation, indent=2, sort_keys=True)
     n_params = sum(t.numel() for t in hf_state.values())
     print(f" wrote {architecture} ({n_params:,} parameters, {dtype}) as {', '.join(names)}"
           + (f"; tokenizer: {', '.join(special.files)}" if special.files else "; no tokenizer files"), flush=True)

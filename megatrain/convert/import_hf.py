@@ -1,11 +1,16 @@
-"""`tools/convert_hf_to_checkpoint.py`: a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM folder ->
-a megatrain checkpoint that ``pretrain_gpt.py --load CKPT --finetune`` (or ``finetune_gpt.py``) continues.
+"""`tools/convert_hf_to_checkpoint.py`: a local Hugging Face folder -> a megatrain checkpoint.
+
+The family whose adapter takes the folder's ``config.json`` converts it (GPT: GPT2LMHeadModel,
+LlamaForCausalLM, continued by ``pretrain_gpt.py --load CKPT --finetune`` or ``finetune_gpt.py``;
+BERT: MegatronBertForPreTraining, MegatronBertForMaskedLM, continued by ``pretrain_bert.py``).
 
 Weights are read from ``model.safetensors`` (sharded or not) or ``pytorch_model.bin`` (loaded with
 ``weights_only=True``, never unpickling code). The checkpoint is written through DCP like any
 training checkpoint, so it loads under any parallel layout. Its vocabulary is padded as the trainer
 pads it (``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``); the original size
-is recorded so that exporting gives the same rows back.
+is recorded so that exporting gives the same rows back. The padding counts the tokens of megatrain's
+tokenizer for the folder's tokenizer files when it has more than ``vocab_size`` (a BERT vocab.txt
+without [BOS]/[EOS] gets them appended), so the trainer pads to the same size.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import torch
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.safe_pickle import load_tensors_file
 from megatrain.checkpoint.save_lock import take_save_lock
-from megatrain.models.common.hf_adapter import UnsupportedModelError
-from megatrain.convert.tokenizer_files import import_hf_tokenizer
+from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError
+from megatrain.convert.tokenizer_files import hf_tokenizer_vocab_size, import_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.json_input import parse_json
 from megatrain.models.registry import family_for_hf
@@ -37,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-path", required=True, help="folder with config.json and the weights")
     p.add_argument("--save", required=True, help="checkpoint directory to write (as pretrain_gpt.py --save)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary as pretrain_gpt.py will (same flag, same default)")
+                   help="pad the vocabulary as the training script will (same flag, same default)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="the TP size the vocabulary padding is computed for (as pretrain_gpt.py pads it)")
+                   help="the TP size the vocabulary padding is computed for (as the training script pads it)")
     p.add_argument("--allow-gelu-approximation", action="store_true",
                    help="no longer needed: GPT-2 models with tanh-approximated GELU (gelu_new) convert exactly "
                         "(the trainer computes that GELU by default, as Megatron-LM)")
@@ -104,8 +109,10 @@ def read_hf_weights(hf_path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int) -> list[str]:
-    """The pretrain_gpt.py model and tokenizer flags that rebuild exactly this model."""
+def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int,
+                   family_flags: list[str] | None = None) -> list[str]:
+    """The training script's model and tokenizer flags that rebuild exactly this model (the shared
+    transformer shape, then ``family_flags``: the family's own, from its adapter)."""
     flags = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
              "--num-attention-heads", str(cfg.num_attention_heads), "--ffn-hidden-size", str(cfg.ffn_hidden_size),
              "--max-position-embeddings", str(cfg.max_position_embeddings),
@@ -127,6 +134,7 @@ def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int) -> lis
         flags += ["--no-bias-gelu-fusion"]  # exact GELU (the default with biases is the tanh approximation)
     if cfg.untie_embeddings_and_output_weights:
         flags += ["--untie-embeddings-and-output-weights"]
+    flags += list(family_flags or [])
     flags += ["--hidden-dropout", repr(cfg.hidden_dropout), "--attention-dropout", repr(cfg.attention_dropout)]
     for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
         if tok_args.get(key):
@@ -149,6 +157,10 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
     padded = padded_vocab_size(hf_vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
     family = family_for_hf(hf_config)
     cfg, architecture = family.hf.config_from_hf(hf_config, padded)
+    tokens = hf_tokenizer_vocab_size(hf_path, architecture) or 0  # the size the trainer will pad from
+    if padded_vocab_size(max(hf_vocab, tokens), make_vocab_size_divisible_by, tensor_model_parallel_size) != padded:
+        padded = padded_vocab_size(tokens, make_vocab_size_divisible_by, tensor_model_parallel_size)
+        cfg, architecture = family.hf.config_from_hf(hf_config, padded)
 
     state = family.hf.from_hf_state_dict({k: v.float() for k, v in read_hf_weights(hf_path).items()}, cfg,
                                          architecture)
@@ -162,19 +174,19 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
     lock = take_save_lock(save)  # nothing else writes into --save meanwhile (a training run, another import)
     try:
         return _write(hf_path, save, model, cfg, architecture, hf_vocab, padded, make_vocab_size_divisible_by,
-                      tensor_model_parallel_size)
+                      tensor_model_parallel_size, family.hf)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _write(hf_path: str, save: str, model: torch.nn.Module, cfg: Any, architecture: str, hf_vocab: int, padded: int,
-           make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> str:
+           make_vocab_size_divisible_by: int, tensor_model_parallel_size: int, adapter: HFAdapter) -> str:
     """The tokenizer files and the checkpoint of a converted model, written into ``save`` (locked)."""
     tok_args = import_hf_tokenizer(hf_path, os.path.join(save, "tokenizer"), architecture)
     if not tok_args:
         warnings.warn(f"--hf-path {hf_path}: no tokenizer files found; pass tokenizer flags when training")
-    flags = pretrain_flags(cfg, tok_args, make_vocab_size_divisible_by)
+    flags = pretrain_flags(cfg, tok_args, make_vocab_size_divisible_by, adapter.family_flags(cfg))
     args = argparse.Namespace(
         **tok_args, hf_vocab_size=hf_vocab, converted_from=os.path.abspath(hf_path), hf_architecture=architecture,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -183,7 +195,7 @@ def _write(hf_path: str, save: str, model: torch.nn.Module, cfg: Any, architectu
                                          save_optim=False, save_rng=False)
     print(f" converted {architecture} from {hf_path} ({model.num_parameters():,} parameters, vocabulary {hf_vocab} "
           f"padded to {padded}) into {ckpt}", flush=True)
-    print(" continue from it with these model/tokenizer flags:\n   " + shlex.join(flags)
+    print(f" continue from it with {adapter.script} and these model/tokenizer flags:\n   " + shlex.join(flags)
           + f" --load {shlex.quote(save)} --finetune", flush=True)
     return ckpt
 

@@ -1,5 +1,10 @@
 """The Hugging Face adapter a family gives (``ModelFamily.hf``): its transformers classes, and the
-config and weight mappings both ways. ``megatrain.convert`` drives export and import through it."""
+config and weight mappings both ways. ``megatrain.convert`` drives export and import through it.
+
+Also the layout helpers every family's mapping needs: the grouped QKV rows of
+``self_attention.linear_qkv`` split into (and joined from) separate query, key and value
+projections, and the vocabulary rows trimmed to (or zero-padded up to) a size.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["HFAdapter", "UnsupportedModelError"]
+import torch
+
+__all__ = ["HFAdapter", "UnsupportedModelError", "qkv_split", "qkv_join", "fit_rows"]
 
 
 class UnsupportedModelError(ValueError):
     """The model (or Hugging Face folder) uses something the other side cannot represent exactly."""
+
+
+def _no_flags(config: Any) -> list[str]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -23,3 +34,43 @@ class HFAdapter:
     to_hf_state_dict: Callable[..., dict[str, Any]]  # (state, config, architecture, *, vocab_size) -> HF tensors
     config_from_hf: Callable[[Mapping[str, Any], int], tuple[Any, str]]  # (config.json, padded vocab) -> (config, class)
     from_hf_state_dict: Callable[..., dict[str, Any]]  # (HF tensors, config, architecture) -> our state dict
+    # Export: True writes as many vocabulary rows as the tokenizer has (the trainer's padding rows stay
+    # behind; an export without a tokenizer then needs --vocab-size); False keeps the padded size.
+    vocab_from_tokenizer: bool = False
+    # Export: whether to write generation_config.json (the BOS/EOS ids of a generative model).
+    generation_config: bool = True
+    # Import: the training script the printed flags are for, and the flags of the family's own that
+    # rebuild ``config`` beyond the shared transformer shape (e.g. BERT's --bert-no-binary-head).
+    script: str = "pretrain_gpt.py"
+    family_flags: Callable[[Any], list[str]] = _no_flags
+
+
+# ---------------------------------------------------------------------------------------------
+# layout helpers
+# ---------------------------------------------------------------------------------------------
+def qkv_split(w: torch.Tensor, config: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A grouped ``linear_qkv`` weight [(n + 2g) d, ...] (or bias) -> q [n d, ...], k [g d, ...], v [g d, ...].
+
+    Megatron's rows are ``[g, n/g + 2, d]``: per query group its query heads, then its key, then its
+    value; the separate projections hold all heads in order.
+    """
+    g, hpg, d = config.num_query_groups, config.heads_per_group, config.kv_channels
+    rest = w.shape[1:]
+    grouped = w.reshape(g, hpg + 2, d, *rest)
+    return (grouped[:, :hpg].reshape(g * hpg * d, *rest), grouped[:, hpg].reshape(g * d, *rest),
+            grouped[:, hpg + 1].reshape(g * d, *rest))
+
+
+def qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Any) -> torch.Tensor:
+    """The inverse of :func:`qkv_split`."""
+    g, hpg, d = config.num_query_groups, config.heads_per_group, config.kv_channels
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(g, hpg, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    return grouped.reshape(g * (hpg + 2) * d, *rest)
+
+
+def fit_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``w``, or ``w`` with zero rows appended up to ``rows`` (vocabulary padding)."""
+    if w.shape[0] >= rows:
+        return w[:rows]
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
