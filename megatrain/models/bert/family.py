@@ -10,6 +10,7 @@ from megatrain.models.bert.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.bert.config import BertConfig, bert_config_from_args
 from megatrain.models.bert.flags import add_bert_flags
 from megatrain.models.bert.flops import num_floating_point_operations
+from megatrain.models.bert.hf import ADAPTER
 from megatrain.models.bert.model import BertModel, initial_value
 from megatrain.models.bert.objective import MaskedLMObjective
 from megatrain.models.bert.plan import tensor_parallel_plan
@@ -55,14 +56,6 @@ def _datasets(args: Any, tokenizer: Any, num_samples: Sequence[int | None]):
                                binary_head=args.bert_binary_head)
 
 
-def _hf_adapter() -> Any:
-    try:
-        from megatrain.models.bert.hf import ADAPTER
-    except ImportError:  # the adapter module is optional while it is being written
-        return None
-    return ADAPTER
-
-
 BERT = register(ModelFamily(
     name="bert",
     config_class=BertConfig,
@@ -74,7 +67,7 @@ BERT = register(ModelFamily(
     objective=_objective,
     flops=num_floating_point_operations,
     config_checks=CONFIG_CHECKS,
-    hf=_hf_adapter(),
+    hf=ADAPTER,
     datasets=_datasets,
     add_flags=add_bert_flags,
     flag_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
