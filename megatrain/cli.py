@@ -7,8 +7,10 @@
     megatrain merge-datasets ...    join several .bin/.idx prefixes
     megatrain dataset-info ...      sizes, splits, and the first training samples
     megatrain finetune ...          same flags as finetune_gpt.py (supervised fine-tuning)
+    megatrain finetune-classify ... BERT sequence classification (finetune.py with a BERT checkpoint)
     megatrain evaluate ...          same flags as tools/evaluate.py
     megatrain generate ...          text generation from a checkpoint
+    megatrain fill-mask ...         a BERT checkpoint's top tokens for each [MASK] (tools/fill_mask.py)
     megatrain serve ...             same flags as tools/run_text_generation_server.py
     megatrain convert-to-hf ...     same flags as tools/convert_checkpoint_to_hf.py
     megatrain convert-from-hf ...   same flags as tools/convert_hf_to_checkpoint.py
@@ -30,8 +32,10 @@ COMMANDS = {
     "merge-datasets": ("megatrain.data.merge_datasets", "main"),
     "dataset-info": ("megatrain.training.dataset_info", "main"),
     "finetune": ("megatrain.training.finetune", "main"),
+    "finetune-classify": ("megatrain.training.finetune_classify", "main"),
     "evaluate": ("megatrain.inference.evaluate", "main"),
     "generate": ("megatrain.inference.text_generation", "main"),
+    "fill-mask": ("megatrain.inference.fill_mask", "main"),
     "serve": ("megatrain.inference.serve", "main"),
     "convert-to-hf": ("megatrain.convert.export_hf", "main"),
     "convert-from-hf": ("megatrain.convert.import_hf", "main"),

@@ -23,6 +23,7 @@ from megatrain.atomic_io import atomic_write_json
 from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
+from megatrain.inference.fill_mask import masked_lm_hint
 from megatrain.inference.generation import generate
 from megatrain.inference.loading import fill_tokenizer_args, load_model
 from megatrain.parallel.distributed import destroy_distributed, init_distributed
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.micro_batch_size is not None and args.micro_batch_size <= 0:
         raise SystemExit("error: --micro-batch-size must be positive")
     prompts = read_prompts(args)
+    hint = masked_lm_hint(args.load, args.ckpt_step)  # a BERT checkpoint: fill-mask, not generation
+    if hint:
+        raise SystemExit(f"error: {hint}")
     device = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     tp_mesh = tensor_parallel_mesh(args, device)
     try:

@@ -190,6 +190,10 @@ class Trainer(StepMixin, EvaluationMixin):
         """The family's objective (hook: fine-tuning returns its own)."""
         return self.family.objective(self.args, self.tokenizer)
 
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """Plain JSON data saved in every checkpoint's meta.json (hook: a fine-tuning task's label names)."""
+        return {}
+
     def _build_data(self) -> None:
         a = self.args
         num_samples = num_samples_for_splits(a.train_iters, a.train_samples, a.global_batch_size,
@@ -259,7 +263,8 @@ class Trainer(StepMixin, EvaluationMixin):
         if not a.save:
             return
         extra = {"scheduler": self.scheduler.state_dict(),
-                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                 **self.checkpoint_extra()}
         report = self.checkpointer.save(a.save, self.state, self.module, self.optimizer, extra, a,
                                         self.model_config, save_optim=not a.no_save_optim,
                                         save_rng=not a.no_save_rng)

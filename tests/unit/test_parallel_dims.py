@@ -125,7 +125,7 @@ def test_slurm_master_address_is_filled_when_ranks_come_from_elsewhere():
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").iterdir()
-                                           if "pretrain_gpt" in p.read_text()))
+                                           if p.is_file() and "pretrain_gpt" in p.read_text()))
 def test_example_launch_scripts_use_known_flags(script):
     """Every flag the example scripts pass to pretrain_gpt.py is one the parser knows."""
     import re

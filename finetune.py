@@ -1,0 +1,8 @@
+#!/usr/bin/env python
+"""Fine-tune a checkpoint on a downstream task with Megatron-LM compatible flags (`torchrun ... finetune.py ...`):
+sequence classification for a BERT checkpoint, supervised fine-tuning (finetune_gpt.py) for a GPT one."""
+
+from megatrain.training.finetune_classify import main_any
+
+if __name__ == "__main__":
+    main_any()
