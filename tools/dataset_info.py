@@ -1,8 +1,10 @@
 """Show a dataset's documents, tokens and split sizes; dump the first training samples.
 
-Takes the same flags as pretrain_gpt.py, e.g.
+Takes the same flags as pretrain_gpt.py (and pretrain_bert.py's BERT flags), e.g.
     python tools/dataset_info.py --data-path corpus_text_document --split 969,30,1 \
         --seq-length 1024 --global-batch-size 8 --train-iters 100 --dump-samples 16 --output s.npy
+BERT masked-LM samples (an .npz of Megatron's fields) with --model-family bert, a BERT flag
+(--bert-no-binary-head, --mask-prob, --short-seq-prob) or a BertWordPiece --tokenizer-type.
 """
 
 import os
