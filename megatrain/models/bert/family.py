@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
+from megatrain.data.bert_dataset import BERT_TOKENIZER_TYPES
 from megatrain.models.bert.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.bert.config import BertConfig, bert_config_from_args
 from megatrain.models.bert.flags import add_bert_flags
@@ -30,6 +31,9 @@ def check_bert_args(args: argparse.Namespace) -> None:
     if given:
         raise ValueError(f"{', '.join(given)}: not used by BERT's masked-LM data (sentence pairs with [CLS]/[SEP], "
                          f"padded); remove {'them' if len(given) > 1 else 'it'}")
+    if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type}: BERT's masked-LM data needs a WordPiece "
+                         f"vocabulary with [CLS]/[SEP]/[MASK]/[PAD]: {' or '.join(BERT_TOKENIZER_TYPES)}")
     if getattr(args, "context_parallel_size", 1) > 1:
         raise ValueError("--context-parallel-size > 1 is not supported for BERT (padded bidirectional "
                          "attention); use tensor, sequence, pipeline or data parallelism")
@@ -37,9 +41,9 @@ def check_bert_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
     if not 0.0 <= args.short_seq_prob <= 1.0:
         raise ValueError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
-    if args.seq_length < 4:
+    if args.seq_length < 5:
         raise ValueError(f"--seq-length {args.seq_length} leaves no room for a BERT sample: [CLS] A [SEP] B [SEP] "
-                         "needs at least 4 positions")
+                         "needs at least 5 positions (as Megatron asserts)")
     bert_config_from_args(args, 1)  # the shape's own checks
 
 
