@@ -5,6 +5,8 @@ same GPU, shape and batch, in one process tree of one device call. Prints a tabl
     python benchmarks/bert_speed.py --shape tiny --device cpu   # a smoke run anywhere
 
 Rows:
+Every row trains without dropout (the same work everywhere; dropout's cost is the same kind for all).
+
 * megatrain: the real ``pretrain_bert.py`` (bf16, its defaults: torch.compile, fused AdamW on CUDA)
   on a sentence-level ``.bin/.idx`` dataset written here (documents of random WordPiece ids over a
   generated 30522-entry vocabulary) with ``--split 100,0,0``; TFLOP/s from its log line (Megatron's
@@ -76,7 +78,8 @@ def flops(layers: int, hidden: int, seq: int, batch: int, vocab: int) -> float:
     return float(B * s * per_token + 6 * B * s * s * L * h)
 
 
-def run_megatrain(shape: str, iters: int, warmup: int, device: str, tmp: Path, timeout: int) -> dict:
+def run_megatrain(shape: str, iters: int, warmup: int, device: str, tmp: Path, timeout: int,
+                  extra: str = "") -> dict:
     from megatrain.training.logging import parse_train_log_line
 
     L, h, n, s, b = SHAPES[shape]
@@ -89,9 +92,10 @@ def run_megatrain(shape: str, iters: int, warmup: int, device: str, tmp: Path, t
            "--lr", "1e-4", "--lr-decay-style", "linear", "--lr-warmup-iters", "2", "--weight-decay", "0.01",
            "--clip-grad", "1.0", "--vocab-file", str(tmp / "vocab.txt"), "--data-path", str(prefix),
            "--split", "100,0,0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
-           "--num-workers", "2", "--device", device]
+           "--num-workers", "2", "--device", device, "--hidden-dropout", "0", "--attention-dropout", "0"]
     if device != "cpu":
         cmd.append("--bf16")
+    cmd += extra.split()
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     lines = [parse_train_log_line(x) for x in proc.stdout.splitlines() if "] iteration " in x]
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--peers", default="megatron,sdpa", help="transformers rows: megatron, sdpa (comma list)")
     ap.add_argument("--output", default=None, help="also write the table to this file")
+    ap.add_argument("--extra", default="", help="more pretrain_bert.py flags for the megatrain row")
     a = ap.parse_args(argv)
     import torch
 
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     model_flops = flops(L, h, s, b, padded_vocab)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows.append(run_megatrain(a.shape, a.iters, a.warmup, a.device, Path(tmp), a.timeout))
+        rows.append(run_megatrain(a.shape, a.iters, a.warmup, a.device, Path(tmp), a.timeout, a.extra))
     for peer in [p for p in a.peers.split(",") if p]:
         try:
             rows.append(run_transformers(peer, a.shape, a.iters, a.warmup, a.device))
