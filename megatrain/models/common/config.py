@@ -3,8 +3,9 @@ embeddings, the transformer layer) read. A family's config subclasses it and add
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -113,3 +114,39 @@ class TransformerConfig:
         """Query heads sharing one key/value head (n / g); the same on every tensor-parallel rank."""
         assert self.num_query_groups is not None
         return self.num_attention_heads // self.num_query_groups
+
+
+def gelu_approximation_from_args(args: argparse.Namespace) -> str:
+    """Megatron-LM's GELU: with linear biases its default fused bias-GELU computes the tanh
+    approximation; ``--no-bias-gelu-fusion`` (or no biases) gives exact GELU."""
+    fused = getattr(args, "add_bias_linear", True) and not getattr(args, "no_bias_gelu_fusion", False)
+    return "tanh" if fused and not args.swiglu else "none"
+
+
+def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+    """Every :class:`TransformerConfig` field from Megatron-style flags (``vocab_size`` already padded):
+    what a family's ``config_from_args`` starts from."""
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu,
+        gelu_approximation=gelu_approximation_from_args(args),
+        add_bias_linear=args.add_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        fp32_residual_connection=bool(getattr(args, "fp32_residual_connection", False)),
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+    )
