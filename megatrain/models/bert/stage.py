@@ -16,11 +16,12 @@ import torch
 
 from megatrain.models.bert.config import BertConfig
 from megatrain.models.bert.model import BertModel, padding_attention_mask
+from megatrain.models.common.stage import TiedEmbeddingStage
 
 __all__ = ["BertStage"]
 
 
-class BertStage(BertModel):
+class BertStage(TiedEmbeddingStage, BertModel):
     """``forward(x, padding_mask, tokentype_ids, labels, sentence_order)``: ``x`` is token ids on the
     first stage and hidden states [b, s, h] elsewhere; the last stage returns the losses (the logits
     without ``labels``), the others hidden states."""
@@ -32,29 +33,9 @@ class BertStage(BertModel):
         keep = {str(i) for i in layer_ids}
         for key in [k for k in self.layers.keys() if k not in keep]:
             del self.layers[key]
-        self.holds_tied_copy = False
-        if not self.is_first:
-            if self.is_last and not config.untie_embeddings_and_output_weights:
-                assert self.embedding is not None
-                self.embedding.position_embeddings = None  # the output layer's copy of the word embeddings only
-                self.embedding.tokentype_embeddings = None
-                self.holds_tied_copy = True
-            else:
-                self.embedding = None
+        self.keep_embedding_for_stage()
         if not self.is_last:
             self.final_layernorm = self.lm_head = self.output_layer = self.pooler = self.binary_head = None
-
-    @staticmethod
-    def ties_first_and_last(config: BertConfig) -> bool:
-        return not config.untie_embeddings_and_output_weights
-
-    def tied_parameters(self) -> list[torch.Tensor]:
-        if not self.ties_first_and_last(self.config) or self.embedding is None:
-            return []
-        return [self.embedding.word_embeddings.weight] if self.is_first or self.holds_tied_copy else []
-
-    def norm_duplicates(self) -> list[torch.Tensor]:
-        return [self.embedding.word_embeddings.weight] if self.holds_tied_copy and self.embedding is not None else []
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,  # type: ignore[override]
                 tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

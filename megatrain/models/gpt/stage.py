@@ -19,13 +19,14 @@ from collections.abc import Sequence
 import torch
 
 from megatrain.models.common.rope import rotary_tables
+from megatrain.models.common.stage import TiedEmbeddingStage
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt.model import GPTModel
 
 __all__ = ["GPTStage"]
 
 
-class GPTStage(GPTModel):
+class GPTStage(TiedEmbeddingStage, GPTModel):
     """``forward(x, position_ids, attention_mask, labels)``: ``x`` is token ids on the first stage
     and hidden states [b, s, h] (the local sequence part under sequence parallelism) elsewhere;
     the last stage returns the per-token loss [b, s] (logits without ``labels``), the others
@@ -39,33 +40,10 @@ class GPTStage(GPTModel):
         keep = {str(i) for i in layer_ids}
         for key in [k for k in self.layers.keys() if k not in keep]:
             del self.layers[key]
-        self.holds_tied_copy = False
-        if not self.is_first:
-            if self.is_last and not config.untie_embeddings_and_output_weights:
-                # The output layer's copy of the word embeddings.
-                assert self.embedding is not None
-                self.embedding.position_embeddings = None
-                self.holds_tied_copy = True
-            else:
-                self.embedding = None
+        self.keep_embedding_for_stage()
         if not self.is_last:
             self.final_layernorm = None
             self.output_layer = None
-
-    @staticmethod
-    def ties_first_and_last(config: GPTConfig) -> bool:
-        """Whether the first and last stages hold copies of one weight (the same on every rank)."""
-        return not config.untie_embeddings_and_output_weights
-
-    def tied_parameters(self) -> list[torch.Tensor]:
-        """This stage's copies of weights tied across the first and last stage (gradients summed)."""
-        if not self.ties_first_and_last(self.config) or self.embedding is None:
-            return []
-        return [self.embedding.word_embeddings.weight] if self.is_first or self.holds_tied_copy else []
-
-    def norm_duplicates(self) -> list[torch.Tensor]:
-        """Parameters that repeat another stage's (left out of the gradient norm)."""
-        return [self.embedding.word_embeddings.weight] if self.holds_tied_copy and self.embedding is not None else []
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,  # type: ignore[override]
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
