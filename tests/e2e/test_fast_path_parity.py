@@ -29,10 +29,13 @@ RUN = [*_run_flags(2, 64, 64, 4, 8, 1000, "cpu", ITERS, "3e-3", 3), "--no-torch-
 
 
 @functools.lru_cache(maxsize=None)  # the same command gives the same log: run it once per session
-def _losses(*extra: str, iters: int = ITERS) -> list[tuple[float, float]]:
-    out = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, *extra, "--train-iters", str(iters)]).stdout
+def _losses(*extra: str, iters: int = ITERS, exit_after: int | None = None) -> list[tuple[float, float]]:
+    """Per-iteration (loss, grad norm) of a run of ``iters`` iterations (its LR schedule), stopped after
+    ``exit_after`` of them (``--exit-interval``) when given."""
+    stop = [] if exit_after is None else ["--exit-interval", str(exit_after)]
+    out = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, *extra, "--train-iters", str(iters), *stop]).stdout
     lines = [parse_train_log_line(line) for line in out.splitlines() if "] iteration " in line]
-    assert [d["iteration"] for d in lines] == list(range(1, iters + 1))
+    assert [d["iteration"] for d in lines] == list(range(1, (exit_after or iters) + 1))
     return [(d["lm loss"], d["grad norm"]) for d in lines]
 
 
@@ -77,7 +80,9 @@ def test_fp8_trains_like_bf16(fmt):
     """--fp8-format (torchao, on CPU through torch._scaled_mm): the loss curve follows bf16's closely."""
     pytest.importorskip("torchao.float8")
     bf16 = _losses("--bf16")
-    fp8 = _losses("--bf16", "--fp8-format", fmt)
+    # e4m3 gradients run about 7 s per iteration of this tiny model on CPU (hybrid's e5m2 ones ~2 s):
+    # its first 10 iterations keep the suite's time in bounds (the GPU test runs 100 of each).
+    fp8 = _losses("--bf16", "--fp8-format", fmt, exit_after=None if fmt == "hybrid" else 10)
     assert bf16[-1][0] < bf16[0][0] - 0.3
     for step, ((lb, _), (lf, _)) in enumerate(zip(bf16, fp8), start=1):
         assert abs(lf - lb) <= 5e-3 * abs(lb), (step, lb, lf)
