@@ -24,11 +24,8 @@ geometric distribution; ``classification_head`` is ``--bert-no-binary-head``'s o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import numpy as np
@@ -37,6 +34,9 @@ from megatrain.data.bert_mapping import LONG_SENTENCE_LEN, NoSamplesError, build
 from megatrain.data.config import DataConfig
 from megatrain.data.dataset_builder import (
     SPLIT_NAMES,
+    add_source_identifiers,
+    base_identifiers,
+    describe,
     build_split_datasets,
     load_or_build_cached,
 )
@@ -112,15 +112,8 @@ class BERTMaskedWordPieceDataset:
         self.binary_head = bool(binary_head)
         self.tables = wordpiece_tables(tokenizer)
         sizes = indexed_dataset.sequence_lengths
-        ids = OrderedDict()
-        ids["class"] = type(self).__name__
-        ids["dataset_path"] = dataset_path
-        ids["num_samples"] = num_samples
-        ids["index_split"] = split_name
-        ids["random_seed"] = self.seed
-        ids["sequence_length"] = self.seq_length
-        ids["split"] = split
-        ids["split_matrix"] = split_matrix
+        ids = base_identifiers(type(self).__name__, dataset_path, num_samples, split_name, self.seed,
+                               self.seq_length, split, split_matrix)
         ids["tokenizer"] = {"class": getattr(tokenizer, "name", "") or type(tokenizer).__name__,
                             "vocab_size": int(getattr(tokenizer, "vocab_size", 0) or 0)}
         ids["masking_probability"] = self.mask_prob
@@ -131,12 +124,9 @@ class BERTMaskedWordPieceDataset:
         ids["masking_use_longer_ngrams"] = False
         ids["masking_use_geometric_distribution"] = False
         ids["classification_head"] = self.binary_head
-        ids["documents"] = [int(self.indices[0]), int(self.indices[-1]) + 1] if len(self.indices) else [0, 0]
-        ids["dataset_sequences"] = int(len(sizes))
-        ids["dataset_tokens"] = int(np.sum(sizes, dtype=np.int64))
+        add_source_identifiers(ids, self.indices, sizes)
         self.unique_identifiers = ids
-        self.unique_description = json.dumps(ids, indent=4)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.unique_description, self.unique_description_hash = describe(ids)
         if len(self.indices) == 0:
             raise ValueError(f"{dataset_path}: the {split_name} split has no documents; "
                              "adjust --split or add data")

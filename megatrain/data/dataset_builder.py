@@ -21,12 +21,15 @@ torch.distributed rank 0 builds while the others wait, then memory-map them).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
 import re
 import time
 import warnings
+from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -324,3 +327,33 @@ def build_split_datasets(cfg: DataConfig, num_samples: Sequence[Optional[int]], 
         return tuple(out)
     raise ValueError("no data: give --data-path, --train-data-path/--valid-data-path/--test-data-path "
                      "or --mock-data")
+
+
+def base_identifiers(cls_name: str, dataset_path: Optional[str], num_samples: Optional[int], split_name: str,
+                     seed: int, seq_length: int, split: Optional[str], split_matrix) -> "OrderedDict[str, object]":
+    """The first keys of a dataset's description (Megatron's ``unique_identifiers``): its class, path,
+    sample count, split and the config attributes every Megatron dataset has."""
+    ids: OrderedDict[str, object] = OrderedDict()
+    ids["class"] = cls_name
+    ids["dataset_path"] = dataset_path
+    ids["num_samples"] = num_samples
+    ids["index_split"] = split_name
+    ids["random_seed"] = seed
+    ids["sequence_length"] = seq_length
+    ids["split"] = split
+    ids["split_matrix"] = split_matrix
+    return ids
+
+
+def add_source_identifiers(ids: "OrderedDict[str, object]", indices: np.ndarray, sizes: np.ndarray) -> None:
+    """The last keys: the range of documents used and the size of the indexed dataset (so a changed
+    data file gets a new cache entry)."""
+    ids["documents"] = [int(indices[0]), int(indices[-1]) + 1] if len(indices) else [0, 0]
+    ids["dataset_sequences"] = int(len(sizes))
+    ids["dataset_tokens"] = int(np.sum(sizes, dtype=np.int64))
+
+
+def describe(ids: "OrderedDict[str, object]") -> tuple[str, str]:
+    """A dataset's description (indented JSON of ``ids``) and its md5, which names its cache files."""
+    text = json.dumps(ids, indent=4)
+    return text, hashlib.md5(text.encode("utf-8")).hexdigest()

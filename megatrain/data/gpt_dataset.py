@@ -28,11 +28,8 @@ sequences.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import numpy as np
@@ -40,6 +37,9 @@ import numpy as np
 from megatrain.data.config import DataConfig
 from megatrain.data.dataset_builder import (
     SPLIT_NAMES,
+    add_source_identifiers,
+    base_identifiers,
+    describe,
     build_split_datasets,
     load_or_build_cached,
     num_samples_for_splits,
@@ -182,22 +182,12 @@ class GPTDataset:
         self.seq_length = int(seq_length)
         self.seed = int(seed)
         sizes = indexed_dataset.sequence_lengths
-        ids = OrderedDict()
-        ids["class"] = type(self).__name__
-        ids["dataset_path"] = dataset_path
-        ids["num_samples"] = num_samples
-        ids["index_split"] = split_name
-        ids["random_seed"] = self.seed
-        ids["sequence_length"] = self.seq_length
-        ids["split"] = split
-        ids["split_matrix"] = split_matrix
+        ids = base_identifiers(type(self).__name__, dataset_path, num_samples, split_name, self.seed,
+                               self.seq_length, split, split_matrix)
         ids["add_extra_token_to_sequence"] = True
-        ids["documents"] = [int(self.documents[0]), int(self.documents[-1]) + 1] if len(self.documents) else [0, 0]
-        ids["dataset_sequences"] = int(len(sizes))
-        ids["dataset_tokens"] = int(np.sum(sizes, dtype=np.int64))
+        add_source_identifiers(ids, self.documents, sizes)
         self.unique_identifiers = ids
-        self.unique_description = json.dumps(ids, indent=4)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.unique_description, self.unique_description_hash = describe(ids)
         if len(self.documents) == 0:
             raise ValueError(f"{dataset_path}: the {split_name} split has no documents; "
                              "adjust --split or add data")
