@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError
+from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError, fit_rows, qkv_join, qkv_split
 from megatrain.models.gpt.config import GPTConfig
 
 GPT2 = "GPT2LMHeadModel"
@@ -207,30 +207,6 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
 # ---------------------------------------------------------------------------------------------
 # state dicts
 # ---------------------------------------------------------------------------------------------
-def _qkv_split(w: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our grouped ``linear_qkv`` weight [(n+2g)d, ...] (or bias) -> q [n d, ...], k [g d, ...], v [g d, ...]."""
-    g, hpg, d = cfg.num_query_groups, cfg.heads_per_group, cfg.kv_channels
-    grouped = w.reshape(g, hpg + 2, d, *w.shape[1:])
-    q = grouped[:, :hpg].reshape(g * hpg * d, *w.shape[1:])
-    k = grouped[:, hpg].reshape(g * d, *w.shape[1:])
-    v = grouped[:, hpg + 1].reshape(g * d, *w.shape[1:])
-    return q, k, v
-
-
-def _qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
-    g, hpg, d = cfg.num_query_groups, cfg.heads_per_group, cfg.kv_channels
-    rest = q.shape[1:]
-    grouped = torch.cat([q.reshape(g, hpg, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
-    return grouped.reshape(g * (hpg + 2) * d, *rest)
-
-
-def _fit_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """Keep the first ``rows`` rows of ``w``, or append zero rows up to ``rows`` (vocabulary padding)."""
-    if w.shape[0] >= rows:
-        return w[:rows]
-    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
-
-
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architecture: str,
                      vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """Our state dict (canonical names, full tensors) -> Hugging Face names and layouts.
@@ -244,7 +220,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
     out: dict[str, torch.Tensor] = {}
     h = cfg.hidden_size
     tied = not cfg.untie_embeddings_and_output_weights
-    word = _fit_rows(sd["embedding.word_embeddings.weight"], vocab_size)
+    word = fit_rows(sd["embedding.word_embeddings.weight"], vocab_size)
 
     def bias(name: str, width: int) -> torch.Tensor:
         return sd[name] if name in sd else torch.zeros(width, dtype=word.dtype)
@@ -257,9 +233,9 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
             for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
                 out[q + theirs + ".weight"] = sd[p + ours + ".weight"]
                 out[q + theirs + ".bias"] = sd[p + ours + ".bias"]
-            wq, wk, wv = _qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
+            wq, wk, wv = qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
             out[q + "attn.c_attn.weight"] = torch.cat([wq, wk, wv]).t()
-            bq, bk, bv = _qkv_split(bias(p + "self_attention.linear_qkv.bias", 3 * h), cfg)
+            bq, bk, bv = qkv_split(bias(p + "self_attention.linear_qkv.bias", 3 * h), cfg)
             out[q + "attn.c_attn.bias"] = torch.cat([bq, bk, bv])
             out[q + "attn.c_proj.weight"] = sd[p + "self_attention.linear_proj.weight"].t()
             out[q + "attn.c_proj.bias"] = bias(p + "self_attention.linear_proj.bias", h)
@@ -270,14 +246,14 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
         out["transformer.ln_f.weight"] = sd["final_layernorm.weight"]
         out["transformer.ln_f.bias"] = sd["final_layernorm.bias"]
         if not tied:
-            out["lm_head.weight"] = _fit_rows(sd["output_layer.weight"], vocab_size)
+            out["lm_head.weight"] = fit_rows(sd["output_layer.weight"], vocab_size)
     elif architecture == LLAMA:
         out["model.embed_tokens.weight"] = word
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"model.layers.{i}."
             out[q + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
             out[q + "post_attention_layernorm.weight"] = sd[p + "pre_mlp_layernorm.weight"]
-            wq, wk, wv = _qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
+            wq, wk, wv = qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
             out[q + "self_attn.q_proj.weight"], out[q + "self_attn.k_proj.weight"] = wq, wk
             out[q + "self_attn.v_proj.weight"] = wv
             out[q + "self_attn.o_proj.weight"] = sd[p + "self_attention.linear_proj.weight"]
@@ -285,7 +261,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
             out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
             out[q + "mlp.down_proj.weight"] = sd[p + "mlp.linear_fc2.weight"]
             if cfg.add_bias_linear:
-                bq, bk, bv = _qkv_split(sd[p + "self_attention.linear_qkv.bias"], cfg)
+                bq, bk, bv = qkv_split(sd[p + "self_attention.linear_qkv.bias"], cfg)
                 out[q + "self_attn.q_proj.bias"], out[q + "self_attn.k_proj.bias"] = bq, bk
                 out[q + "self_attn.v_proj.bias"] = bv
                 out[q + "self_attn.o_proj.bias"] = sd[p + "self_attention.linear_proj.bias"]
@@ -294,7 +270,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
                 out[q + "mlp.down_proj.bias"] = sd[p + "mlp.linear_fc2.bias"]
         out["model.norm.weight"] = sd["final_layernorm.weight"]
         if not tied:
-            out["lm_head.weight"] = _fit_rows(sd["output_layer.weight"], vocab_size)
+            out["lm_head.weight"] = fit_rows(sd["output_layer.weight"], vocab_size)
     else:
         raise UnsupportedModelError(f"unknown architecture {architecture!r}")
     return {k: v.contiguous() for k, v in out.items()}
@@ -323,7 +299,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
     h, vocab = cfg.hidden_size, cfg.vocab_size
     sd: dict[str, torch.Tensor] = {}
     if architecture == GPT2:
-        sd["embedding.word_embeddings.weight"] = _fit_rows(take("transformer.wte.weight"), vocab)
+        sd["embedding.word_embeddings.weight"] = fit_rows(take("transformer.wte.weight"), vocab)
         sd["embedding.position_embeddings.weight"] = take("transformer.wpe.weight")
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"transformer.h.{i}."
@@ -331,9 +307,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
                 sd[p + ours + ".weight"] = take(q + theirs + ".weight")
                 sd[p + ours + ".bias"] = take(q + theirs + ".bias")
             wq, wk, wv = take(q + "attn.c_attn.weight").t().split(h)
-            sd[p + "self_attention.linear_qkv.weight"] = _qkv_join(wq, wk, wv, cfg)
+            sd[p + "self_attention.linear_qkv.weight"] = qkv_join(wq, wk, wv, cfg)
             bq, bk, bv = take(q + "attn.c_attn.bias").split(h)
-            sd[p + "self_attention.linear_qkv.bias"] = _qkv_join(bq, bk, bv, cfg)
+            sd[p + "self_attention.linear_qkv.bias"] = qkv_join(bq, bk, bv, cfg)
             sd[p + "self_attention.linear_proj.weight"] = take(q + "attn.c_proj.weight").t()
             sd[p + "self_attention.linear_proj.bias"] = take(q + "attn.c_proj.bias")
             sd[p + "mlp.linear_fc1.weight"] = take(q + "mlp.c_fc.weight").t()
@@ -343,12 +319,12 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
         sd["final_layernorm.weight"] = take("transformer.ln_f.weight")
         sd["final_layernorm.bias"] = take("transformer.ln_f.bias")
     elif architecture == LLAMA:
-        sd["embedding.word_embeddings.weight"] = _fit_rows(take("model.embed_tokens.weight"), vocab)
+        sd["embedding.word_embeddings.weight"] = fit_rows(take("model.embed_tokens.weight"), vocab)
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"model.layers.{i}."
             sd[p + "input_layernorm.weight"] = take(q + "input_layernorm.weight")
             sd[p + "pre_mlp_layernorm.weight"] = take(q + "post_attention_layernorm.weight")
-            sd[p + "self_attention.linear_qkv.weight"] = _qkv_join(
+            sd[p + "self_attention.linear_qkv.weight"] = qkv_join(
                 take(q + "self_attn.q_proj.weight"), take(q + "self_attn.k_proj.weight"),
                 take(q + "self_attn.v_proj.weight"), cfg)
             sd[p + "self_attention.linear_proj.weight"] = take(q + "self_attn.o_proj.weight")
@@ -356,7 +332,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
             sd[p + "mlp.linear_fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, h)
             sd[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
             if cfg.add_bias_linear:
-                sd[p + "self_attention.linear_qkv.bias"] = _qkv_join(
+                sd[p + "self_attention.linear_qkv.bias"] = qkv_join(
                     take(q + "self_attn.q_proj.bias"), take(q + "self_attn.k_proj.bias"),
                     take(q + "self_attn.v_proj.bias"), cfg)
                 sd[p + "self_attention.linear_proj.bias"] = take(q + "self_attn.o_proj.bias")
@@ -367,7 +343,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
     else:
         raise UnsupportedModelError(f"unknown architecture {architecture!r}")
     if not tied:
-        sd["output_layer.weight"] = _fit_rows(take("lm_head.weight"), vocab)
+        sd["output_layer.weight"] = fit_rows(take("lm_head.weight"), vocab)
     elif "lm_head.weight" in hf:
         used.add("lm_head.weight")  # a tied copy written out by some savers
     unexpected = sorted(set(hf) - used)
