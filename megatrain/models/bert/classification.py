@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParal
 from megatrain.data.batch import Batch
 from megatrain.models.bert.config import BertConfig
 from megatrain.models.bert.family import BERT
-from megatrain.models.bert.model import BertModel, Pooler, initial_value, padding_attention_mask
+from megatrain.models.bert.model import BertModel, Pooler, initial_value
 from megatrain.models.common.init import canonical_parameter_name, megatron_initial_value
 from megatrain.models.common.objective import Objective
 from megatrain.models.common.tp_plan import TensorParallelPlan, layers_plan, vocab_parallel_embedding_plan
@@ -78,13 +78,7 @@ class BertClassificationModel(BertModel):
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None,  # type: ignore[override]
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        s = tokens.shape[1]
-        if self.config.position_embedding_type == "learned_absolute" and s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence of {s} tokens is longer than --max-position-embeddings "
-                             f"({self.config.max_position_embeddings})")
-        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
-        hidden = self.embed(tokens, position_ids, tokentype_ids)
-        hidden = self.encode(hidden, position_ids, padding_attention_mask(padding_mask))
+        hidden = self.encoder_output(tokens, padding_mask, tokentype_ids)
         assert self.final_layernorm is not None and self.pooler is not None
         pooled = self.pooler(self.final_layernorm(hidden))
         return self.classification_head(self.classification_dropout(pooled))

@@ -188,16 +188,21 @@ class BertModel(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                sentence_order: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
+    def encoder_output(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                       tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [b, s] -> the last layer's hidden states [b, s, h] (before the final norm)."""
         s = tokens.shape[1]
         if self.config.position_embedding_type == "learned_absolute" and s > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {s} tokens is longer than --max-position-embeddings "
                              f"({self.config.max_position_embeddings})")
         position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
         hidden = self.embed(tokens, position_ids, tokentype_ids)
-        hidden = self.encode(hidden, position_ids, padding_attention_mask(padding_mask))
+        return self.encode(hidden, position_ids, padding_attention_mask(padding_mask))
+
+    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                sentence_order: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
+        hidden = self.encoder_output(tokens, padding_mask, tokentype_ids)
         return self.head(hidden, labels, sentence_order, lm_positions)
 
     # ---- parameters -----------------------------------------------------------------------------
