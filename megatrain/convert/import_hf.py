@@ -9,8 +9,8 @@ Weights are read from ``model.safetensors`` (sharded or not) or ``pytorch_model.
 training checkpoint, so it loads under any parallel layout. Its vocabulary is padded as the trainer
 pads it (``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``); the original size
 is recorded so that exporting gives the same rows back. The padding counts the tokens of megatrain's
-tokenizer for the folder's tokenizer files when it has more than ``vocab_size`` (a BERT vocab.txt
-without [BOS]/[EOS] gets them appended), so the trainer pads to the same size.
+tokenizer for the folder's tokenizer files when it has more than ``vocab_size`` (tokens megatrain's
+tokenizer appends), so the trainer pads to the same size.
 """
 
 from __future__ import annotations

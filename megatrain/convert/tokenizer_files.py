@@ -140,8 +140,8 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
 
 
 def _appended_wordpiece_token(token: str) -> bool:
-    """Tokens megatrain's WordPiece adds after a vocab.txt's own ([BOS], [EOS], T5 sentinels)."""
-    return token in ("[BOS]", "[EOS]") or (token.startswith("<extra_id_") and token.endswith(">"))
+    """Tokens megatrain's WordPiece adds after a vocab.txt's own (the ``--vocab-extra-ids`` sentinels)."""
+    return token.startswith("<extra_id_") and token.endswith(">")
 
 
 def _write_wordpiece_vocab(tokenizer: Any, path: str, rows: int | None) -> None:
@@ -283,7 +283,7 @@ def _place(found: _Found, hf_dir: str, out_dir: str) -> dict[str, Any]:
 
 def hf_tokenizer_vocab_size(hf_dir: str, architecture: str) -> int | None:
     """How many tokens megatrain's tokenizer for the folder's tokenizer files has (the count the trainer
-    pads the vocabulary from; a WordPiece one may append [BOS]/[EOS]); None when there is none or it
+    pads the vocabulary from; a WordPiece one may append sentinels); None when there is none or it
     cannot be opened."""
     found = _find_hf_tokenizer(hf_dir, architecture)
     if found is None:

@@ -25,7 +25,6 @@ MASK_PROB = 0.5  # at most int(0.5 x (SEQ - 3)) + 1 = 7 masked positions per sam
 MAX_PREDICTIONS = int(MASK_PROB * (SEQ - 3)) + 1
 WORDS = [f"w{i}" for i in range(40)] + [f"##p{i}" for i in range(10)]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-VOCAB_SIZE = len(SPECIAL) + len(WORDS) + 2  # + [BOS], [EOS] that the tokenizer appends
 
 
 def vocab_file() -> str:

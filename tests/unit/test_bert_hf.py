@@ -34,8 +34,7 @@ from megatrain.training.builders import padded_vocab_size  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 
 # A small WordPiece vocabulary (cased and uncased words, every letter as a word and as a piece), filled
-# up to exactly 128 lines: megatrain's tokenizer appends [BOS] and [EOS], so its 130 tokens pad to 256
-# while the vocab.txt's 128 pad to 128 (the import must pad from the tokenizer's count).
+# up to exactly 128 lines: the tokenizer's vocabulary is the file's, padded to 128.
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["the", "The", "cat", "sat", "on", "mat", "hello", "Hello", "world", "run", "##ning", "dog", "cafe",
          "naive", "resume", ".", ",", "!", "?", "'"]
@@ -43,8 +42,8 @@ LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 VOCAB_LINES = SPECIAL + WORDS + LETTERS + ["##" + c for c in LETTERS] + [c.upper() for c in LETTERS[:10]]
 VOCAB_LINES += [f"[unused{i}]" for i in range(128 - len(VOCAB_LINES))]
 assert len(VOCAB_LINES) == 128
-V = len(VOCAB_LINES) + 2  # megatrain's tokenizer: + [BOS], [EOS]
-PADDED = padded_vocab_size(V, 128)  # 256
+V = len(VOCAB_LINES)  # megatrain's tokenizer: the file's tokens, as Megatron-LM's
+PADDED = padded_vocab_size(V, 128)  # 128
 SENTENCES = ["The cat sat on the mat.", "Hello, world! Running dogs?", "Café naïve résumé", "HELLO the Dog's mat",
              "zebra quokka €"]
 
@@ -278,12 +277,12 @@ def test_import_takes_the_wordpiece_vocabulary(tmp_path):
     args = meta["args"]
     assert args["tokenizer_type"] == "BertWordPieceLowerCase"
     assert Path(args["vocab_file"]).read_text().splitlines() == VOCAB_LINES
-    # 128 lines + [BOS]/[EOS] = 130 tokens: padded as pretrain_bert.py will pad them
-    assert meta["model_config"]["vocab_size"] == 256 and args["hf_vocab_size"] == 128
+    # 128 lines = 128 tokens: padded as pretrain_bert.py will pad them
+    assert meta["model_config"]["vocab_size"] == 128 and args["hf_vocab_size"] == 128
     flags = args["pretrain_flags"]
     assert flags[flags.index("--tokenizer-type"):][:4] == ["--tokenizer-type", "BertWordPieceLowerCase",
                                                            "--vocab-file", args["vocab_file"]]
-    # exported back: 128 rows again and the same 128-line vocab.txt (the appended [BOS]/[EOS] have no row)
+    # exported back: 128 rows again and the same 128-line vocab.txt
     export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "back"), progress=False)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["vocab_size"] == 128
     assert (tmp_path / "back" / "vocab.txt").read_text().splitlines() == VOCAB_LINES

@@ -274,13 +274,14 @@ def test_bert_wordpiece(tmp_path):
     path.write_text("\n".join(vocab) + "\n")
     low = build_tokenizer(TokenizerConfig(tokenizer_type="BertWordPieceLowerCase", vocab_file=str(path)))
     assert low.tokenize("Hello worlds unable! Café") == [5, 6, 7, 8, 9, 10, 12]
-    assert low.vocab_size == len(vocab) + 2 and low.eod == len(vocab) + 1 and low.bos == len(vocab)
+    # Megatron-LM's conventions: the file's vocabulary; [CLS] begins and [SEP] ends (eos = eod)
+    assert low.vocab_size == len(vocab) and low.eod == low.eos == low.sep == 3 and low.bos == low.cls == 2
     assert low.pad == 0
     assert low.detokenize([5, 6, 7]) == "hello worlds"
     case = build_tokenizer(TokenizerConfig(tokenizer_type="BertWordPieceCase", vocab_file=str(path),
                                            vocab_extra_ids=3))
     assert case.tokenize("Hello hello HELLO") == [11, 5, 1]
-    assert case.vocab_size == len(vocab) + 5
+    assert case.vocab_size == len(vocab) + 3 and case.inv_vocab[len(vocab)] == "<extra_id_0>"
     bad = tmp_path / "bad.txt"
     bad.write_text("a\nb\n")
     with pytest.raises(ValueError, match=r"--vocab-file .*bad.txt.*\[UNK\]"):

@@ -1,5 +1,12 @@
 """BERT WordPiece from a vocab.txt (``--tokenizer-type BertWordPieceLowerCase`` and
-``BertWordPieceCase``), on Hugging Face ``tokenizers``, with Megatron's special-token conventions."""
+``BertWordPieceCase``), on Hugging Face ``tokenizers``, with Megatron-LM's special-token conventions.
+
+As Megatron-LM's tokenizer (a Hugging Face ``BertTokenizer`` over the vocab.txt): the vocabulary is
+the file's tokens, plus ``<extra_id_i>`` sentinels with ``--vocab-extra-ids``; the beginning and end
+of a sequence are ``[CLS]`` and ``[SEP]`` (``bos``, and ``eos`` = ``eod``). Texts are never wrapped in
+special tokens. (Megatron's older tokenizer appended ``[BOS]`` and ``[EOS]`` to the vocabulary; the
+masked-LM data draws its random replacements from the whole vocabulary, so the two give different
+samples.)"""
 
 from __future__ import annotations
 
@@ -11,9 +18,8 @@ __all__ = ["BertWordPieceTokenizer", "build_bert_case", "build_bert_lower_case"]
 
 
 class BertWordPieceTokenizer(MegatrainTokenizer):
-    """BERT WordPiece from a vocab.txt (HF ``tokenizers``), Megatron's conventions: ids
-    without [CLS]/[SEP]; ``[BOS]``, ``[EOS]`` and ``<extra_id_i>`` appended when missing;
-    eod is ``[EOS]``."""
+    """BERT WordPiece from a vocab.txt (HF ``tokenizers``), Megatron's conventions: ids without
+    [CLS]/[SEP]; ``<extra_id_i>`` appended when missing; bos is ``[CLS]``, eos and eod ``[SEP]``."""
 
     def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0):
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -32,7 +38,7 @@ class BertWordPieceTokenizer(MegatrainTokenizer):
             if needed not in vocab:
                 raise ValueError(f"--vocab-file {vocab_file}: WordPiece vocab has no {needed} token")
         base = dict(vocab)
-        for t in ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]:
+        for t in [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]:
             if t not in vocab:
                 vocab[t] = len(vocab)
         self._vocab = vocab
@@ -52,15 +58,15 @@ class BertWordPieceTokenizer(MegatrainTokenizer):
 
     @property
     def eod(self) -> int:
-        return self._vocab["[EOS]"]
+        return self.sep
 
     @property
     def eos(self) -> int:
-        return self._vocab["[EOS]"]
+        return self.sep
 
     @property
     def bos(self) -> int:
-        return self._vocab["[BOS]"]
+        return self.cls
 
     @property
     def pad(self) -> int:
