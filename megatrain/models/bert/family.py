@@ -44,7 +44,6 @@ def check_bert_args(args: argparse.Namespace) -> None:
     if args.seq_length < 5:
         raise ValueError(f"--seq-length {args.seq_length} leaves no room for a BERT sample: [CLS] A [SEP] B [SEP] "
                          "needs at least 5 positions (as Megatron asserts)")
-    bert_config_from_args(args, 1)  # the shape's own checks
 
 
 def _objective(args: Any, tokenizer: Any) -> MaskedLMObjective:

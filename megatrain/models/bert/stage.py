@@ -28,12 +28,7 @@ class BertStage(TiedEmbeddingStage, BertModel):
 
     def __init__(self, config: BertConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> None:
         super().__init__(config)
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        keep = {str(i) for i in layer_ids}
-        for key in [k for k in self.layers.keys() if k not in keep]:
-            del self.layers[key]
-        self.keep_embedding_for_stage()
+        self.keep_stage_parts(layer_ids, stage_index, num_stages)
         if not self.is_last:
             self.final_layernorm = self.lm_head = self.output_layer = self.pooler = self.binary_head = None
 

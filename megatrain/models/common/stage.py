@@ -2,14 +2,15 @@
 two copies of the word embeddings, and which copy the gradient norm leaves out.
 
 A family's stage class mixes in :class:`TiedEmbeddingStage` and calls :meth:`keep_stage_parts`
-after deleting the layers it does not own: the first stage keeps the whole embedding, the last
-stage (when the output weight is tied) keeps a copy of the word embeddings only, and the other
-stages none. The pipeline sums the two copies' gradients after every backward pass, as Megatron
+after building the whole model: the stage keeps its own layers; the first stage keeps the whole
+embedding, the last stage (when the output weight is tied) a copy of the word embeddings only, and
+the other stages none. The class then drops the head parts on stages other than the last. The pipeline sums the two copies' gradients after every backward pass, as Megatron
 does (``tied_parameters``), and counts the copy once in the gradient norm (``norm_duplicates``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,9 +24,20 @@ class TiedEmbeddingStage:
 
     config: Any
     embedding: Any
+    layers: Any
     is_first: bool
     is_last: bool
     holds_tied_copy: bool = False
+
+    def keep_stage_parts(self, layer_ids: Sequence[int], stage_index: int, num_stages: int) -> None:
+        """Become stage ``stage_index`` of ``num_stages``: keep the layers ``layer_ids`` (deleting the
+        others from ``layers``) and the embedding the stage needs."""
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        keep = {str(i) for i in layer_ids}
+        for key in [k for k in self.layers.keys() if k not in keep]:
+            del self.layers[key]
+        self.keep_embedding_for_stage()
 
     def keep_embedding_for_stage(self) -> None:
         """Drop the embedding where the stage does not need it; on the last stage of a tied model keep
