@@ -1,27 +1,34 @@
-"""One BERT masked-LM sample, as Megatron-LM's ``BERTMaskedWordPieceDataset.__getitem__`` forms it.
+"""Megatron-LM's masked-LM masking (``masked_dataset._create_masked_lm_predictions``) and one BERT
+sample as ``BERTMaskedWordPieceDataset.__getitem__`` forms it.
 
-Given the sentences of a sample (a row of the sample index), its target length and the random
-state ``numpy.random.RandomState((seed + idx) % 2**32)``, in this order of random draws:
+`mask_tokens` is the masking BERT and T5 share: whole words by ``##`` pieces, no permutation, and
+either n-grams of up to ``max_ngram`` words with probabilities proportional to 1/n (BERT:
+``max_ngram`` 3) or a span length ``min(geometric(0.2), max_ngram)`` (T5, SpanBERT's: ``max_ngram``
+10). The candidate words are shuffled; for each, n is drawn, shortened while the n-gram would
+overshoot ``min(mask_prob * target, max(1, round(len * mask_prob)))`` masked tokens, skipped if it
+overlaps a masked one. Each masked token becomes what ``replace`` says: BERT's [MASK] (80%), a
+random id of the sorted vocabulary (10%) or itself (10%); T5's always [MASK] (no draw). It returns
+the masked tokens, the masked positions and ids, and the masked spans (one per chosen n-gram,
+sorted by their first position) that T5 replaces by sentinels.
+
+A BERT sample (`bert_sample`), given the sentences of a sample-index row, its target length and
+the random state ``numpy.random.RandomState((seed + idx) % 2**32)``, in this order of random draws:
 
 1. with the binary head: the pivot between segments A and B (``randint(1, n)`` when there are
    at least three sentences, else 1) and the swap of A and B (``random() < 0.5``: ``is_random``);
 2. truncation to the target length: while too long, the longer segment (B on a tie) loses its
    first token when ``random() < 0.5``, else its last (``truncated``);
 3. ``[CLS] A [SEP] B [SEP]`` (``[CLS] A [SEP]`` without B), token types 0 for A, 1 for B;
-4. masking (``masked_dataset._create_masked_lm_predictions`` with Megatron's BERT settings:
-   whole words by ``##`` pieces, n-grams of up to 3 words with probabilities proportional to
-   1/n, no permutation): the candidate words are shuffled; for each, n is drawn, shortened while
-   the n-gram would overshoot ``min(mask_prob * target, max(1, round(len * mask_prob)))``
-   masked tokens, skipped if it overlaps a masked one; each masked token becomes [MASK] (80%), a
-   random id of the sorted vocabulary (10%) or stays (10%);
+4. masking (`mask_tokens`, ``max_ngram`` 3, BERT's replacement);
 5. padding to ``seq_length`` with the pad id, labels -1 except at masked positions,
    ``padding_mask`` 1 except where the token is the pad id (there: the pad id), ``loss_mask``
    1 at masked positions, then pad ids in ``text`` and ``labels`` become 0.
 
 The random draws are the same calls in the same order as Megatron's (a block of
 ``random_sample`` draws where Megatron draws one by one in a loop, ``shuffle`` of an index array
-for the shuffle of the candidate list, the inverse-CDF step of ``choice``), so the samples are
-identical.
+for the shuffle of the candidate list, the inverse-CDF step of ``choice``, ``geometric`` itself),
+so the samples are identical. (Megatron shuffles the candidates once more after masking; nothing
+draws from the random state after that, so it is left out.)
 """
 
 from __future__ import annotations
@@ -29,19 +36,23 @@ from __future__ import annotations
 import warnings
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Sequence
+from functools import lru_cache
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["MASKING_MAX_NGRAM", "WordPieceTables", "bert_sample", "pad_token_id",
-           "wordpiece_tables"]
+__all__ = ["GEOMETRIC_P", "MASKING_MAX_NGRAM", "Masked", "WordPieceTables", "bert_sample", "mask_tokens",
+           "pad_token_id", "wordpiece_tables"]
 
 #: Megatron's ``pretrain_bert.py`` settings (``masking_max_ngram=3``, full words, no permutation).
 MASKING_MAX_NGRAM = 3
+#: The success probability of the geometric span-length distribution (SpanBERT's, Megatron's).
+GEOMETRIC_P = 0.2
 _PAD_TOKEN_ID = -1
 
 
-def _ngram_cdf(max_ngram: int) -> list[float]:
+@lru_cache(maxsize=None)
+def _ngram_cdf(max_ngram: int) -> tuple[float, ...]:
     """The cumulative distribution ``RandomState.choice`` searches for n = 1..max_ngram."""
     nvals = np.arange(max_ngram, dtype=np.int64) + 1
     nprobs = 1.0 / nvals
@@ -49,10 +60,7 @@ def _ngram_cdf(max_ngram: int) -> list[float]:
     p = nprobs[:max_ngram] / nprobs[:max_ngram].sum(keepdims=True)
     cdf = p.cumsum()
     cdf /= cdf[-1]
-    return cdf.tolist()
-
-
-_CDF = _ngram_cdf(MASKING_MAX_NGRAM)
+    return tuple(cdf.tolist())
 
 
 def pad_token_id(tokenizer) -> int:
@@ -129,15 +137,32 @@ def _truncate(a: np.ndarray, b: np.ndarray, target: int, rng: np.random.RandomSt
     return a[a_front:la - a_back], b[b_front:lb - b_back], True
 
 
-def _mask(tokens: np.ndarray, target: int, mask_prob: float, tables: WordPieceTables,
-          rng: np.random.RandomState):
-    """(masked tokens, masked positions, their original ids), positions ascending."""
-    length = tokens.shape[0]
+class Masked(NamedTuple):
+    """What `mask_tokens` returns."""
+
+    tokens: np.ndarray  # the tokens with the masked ones replaced
+    positions: np.ndarray  # the masked positions, ascending
+    labels: np.ndarray  # the original ids there
+    spans: list  # per chosen n-gram its positions (a list), sorted by the first position
+
+
+def _check_known(tokens: np.ndarray, tables: WordPieceTables) -> None:
     if tokens.size and (int(tokens.max()) >= tables.known.shape[0] or int(tokens.min()) < 0
                         or not tables.known[tokens].all()):
         bad = next(int(t) for t in tokens if not 0 <= t < tables.known.shape[0] or not tables.known[t])
         raise ValueError(f"token id {bad} is not in the tokenizer's vocabulary: was the data "
                          "preprocessed with this --vocab-file?")
+
+
+def mask_tokens(tokens: np.ndarray, target: int, mask_prob: float, tables: WordPieceTables,
+                rng: np.random.RandomState, *, max_ngram: int = MASKING_MAX_NGRAM,
+                geometric: bool = False, replace: str = "bert") -> Masked:
+    """Megatron's masking of ``tokens`` (see the module docstring). ``replace``: ``"bert"``
+    (80% [MASK], 10% random, 10% kept, with draws) or ``"mask"`` (always [MASK], no draw)."""
+    if replace not in ("bert", "mask"):
+        raise ValueError(f"replace must be 'bert' or 'mask', got {replace!r}")
+    length = tokens.shape[0]
+    _check_known(tokens, tables)
     special = (tokens == tables.cls) | (tokens == tables.sep)
     nonspecial = ~special
     subword = tables.is_subword[tokens] & nonspecial
@@ -151,16 +176,22 @@ def _mask(tokens: np.ndarray, target: int, mask_prob: float, tables: WordPieceTa
     positions = positions.tolist()
 
     n_maskings = min(mask_prob * target, max(1, int(round(length * mask_prob))))
+    cdf = None if geometric else _ngram_cdf(max_ngram)
+    bert_replace = replace == "bert"
     order = np.arange(num_words)
     rng.shuffle(order)
     out = tokens.copy()
     masked = np.zeros(length, dtype=bool)
     masked_pos: list[int] = []
+    spans: list[list[int]] = []
     count = 0
     for c in order.tolist():
         if count >= n_maskings:
             break
-        n = bisect_right(_CDF, rng.random_sample()) + 1
+        if geometric:
+            n = min(int(rng.geometric(GEOMETRIC_P)), max_ngram)
+        else:
+            n = bisect_right(cdf, rng.random_sample()) + 1
         lo = word_lo[c]
         while True:
             hi = word_lo[min(c + n, num_words)]
@@ -177,14 +208,16 @@ def _mask(tokens: np.ndarray, target: int, mask_prob: float, tables: WordPieceTa
             continue
         for index in span:
             masked[index] = True
-            if rng.random_sample() < 0.8:
+            if not bert_replace or rng.random_sample() < 0.8:
                 out[index] = tables.mask
             elif rng.random_sample() >= 0.5:
                 out[index] = tables.token_lookup[rng.randint(0, len(tables.token_lookup))]
             masked_pos.append(index)
+        spans.append(span)
         count += len(span)
     where = np.sort(np.asarray(masked_pos, dtype=np.int64))
-    return out, where, tokens[where]
+    spans.sort(key=lambda sp: sp[0])
+    return Masked(out, where, tokens[where], spans)
 
 
 def bert_sample(sentences: Sequence[np.ndarray], target_length: int, seq_length: int,
@@ -213,7 +246,7 @@ def bert_sample(sentences: Sequence[np.ndarray], target_length: int, seq_length:
         parts += [b, sep]
         types.append(np.ones(b.shape[0] + 1, dtype=np.int64))
     tokens = np.concatenate(parts)
-    tokens, masked_positions, masked_labels = _mask(tokens, target_length, mask_prob, tables, rng)
+    tokens, masked_positions, masked_labels, _ = mask_tokens(tokens, target_length, mask_prob, tables, rng)
 
     pad = tables.pad
     length = tokens.shape[0]

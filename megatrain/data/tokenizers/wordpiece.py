@@ -2,9 +2,10 @@
 ``BertWordPieceCase``), on Hugging Face ``tokenizers``, with Megatron-LM's special-token conventions.
 
 As Megatron-LM's tokenizer (a Hugging Face ``BertTokenizer`` over the vocab.txt): the vocabulary is
-the file's tokens, plus ``<extra_id_i>`` sentinels with ``--vocab-extra-ids``; the beginning and end
-of a sequence are ``[CLS]`` and ``[SEP]`` (``bos``, and ``eos`` = ``eod``). Texts are never wrapped in
-special tokens. (Megatron's older tokenizer appended ``[BOS]`` and ``[EOS]`` to the vocabulary; the
+the file's tokens, plus ``<extra_id_i>`` sentinels with ``--vocab-extra-ids`` (T5's; appended in
+order after the file's tokens unless the file has them, and listed by ``additional_special_tokens``
+and ``additional_special_tokens_ids``); the beginning and end of a sequence are ``[CLS]`` and
+``[SEP]`` (``bos``, and ``eos`` = ``eod``). Texts are never wrapped in special tokens. (Megatron's older tokenizer appended ``[BOS]`` and ``[EOS]`` to the vocabulary; the
 masked-LM data draws its random replacements from the whole vocabulary, so the two give different
 samples.)"""
 
@@ -38,7 +39,8 @@ class BertWordPieceTokenizer(MegatrainTokenizer):
             if needed not in vocab:
                 raise ValueError(f"--vocab-file {vocab_file}: WordPiece vocab has no {needed} token")
         base = dict(vocab)
-        for t in [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]:
+        self._extra = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        for t in self._extra:
             if t not in vocab:
                 vocab[t] = len(vocab)
         self._vocab = vocab
@@ -71,6 +73,16 @@ class BertWordPieceTokenizer(MegatrainTokenizer):
     @property
     def pad(self) -> int:
         return self._vocab["[PAD]"]
+
+    @property
+    def additional_special_tokens(self) -> list[str]:
+        """The ``--vocab-extra-ids`` sentinels, ``<extra_id_0>`` first."""
+        return list(self._extra)
+
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        """Their ids, in the same order (the sentinels T5 samples use one after another)."""
+        return [self._vocab[t] for t in self._extra]
 
     @property
     def vocab(self) -> dict[str, int]:
