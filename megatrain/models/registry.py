@@ -13,8 +13,10 @@ callables and data (compare torchtitan's ``ModelSpec`` and Megatron's ``model_pr
 * ``config_checks``: how each config field is compared between a checkpoint and the flags;
 * ``datasets``: its train/valid/test datasets (None: Megatron's GPT token datasets);
 * ``hf``: its Hugging Face adapter (None when it has none);
-* ``add_flags``, ``flag_defaults`` and ``check_args``: what its script (``pretrain_bert.py``) adds to
-  the general pre-training command line, the defaults it changes there, and its own checks.
+* ``add_flags``, ``flag_defaults``, ``prepare_args`` and ``check_args``: what its script
+  (``pretrain_bert.py``) adds to the general pre-training command line, the defaults it changes
+  there, how its own flags fill the general ones before the general checks (T5's
+  ``--encoder-num-layers`` is ``--num-layers``), and its own checks after them.
 
 The training loop, pipeline, checkpointing, conversion and inference code read a family only
 through this object: adding one is writing its folder and one :func:`register` call (see
@@ -35,7 +37,8 @@ __all__ = ["ModelFamily", "register", "get_family", "family_names", "family_of_c
 DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-only megatrain
 
 # Families that ship with megatrain, imported on first use (registering is a side effect of import).
-_BUILTIN = {"gpt": "megatrain.models.gpt.family", "bert": "megatrain.models.bert.family"}
+_BUILTIN = {"gpt": "megatrain.models.gpt.family", "bert": "megatrain.models.bert.family",
+            "t5": "megatrain.models.t5.family"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class ModelFamily:
     datasets: Callable[..., Any] | None = None
     add_flags: Callable[[Any], None] | None = None  # (argparse parser) -> None: the family's own flags
     flag_defaults: dict[str, Any] = field(default_factory=dict)  # defaults its script changes (Megatron's)
+    # (parsed namespace) -> None, before the general checks: the family's own flags fill the general
+    # ones they stand for; ValueError naming a flag
+    prepare_args: Callable[[Any], None] | None = None
     check_args: Callable[[Any], None] | None = None  # (validated namespace) -> None; ValueError naming a flag
     description: str = ""
 

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatrain.models.common.layer_stacks import transformer_layers
+
 __all__ = ["chunk_positions", "split_batch", "apply_context_parallel"]
 
 
@@ -87,6 +89,6 @@ class _SequenceGather:
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Install the key/value gather on every transformer layer's ``core_attention`` (in place)."""
     hook = _SequenceGather(cp_mesh)
-    for layer in model.layers.values():
+    for layer in transformer_layers(model):
         layer.self_attention.core_attention.register_forward_pre_hook(hook)
     return model

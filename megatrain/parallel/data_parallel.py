@@ -43,6 +43,8 @@ except ImportError:  # pragma: no cover - older layouts
     from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # type: ignore
 from torch.nn.parallel import DistributedDataParallel
 
+from megatrain.models.common.layer_stacks import transformer_layers
+
 # Megatron's default bucket: max(40M, 1M x dp) elements.
 _DEFAULT_BUCKET_ELEMENTS = 40_000_000
 
@@ -81,7 +83,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -
         mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=reduce_dtype)
     else:
         mp = MixedPrecisionPolicy()
-    layers = list(model.layers.values())
+    layers = transformer_layers(model)  # every stack's, in forward order (encoder, then decoder)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from megatrain.models.common.init import canonical_parameter_name
+from megatrain.models.common.layer_stacks import transformer_layers
 from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
 from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8
@@ -138,7 +139,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     if compile_fn is None and cfg.compile_layers and not compile_model:
         compile_fn = lambda module: module.compile(mode=mode)  # noqa: E731
     if compile_fn is not None:
-        for layer in model.layers.values():
+        for layer in transformer_layers(model):
             compile_fn(layer)
     if compile_model:  # one region from the embedding to the final norm; the chunked loss stays outside
         model.compile(mode=mode)
@@ -152,10 +153,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     init_parameters(model, config, seed, family.initial_value)
     fusion = None
     if grad_accumulation_fusion_applies(cfg, dims, fsdp):
-        linears = convert_linears(m for layer in model.layers.values() for m in layer.modules())
+        linears = convert_linears(m for layer in transformer_layers(model) for m in layer.modules())
         head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
-        extra = ([(head, model.output_weight())]
-                 if isinstance(head, ChunkedCrossEntropy) and model.final_layernorm is not None else [])
+        # (the fusion applies without pipeline stages only, so the model is whole and holds its head)
+        extra = [(head, model.output_weight())] if isinstance(head, ChunkedCrossEntropy) else []
         if linears or extra:
             fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters())
     if device.type == "cuda":

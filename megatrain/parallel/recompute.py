@@ -9,8 +9,8 @@
   layer instead of per chunk (N = 1, the common setting and what ``--checkpoint-activations``
   means, is exactly Megatron's).
 * ``--recompute-granularity selective``: only core attention (softmax(QK^T)V with its dropout,
-  ``self_attention.core_attention``) is recomputed, Megatron's "selective" choice: cheap to redo,
-  large to keep.
+  ``self_attention.core_attention``, and ``cross_attention.core_attention`` where a layer has
+  one) is recomputed, Megatron's "selective" choice: cheap to redo, large to keep.
 
 Wrapping uses torch's ``checkpoint_wrapper``; the wrapper's ``_checkpoint_wrapped_module`` path
 part is dropped from parameter names by DCP and by ``canonical_parameter_name``. RNG state is
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from megatrain.models.common.layer_stacks import layer_stacks
 
 
 @dataclass
@@ -51,21 +53,26 @@ def _wrap(module: nn.Module) -> nn.Module:
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: RecomputeConfig) -> list[str]:
-    """Wrap the layers (or core attentions) of ``model`` as ``cfg`` asks; returns the wrapped paths."""
+    """Wrap the layers (or core attentions) of ``model`` as ``cfg`` asks; returns the wrapped paths.
+
+    A model with several stacks of layers (an encoder-decoder) has them handled stack by stack: with
+    ``--recompute-method block`` the first N layers of each stack, as Megatron's blocks do."""
     wrapped: list[str] = []
     if cfg.granularity is None:
         return wrapped
-    layers: nn.ModuleDict = model.layers
-    keys = list(layers.keys())
-    if cfg.granularity == "full":
-        assert cfg.num_layers is not None
-        chosen = keys[: cfg.num_layers] if cfg.method == "block" else keys
-        for key in chosen:
-            layers[key] = _wrap(layers[key])
-            wrapped.append(f"layers.{key}")
-    else:
+    for prefix, layers in layer_stacks(model).items():
+        keys = list(layers.keys())
+        if cfg.granularity == "full":
+            assert cfg.num_layers is not None
+            chosen = keys[: cfg.num_layers] if cfg.method == "block" else keys
+            for key in chosen:
+                layers[key] = _wrap(layers[key])
+                wrapped.append(f"{prefix}.{key}")
+            continue
         for key in keys:
-            attention = layers[key].self_attention
-            attention.core_attention = _wrap(attention.core_attention)
-            wrapped.append(f"layers.{key}.self_attention.core_attention")
+            for name in ("self_attention", "cross_attention"):  # core attention of each attention module
+                attention = getattr(layers[key], name, None)
+                if attention is not None:
+                    attention.core_attention = _wrap(attention.core_attention)
+                    wrapped.append(f"{prefix}.{key}.{name}.core_attention")
     return wrapped

@@ -172,11 +172,8 @@ def _checked(build: Callable[..., T], *args: Any) -> T:
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
     from megatrain.checkpoint import find_checkpoint, read_meta
-    from megatrain.models.gpt.checkpoint_compat import CONFIG_CHECKS, checkpoint_gelu_approximation
-
-    # Every model-config field a resume compares (the flags' dests have the same names); the padded
-    # vocabulary follows the tokenizer and resume_vocab_size, the GELU is taken below.
-    model_args = [name for name, check in CONFIG_CHECKS.items() if check.how == "compare" and name != "vocab_size"]
+    from megatrain.models.gpt.checkpoint_compat import checkpoint_gelu_approximation
+    from megatrain.models.registry import DEFAULT_FAMILY, get_family
 
     if not args.load:
         _fail("--use-checkpoint-args needs --load")
@@ -187,6 +184,11 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
         _fail(f"--use-checkpoint-args: no checkpoint found in --load {args.load}")
     meta = read_meta(ckpt)
     config = meta.get("model_config", {})
+    # Every model-config field a resume compares that is a flag's dest too (the checkpoint's family's
+    # table); the padded vocabulary follows the tokenizer and resume_vocab_size, the GELU is taken below.
+    checks = get_family(meta.get("family") or DEFAULT_FAMILY).config_checks
+    model_args = [name for name, check in checks.items()
+                  if check.how == "compare" and name != "vocab_size" and hasattr(args, name)]
     taken = []
     for name in model_args:
         if name in config and getattr(args, name, None) != config[name]:
@@ -313,8 +315,12 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
               f"{args.data_parallel_size})); raise --global-batch-size")
 
 
-def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
-    """Check flag combinations (clear messages naming the flags) and fill derived values."""
+def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
+                  config_from_args: Callable[..., Any] | None = None) -> argparse.Namespace:
+    """Check flag combinations (clear messages naming the flags) and fill derived values.
+
+    ``config_from_args``: the model family's ``(args, padded vocab size) -> config``, whose checks the
+    model's flags get (default: the GPT config's, the checks of ``pretrain_gpt.py``'s flags)."""
     world_size = world_size_from_env() if world_size is None else world_size
     # Old spellings.
     if args.layernorm_epsilon is not None:
@@ -338,12 +344,12 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.num_query_groups = args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    # The model's shape (head and query-group division, sizes, dropout, rotary dims): the transformer
-    # config checks it (these are the GPT scripts' flags; a family with other flags checks its own).
+    # The model's shape (head and query-group division, sizes, dropout, rotary dims): the family's
+    # config checks it (by default GPT's: these are the GPT scripts' flags).
     # The padded vocabulary comes with the tokenizer, later; no check involves it, so 1 stands in.
-    from megatrain.models.gpt.config import gpt_config_from_args
-
-    _checked(gpt_config_from_args, args, 1)
+    if config_from_args is None:
+        from megatrain.models.gpt.config import gpt_config_from_args as config_from_args
+    _checked(config_from_args, args, 1)
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _fail(f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
               f"({args.max_position_embeddings})")

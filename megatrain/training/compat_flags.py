@@ -65,8 +65,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--num-experts": "mixture-of-experts models are not supported yet",
     "--moe-router-topk": "mixture-of-experts models are not supported yet",
     "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
-    "--encoder-num-layers": "encoder-decoder models are not supported",
-    "--decoder-num-layers": "use --num-layers",
     "--use-cpu-initialization": None,
     "--spec": "custom layer specs are not supported; the model shape is given by flags",
     "--yaml-cfg": "use --config run.yaml",
@@ -79,10 +77,16 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--use-rotary-position-embeddings": None,
     "--squared-relu": "squared-ReLU activation is not supported yet",
     "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
-    # BERT's own flags (pretrain_bert.py knows them): pretrain_gpt.py points there.
+    # BERT's and T5's own flags (pretrain_bert.py / pretrain_t5.py know them): pretrain_gpt.py points there.
     "--bert-no-binary-head": "a BERT flag: train BERT with pretrain_bert.py",
-    "--mask-prob": "a masked-LM data flag: train BERT with pretrain_bert.py",
-    "--short-seq-prob": "a masked-LM data flag: train BERT with pretrain_bert.py",
+    "--mask-prob": "a masked-LM data flag: train BERT with pretrain_bert.py, T5 with pretrain_t5.py",
+    "--short-seq-prob": "a masked-LM data flag: train BERT with pretrain_bert.py, T5 with pretrain_t5.py",
+    "--encoder-num-layers": "a T5 (encoder-decoder) flag: train T5 with pretrain_t5.py",
+    "--decoder-num-layers": "a T5 (encoder-decoder) flag: train T5 with pretrain_t5.py",
+    "--encoder-seq-length": "a T5 (encoder-decoder) flag: train T5 with pretrain_t5.py",
+    "--decoder-seq-length": "a T5 (encoder-decoder) flag: train T5 with pretrain_t5.py",
+    "--relative-attention-num-buckets": "a T5 flag (relative position bias): train T5 with pretrain_t5.py",
+    "--relative-attention-max-distance": "a T5 flag (relative position bias): train T5 with pretrain_t5.py",
 }
 UNSUPPORTED_FLAGS = {k: v for k, v in UNSUPPORTED_FLAGS.items() if v is not None}
 

@@ -1,5 +1,5 @@
 """Writes docs/megatron_flags.md: every flag pretrain_gpt.py accepts, each model family's script's own
-flags (pretrain_bert.py's), and the Megatron flags it refuses."""
+flags (pretrain_bert.py's, pretrain_t5.py's), and the Megatron flags it refuses."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def _family_sections() -> list[str]:
     from megatrain.models.registry import DEFAULT_FAMILY, family_names, get_family
     from megatrain.training.main import family_parser
 
-    general = {o for a in build_parser()._actions for o in a.option_strings}
+    general_parser = build_parser()
+    general = {o for a in general_parser._actions for o in a.option_strings}
+    general_actions = {o: a for a in general_parser._actions for o in a.option_strings}
     lines = []
     for name in family_names():
         family = get_family(name)
@@ -55,6 +57,12 @@ def _family_sections() -> list[str]:
         lines.append(f"## pretrain_{name}.py's own flags\n\nEvery flag above, and these:\n\n"
                      "| flag | default | status | meaning |\n|---|---|---|---|")
         lines.extend(r for r in rows if r)
+        widened = [(a, general_actions[a.option_strings[0]]) for a in parser._actions
+                   if a.option_strings and a.option_strings[0] in general_actions
+                   and a.choices != general_actions[a.option_strings[0]].choices]
+        for action, before in widened:
+            more = ", ".join(str(c) for c in action.choices if c not in before.choices)
+            lines.append(f"\n`{action.option_strings[0]}` also takes {more} here.")
         if family.flag_defaults:
             changed = ", ".join(f"`--{k.replace('_', '-')}` {v}" for k, v in sorted(family.flag_defaults.items()))
             lines.append(f"\nDefaults that differ from pretrain_gpt.py's (as in Megatron's script): {changed}.")

@@ -1,5 +1,5 @@
-"""`megatrain pretrain` / `megatrain pretrain-bert`: parse Megatron-style flags and run pre-training of
-a model family (``pretrain_gpt.py``, ``pretrain_bert.py``)."""
+"""`megatrain pretrain` / `pretrain-bert` / `pretrain-t5`: parse Megatron-style flags and run
+pre-training of a model family (``pretrain_gpt.py``, ``pretrain_bert.py``, ``pretrain_t5.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Sequence
 from megatrain.errors import user_errors_exit
 from megatrain.models.registry import DEFAULT_FAMILY, get_family
 from megatrain.parallel.distributed import setup_env_from_slurm
-from megatrain.training.arguments import build_parser, parse_args
+from megatrain.training.arguments import build_parser, parse_args, validate_args
 from megatrain.training.trainer import pretrain
 
-__all__ = ["main", "main_bert", "family_parser", "parse_family_args"]
+__all__ = ["main", "main_bert", "main_t5", "family_parser", "parse_family_args"]
 
 
 def family_parser(family: str, prog: str | None = None) -> argparse.ArgumentParser:
@@ -29,14 +29,20 @@ def family_parser(family: str, prog: str | None = None) -> argparse.ArgumentPars
 
 def parse_family_args(family: str, argv: Sequence[str] | None = None, *, prog: str | None = None,
                       validate: bool = True) -> argparse.Namespace:
-    """Parse and validate a family's command line (the general checks, then the family's own)."""
-    args = parse_args(argv, parser=family_parser(family, prog), validate=validate)
-    check = get_family(family).check_args
-    if validate and check is not None:
-        try:
-            check(args)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+    """Parse and validate a family's command line: its own flags fill the general ones they stand for
+    (``prepare_args``), then the general checks (with the family's config), then the family's own."""
+    fam = get_family(family)
+    args = parse_args(argv, parser=family_parser(family, prog), validate=False)
+    if not validate:
+        return args
+    try:
+        if fam.prepare_args is not None:
+            fam.prepare_args(args)
+        validate_args(args, config_from_args=fam.config_from_args)
+        if fam.check_args is not None:
+            fam.check_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     return args
 
 
@@ -60,3 +66,9 @@ def main(argv: list[str] | None = None) -> None:
 def main_bert(argv: list[str] | None = None) -> None:
     """``pretrain_bert.py``."""
     _run("bert", argv, "pretrain_bert.py")
+
+
+@user_errors_exit
+def main_t5(argv: list[str] | None = None) -> None:
+    """``pretrain_t5.py``."""
+    _run("t5", argv, "pretrain_t5.py")

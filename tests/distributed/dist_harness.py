@@ -101,6 +101,10 @@ SEQ, MICRO, GLOBAL, STEPS, SEED = 16, 2, 8, 5, 1234
 VOCAB = 64  # NullTokenizer --vocab-size 63: ids 0..62 and the end-of-document id 63, padded to 64 (also x TP 2)
 EOD = VOCAB - 1
 CLIP = 0.5  # small enough that clipping is active on these runs
+# Small enough that five AdamW steps keep float32 reordering noise (interleaved pipeline schedules sum
+# micro-batch gradients in another order) far below the 1e-5 bound, large enough that a wrong gradient
+# moves the parameters by far more than it.
+LR = 3e-3
 
 
 def tiny_config(style: str = "gpt2", **overrides: Any) -> GPTConfig:
@@ -132,7 +136,7 @@ def model_flags(style: str = "gpt2", num_layers: int = 2, dropout: float = 0.0) 
 def run_flags(steps: int = STEPS) -> list[str]:
     """Everything but the model and the layout: batches, optimizer, data, CPU."""
     return ["--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--train-iters", str(steps),
-            "--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-eps", "1e-4",
+            "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-eps", "1e-4",
             "--clip-grad", str(CLIP), "--seed", str(SEED), "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(VOCAB - 1), "--make-vocab-size-divisible-by", "32", "--eod-mask-loss",
             "--mock-data", "--num-workers", "0", "--eval-iters", "1", "--device", "cpu"]
@@ -176,7 +180,7 @@ def micro_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tenso
 
 def make_optimizer(model: torch.nn.Module, fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW with the run's hyper-parameters and the trainer's kernel choice, or ``fused``."""
-    return build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-4, fused=fused))
+    return build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=0.1, adam_eps=1e-4, fused=fused))
 
 
 # ---- the real trainer -----------------------------------------------------------------------------

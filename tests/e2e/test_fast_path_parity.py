@@ -81,8 +81,9 @@ def test_fp8_trains_like_bf16(fmt):
     pytest.importorskip("torchao.float8")
     bf16 = _losses("--bf16")
     # e4m3 gradients run about 7 s per iteration of this tiny model on CPU (hybrid's e5m2 ones ~2 s):
-    # its first 10 iterations keep the suite's time in bounds (the GPU test runs 100 of each).
-    fp8 = _losses("--bf16", "--fp8-format", fmt, exit_after=None if fmt == "hybrid" else 10)
+    # the first iterations of the same schedule keep the suite's time in bounds (the GPU test runs
+    # 100 of each).
+    fp8 = _losses("--bf16", "--fp8-format", fmt, exit_after=10 if fmt == "hybrid" else 5)
     assert bf16[-1][0] < bf16[0][0] - 0.3
     for step, ((lb, _), (lf, _)) in enumerate(zip(bf16, fp8), start=1):
         assert abs(lf - lb) <= 5e-3 * abs(lb), (step, lb, lf)

@@ -1,5 +1,5 @@
 """The example launch scripts are valid shell and every flag they pass to the training script exists
-(pretrain_gpt.py's parser, or pretrain_bert.py's with the BERT family's flags)."""
+(pretrain_gpt.py's parser, or pretrain_bert.py's / pretrain_t5.py's with the family's flags)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from megatrain.training.main import family_parser
 
 ROOT = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLES = sorted(p for p in ROOT.rglob("*.s*") if p.suffix in (".sh", ".sbatch"))
-SCRIPTS = {"pretrain_bert.py": "bert", "pretrain_gpt.py": "gpt"}
+SCRIPTS = {"pretrain_bert.py": "bert", "pretrain_t5.py": "t5", "pretrain_gpt.py": "gpt"}
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -21,8 +21,8 @@ def test_example_script_is_valid_shell_with_known_flags(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text(encoding="utf-8")
     entry = next(name for name in SCRIPTS if name in text)
-    if "DISTRIBUTED_ARGS=(" in text:  # Megatron's style: the flags in bash arrays before the launch
-        command = re.sub(r"DISTRIBUTED_ARGS=\(.*?\)", "", text, flags=re.S)
+    if "DISTRIBUTED_ARGS=(" in text or 'DISTRIBUTED_ARGS="' in text:  # Megatron's: flags in variables first
+        command = re.sub(r'DISTRIBUTED_ARGS=(\(.*?\)|".*?")', "", text, flags=re.S)
         command = "\n".join(line for line in command.splitlines() if not line.lstrip().startswith("#"))
     else:
         command = text[text.index(entry):]

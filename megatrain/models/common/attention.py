@@ -1,13 +1,22 @@
-"""Self-attention (causal, or bidirectional for encoders) with grouped query heads, rotary positions and an optional KV cache.
+"""Self-attention (causal, or bidirectional for encoders) with grouped query heads, rotary positions
+and an optional KV cache; cross-attention (an encoder-decoder's decoder over the encoder output).
 
 Weight layout (Megatron's grouped QKV): ``linear_qkv.weight`` has ``(n + 2g) * d`` rows that,
 viewed as ``[g, n/g + 2, d, h]``, hold for each query group its n/g query heads, then its key
 head, then its value head. Splitting the rows evenly across tensor-parallel ranks therefore
 gives each rank whole groups, so the forward code below only ever uses the rank-invariant sizes
 ``n/g`` (heads per group) and ``d`` (head dim) and reads the number of groups from the tensor.
+Cross-attention (Megatron's ``CrossAttention``) has ``linear_q`` [n d, h] and ``linear_kv``
+[2 n d, h], whose rows viewed as ``[n, 2, d]`` hold each head's key then its value: an even row
+split again gives each rank whole heads.
+
+Masks are bool (True = may attend) or floating point, added to the scores: an attention bias (T5's
+relative positions) with the masked keys set to -inf in it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +30,9 @@ class KVCache:
     """Keys and values of the tokens seen so far, per layer, for incremental decoding.
 
     Storage is allocated lazily on a layer's first update as ``[b, groups, max_length, d]``, with
-    the batch size, number of key/value heads, dtype and device of the keys it receives.
+    the batch size, number of key/value heads, dtype and device of the keys it receives. An
+    encoder-decoder's decoder also keeps each layer's cross-attention keys and values here: computed
+    from the encoder output on the first step, reused by every later one (:meth:`cross_attention`).
     """
 
     def __init__(self, max_length: int) -> None:
@@ -31,6 +42,15 @@ class KVCache:
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
         self._lengths: dict[int, int] = {}
+        self._cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cross_attention(self, layer_number: int,
+                        compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cross-attention keys and values [b, heads, s_ctx, d]: ``compute()`` on the first
+        call, the stored pair after (the encoder output does not change while decoding)."""
+        if layer_number not in self._cross:
+            self._cross[layer_number] = compute()
+        return self._cross[layer_number]
 
     @property
     def length(self) -> int:
@@ -62,10 +82,10 @@ class KVCache:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head (or grouped-query) self-attention through torch's SDPA (causal unless the config's
-    ``causal_attention`` is False)."""
+    """Multi-head (or grouped-query) self-attention through torch's SDPA: causal unless ``causal`` (by
+    default the config's ``causal_attention``) is False."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int, causal: bool | None = None) -> None:
         super().__init__()
         assert config.kv_channels is not None and config.num_query_groups is not None
         self.layer_number = layer_number
@@ -77,7 +97,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = nn.Linear(n * d, h, bias=config.add_bias_linear)
         # A parameter-free submodule so that parallel code can address the dropout region (its RNG)
         # and recompute it (selective activation recomputation) by module path.
-        self.core_attention = CoreAttention(config)
+        self.core_attention = CoreAttention(config, causal=causal)
         self.rotary = (
             RotaryEmbedding(config.rotary_dim, config.rotary_base) if config.position_embedding_type == "rope"
             else None
@@ -94,9 +114,11 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h].
 
-        attention_mask: None for plain causal attention, else bool [b or 1, 1, s, past + s] with
-        True where a query may attend to a key. position_ids [b or 1, s] drive the rotary angles;
-        ``rotary`` gives their (cos, sin) tables already computed (the model computes them once).
+        attention_mask: None for plain causal (or bidirectional) attention, else bool [b or 1, 1 or
+        heads, s, past + s] with True where a query may attend to a key, or a float bias of that
+        shape added to the scores (-inf where a query may not attend). position_ids [b or 1, s]
+        drive the rotary angles; ``rotary`` gives their (cos, sin) tables already computed (the
+        model computes them once).
         """
         b, s, _ = x_bsh.shape
         hpg, d = self.heads_per_group, self.head_dim
@@ -126,14 +148,16 @@ class SelfAttention(nn.Module):
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + mask) v with attention dropout, through SDPA (no parameters).
 
-    q [b, heads, s, d], k and v [b, groups, past + s, d] -> [b, heads, s, d].
+    q [b, heads, s, d], k and v [b, groups, past + s, d] -> [b, heads, s, d]. ``causal``: without
+    a mask, queries see earlier keys only (default: the config's ``causal_attention``); a mask given
+    is the whole rule.
     """
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, causal: bool | None = None) -> None:
         super().__init__()
         self.heads_per_group = config.heads_per_group
         self.attention_dropout = config.attention_dropout
-        self.causal = config.causal_attention
+        self.causal = config.causal_attention if causal is None else causal
 
     def forward(
         self,
@@ -145,7 +169,8 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         s = q.shape[2]
         if attention_mask is not None:
-            assert attention_mask.dtype == torch.bool, "attention_mask must be bool (True = may attend)"
+            if attention_mask.dtype != torch.bool:  # an additive bias: SDPA takes it in the query's dtype
+                attention_mask = attention_mask.to(q.dtype)
         elif self.causal and past > 0 and s > 1:
             # Several new queries after cached keys: causal, aligned to the last key.
             attention_mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
@@ -166,3 +191,42 @@ class CoreAttention(nn.Module):
         k = k.repeat_interleave(self.heads_per_group, dim=1)
         v = v.repeat_interleave(self.heads_per_group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p)
+
+
+class CrossAttention(nn.Module):
+    """Queries from one sequence over the keys and values of another (the decoder over the encoder
+    output), through SDPA; Megatron's ``CrossAttention``: no grouped-query form, no rotary positions.
+
+    ``forward(x [b, s, h], context [b, s_ctx, h], context_mask)`` -> [b, s, h]; ``context_mask`` is
+    None or bool [b or 1, 1, 1 or s, s_ctx] (True = the query may attend to that context position).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__()
+        assert config.kv_channels is not None
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError("--group-query-attention: cross-attention has one key/value head per query head "
+                             "(as Megatron's CrossAttention)")
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        n, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
+        self.linear_q = nn.Linear(h, n * d, bias=config.add_bias_linear)
+        self.linear_kv = nn.Linear(h, 2 * n * d, bias=config.add_bias_linear)
+        self.core_attention = CoreAttention(config, causal=False)
+        self.linear_proj = nn.Linear(n * d, h, bias=config.add_bias_linear)
+
+    def forward(self, x_bsh: torch.Tensor, context_bsh: torch.Tensor,
+                context_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """With ``kv_cache`` (incremental decoding) the context's keys and values are computed once
+        and kept in it."""
+        b, s, _ = x_bsh.shape
+        d = self.head_dim
+        q = self.linear_q(x_bsh).view(b, s, -1, d).transpose(1, 2)  # [b, heads, s, d]
+
+        def keys_values() -> tuple[torch.Tensor, torch.Tensor]:
+            kv = self.linear_kv(context_bsh).view(b, context_bsh.shape[1], -1, 2, d)  # per head: key, value
+            return kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)  # [b, heads, s_ctx, d]
+
+        k, v = keys_values() if kv_cache is None else kv_cache.cross_attention(self.layer_number, keys_values)
+        out = self.core_attention(q, k, v, context_mask, 0)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))

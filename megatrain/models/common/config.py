@@ -24,7 +24,7 @@ class TransformerConfig:
     ffn_hidden_size: int | None = None  # default 4*h (GELU) or Megatron's SwiGLU default
     kv_channels: int | None = None  # head dim; default h // n
     num_query_groups: int | None = None  # None means n (no grouped-query attention)
-    position_embedding_type: str = "learned_absolute"  # or "rope"
+    position_embedding_type: str = "learned_absolute"  # or "rope" (T5 adds "relative")
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # fraction of each head's dims that rotate (the rest pass through)
     normalization: str = "LayerNorm"  # or "RMSNorm"
@@ -45,6 +45,8 @@ class TransformerConfig:
     # Self-attention sees earlier positions only (decoders); False: every position of the sequence
     # (encoders), unless an explicit mask says otherwise. A property of the family, not a field.
     causal_attention: ClassVar[bool] = True
+    # The --position-embedding-type values the family's model implements.
+    position_embedding_types: ClassVar[tuple[str, ...]] = ("learned_absolute", "rope")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
@@ -74,10 +76,9 @@ class TransformerConfig:
                 self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
-        if self.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(
-                f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}"
-            )
+        if self.position_embedding_type not in self.position_embedding_types:
+            raise ValueError(f"--position-embedding-type must be {' or '.join(self.position_embedding_types)}, "
+                             f"got {self.position_embedding_type!r}")
         if self.gelu_approximation not in ("none", "tanh"):
             raise ValueError(f"gelu_approximation must be none or tanh, got {self.gelu_approximation!r}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):

@@ -43,6 +43,10 @@ class HFAdapter:
     # rebuild ``config`` beyond the shared transformer shape (e.g. BERT's --bert-no-binary-head).
     script: str = "pretrain_gpt.py"
     family_flags: Callable[[Any], list[str]] = _no_flags
+    # Export: megatrain tokenizer -> the special ids config.json (and generation_config.json) get, where
+    # the family's rule differs from the tokenizer files' (T5: the decoder starts with bos, [CLS] for
+    # WordPiece, and stops at eos, [SEP]); keys bos/eos/pad/decoder_start_token_id. None: the files' ids.
+    special_token_ids: Callable[[Any], dict[str, int | None]] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ vocab-parallel cross entropy. ``megatrain.parallel.tensor_parallel.apply_tensor_
 self_attention.linear_qkv              column parallel; the grouped [g, n/g + 2, d] row layout
                                        makes Shard(0) give every rank whole query groups (GQA too)
 self_attention.linear_proj             row parallel
+cross_attention.linear_q, linear_kv    column parallel (a decoder layer of an encoder-decoder);
+                                       the [n, 2, d] key/value rows keep whole heads per rank
+cross_attention.linear_proj            row parallel
 mlp.linear_fc1                         column parallel; SwiGLU rows are interleaved gate/up per
                                        channel, so Shard(0) keeps each pair on one rank
 mlp.linear_fc2                         row parallel
@@ -18,7 +21,8 @@ mlp.linear_fc2                         row parallel
 
 With sequence parallelism the residual stream between blocks is sharded on the sequence dim (dim
 1): norms run on ``Shard(1)`` (SequenceParallel), attention and MLP all-gather their input
-(PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)).
+(PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)). Cross-attention
+gathers its queries' input the same way; its context (the encoder output) comes whole and replicated.
 """
 
 from __future__ import annotations
@@ -44,15 +48,24 @@ class TensorParallelPlan:
     vocab_parallel_head: bool = False  # the model's loss_head becomes the vocab-parallel cross entropy
 
 
-def transformer_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """The plan of one transformer layer, keyed by module path relative to the layer."""
+def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = False) -> dict[str, Any]:
+    """The plan of one transformer layer (with ``cross_attention``: a decoder layer that has one),
+    keyed by module path relative to the layer."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         "self_attention.linear_qkv": ColwiseParallel(),
         "self_attention.linear_proj": RowwiseParallel(output_layouts=residual),
+    }
+    if cross_attention:
+        plan.update({
+            "cross_attention.linear_q": ColwiseParallel(),
+            "cross_attention.linear_kv": ColwiseParallel(),
+            "cross_attention.linear_proj": RowwiseParallel(output_layouts=residual),
+        })
+    plan.update({
         "mlp.linear_fc1": ColwiseParallel(),
         "mlp.linear_fc2": RowwiseParallel(output_layouts=residual),
-    }
+    })
     if sequence_parallel:
         plan.update({
             "input_layernorm": SequenceParallel(),
@@ -64,6 +77,14 @@ def transformer_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                       use_local_output=True),
         })
+        if cross_attention:
+            plan.update({
+                "pre_cross_attn_layernorm": SequenceParallel(),
+                # CrossAttention.forward(x, context, context_mask): gather x; the context is whole.
+                "cross_attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                      desired_input_layouts=(Replicate(), None, None),
+                                                      use_local_output=True),
+            })
     return plan
 
 
@@ -73,11 +94,14 @@ def layers_plan(layers: nn.ModuleDict, config: Any, sequence_parallel: bool, pre
     (attention dropout on local heads; residual dropout on the rank's part of the sequence). Without
     dropout there is no randomness to fork (and the fork would split compiled graphs)."""
     plan = TensorParallelPlan()
-    for key in layers.keys():
-        for path, style in transformer_layer_plan(sequence_parallel).items():
+    for key, layer in layers.items():
+        cross = getattr(layer, "cross_attention", None) is not None
+        for path, style in transformer_layer_plan(sequence_parallel, cross).items():
             plan.styles.append((f"{prefix}.{key}.{path}", style))
         if config.attention_dropout > 0:
             plan.rng_regions.append(f"{prefix}.{key}.self_attention.core_attention")
+            if cross:
+                plan.rng_regions.append(f"{prefix}.{key}.cross_attention.core_attention")
         if sequence_parallel and config.hidden_dropout > 0:
             plan.rng_regions.append(f"{prefix}.{key}.dropout")
     return plan
