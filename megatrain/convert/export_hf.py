@@ -2,7 +2,8 @@
 
 The checkpoint is loaded whole into one process (DCP reshards whatever layout saved it: TP, FSDP,
 DDP), mapped to the Hugging Face class its family's adapter chooses (GPT: GPT2LMHeadModel or
-LlamaForCausalLM; BERT: MegatronBertForPreTraining or MegatronBertForMaskedLM) and written as
+LlamaForCausalLM; BERT: MegatronBertForPreTraining or MegatronBertForMaskedLM; T5:
+T5ForConditionalGeneration) and written as
 ``config.json``, ``generation_config.json`` (generative families), ``model.safetensors`` (or shards
 plus ``model.safetensors.index.json``) and the tokenizer files. ``transformers`` is not needed to
 export.
@@ -155,17 +156,21 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state.items()}
 
     special = (write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings, tokenizer=tokenizer,
-                                  vocab_rows=rows) if tokenizer is not None else SpecialTokens())
+                                  vocab_rows=rows, extra_config=hf.tokenizer_config)
+               if tokenizer is not None else SpecialTokens())
 
     names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress)
-    config = hf.config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype],
-                            bos_token_id=special.bos_token_id, eos_token_id=special.eos_token_id,
-                            pad_token_id=special.pad_token_id)
+    ids: dict[str, int | None] = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id,
+                                  "pad_token_id": special.pad_token_id}
+    if hf.special_token_ids is not None and tokenizer is not None:  # the family's own rule (T5's decoder start)
+        ids.update(hf.special_token_ids(tokenizer))
+    config = hf.config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype], **ids)
     atomic_write_json(os.path.join(output_path, "config.json"), config, indent=2, sort_keys=True)
     if hf.generation_config:
-        generation = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id}
-        if special.pad_token_id is not None:
-            generation["pad_token_id"] = special.pad_token_id
+        generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+        for key in ("pad_token_id", "decoder_start_token_id"):
+            if config.get(key) is not None:
+                generation[key] = config[key]
         atomic_write_json(os.path.join(output_path, "generation_config.json"), generation, indent=2, sort_keys=True)
     n_params = sum(t.numel() for t in hf_state.values())
     print(f" wrote {architecture} ({n_params:,} parameters, {dtype}) as {', '.join(names)}"

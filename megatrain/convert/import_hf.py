@@ -2,7 +2,8 @@
 
 The family whose adapter takes the folder's ``config.json`` converts it (GPT: GPT2LMHeadModel,
 LlamaForCausalLM, continued by ``pretrain_gpt.py --load CKPT --finetune`` or ``finetune_gpt.py``;
-BERT: MegatronBertForPreTraining, MegatronBertForMaskedLM, continued by ``pretrain_bert.py``).
+BERT: MegatronBertForPreTraining, MegatronBertForMaskedLM, continued by ``pretrain_bert.py``; T5:
+T5ForConditionalGeneration, continued by ``pretrain_t5.py`` or ``finetune.py``).
 
 Weights are read from ``model.safetensors`` (sharded or not) or ``pytorch_model.bin`` (loaded with
 ``weights_only=True``, never unpickling code). The checkpoint is written through DCP like any
@@ -136,7 +137,7 @@ def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int,
         flags += ["--untie-embeddings-and-output-weights"]
     flags += list(family_flags or [])
     flags += ["--hidden-dropout", repr(cfg.hidden_dropout), "--attention-dropout", repr(cfg.attention_dropout)]
-    for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+    for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_extra_ids"):
         if tok_args.get(key):
             flags += ["--" + key.replace("_", "-"), str(tok_args[key])]
     return flags

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +64,15 @@ def open_tokenizer(tok_args: dict[str, Any]) -> Any | None:
 
 
 def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length: int, *,
-                       tokenizer: Any | None = None, vocab_rows: int | None = None) -> SpecialTokens:
+                       tokenizer: Any | None = None, vocab_rows: int | None = None,
+                       extra_config: Mapping[str, Any] | None = None) -> SpecialTokens:
     """Write the Hugging Face tokenizer files for the tokenizer ``tok_args`` describes.
 
     ``tokenizer``: the one :func:`open_tokenizer` gave (opened here when not given); ``vocab_rows``:
     the exported embedding's rows (a WordPiece ``vocab.txt`` leaves out the tokens megatrain appended
-    beyond them). Returns the special ids for config.json; a tokenizer type without a Hugging Face form
-    writes nothing and warns (the model files are still complete).
+    beyond them); ``extra_config``: entries added to the tokenizer_config.json written. Returns the
+    special ids for config.json; a tokenizer type without a Hugging Face form writes nothing and warns
+    (the model files are still complete).
     """
     kind = tok_args.get("tokenizer_type")
     tokenizer = tokenizer if tokenizer is not None else open_tokenizer(tok_args)
@@ -121,9 +124,14 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
                       add_eos_token=False, legacy=True, **special)
         ids = SpecialTokens(tokenizer.bos, tokenizer.eod, None)
     elif kind in WORDPIECE_TYPES:
-        _write_wordpiece_vocab(tokenizer, os.path.join(out_dir, "vocab.txt"), vocab_rows)
+        written = _write_wordpiece_vocab(tokenizer, os.path.join(out_dir, "vocab.txt"), vocab_rows)
         files.append("vocab.txt")
-        special = dict(_WORDPIECE_SPECIAL)
+        special: dict[str, Any] = dict(_WORDPIECE_SPECIAL)
+        # The --vocab-extra-ids sentinels (T5's) the file holds: special tokens, so that Hugging Face's
+        # tokenizer gives a literal <extra_id_i> in a text its id.
+        sentinels = [t for t in written if _appended_wordpiece_token(t)]
+        if sentinels:
+            special["additional_special_tokens"] = sentinels
         # strip_accents None: it follows do_lower_case, as megatrain's WordPiece does
         config.update(tokenizer_class="BertTokenizer", do_lower_case=kind == "BertWordPieceLowerCase",
                       strip_accents=None, tokenize_chinese_chars=True, **special)
@@ -133,6 +141,7 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
                       "were written (copy your tokenizer beside the model yourself)")
         return SpecialTokens(getattr(tokenizer, "bos", None), tokenizer.eod, None)
 
+    config.update(extra_config or {})
     atomic_write_json(os.path.join(out_dir, "tokenizer_config.json"), config, indent=2, sort_keys=True)
     atomic_write_json(os.path.join(out_dir, "special_tokens_map.json"), special, indent=2, sort_keys=True)
     files += ["tokenizer_config.json", "special_tokens_map.json"]
@@ -144,16 +153,18 @@ def _appended_wordpiece_token(token: str) -> bool:
     return token.startswith("<extra_id_") and token.endswith(">")
 
 
-def _write_wordpiece_vocab(tokenizer: Any, path: str, rows: int | None) -> None:
+def _write_wordpiece_vocab(tokenizer: Any, path: str, rows: int | None) -> list[str]:
     """``vocab.txt``: one token a line in megatrain's id order, so Hugging Face's line numbers are the
     same ids (megatrain skips blank and repeated lines of the source file; this file has none). Tokens
-    megatrain appended beyond the exported ``rows`` are left out: the model has no row for them."""
+    megatrain appended beyond the exported ``rows`` are left out: the model has no row for them.
+    Returns the tokens written."""
     tokens = [tokenizer.inv_vocab[i] for i in range(tokenizer.vocab_size)]
     while rows is not None and len(tokens) > rows and _appended_wordpiece_token(tokens[-1]):
         tokens.pop()
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("".join(t + "\n" for t in tokens))
+    return tokens
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -253,8 +264,12 @@ def _find_hf_tokenizer(hf_dir: str, architecture: str) -> _Found | None:
     wordpiece = _find_wordpiece(hf_dir)
     if wordpiece is not None:
         kind = WORDPIECE_TYPES[0] if wordpiece.lower_case else WORDPIECE_TYPES[1]
-        return _Found({"tokenizer_type": kind, "vocab_file": "vocab.txt"},
-                      ["vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
+        tok_args: dict[str, Any] = {"tokenizer_type": kind, "vocab_file": "vocab.txt"}
+        sentinels = _sentinel_count(wordpiece.tokens if wordpiece.tokens is not None
+                                    else _read_lines(os.path.join(hf_dir, "vocab.txt")))
+        if sentinels:  # T5's <extra_id_i>: megatrain's WordPiece finds them in the file with --vocab-extra-ids
+            tok_args["vocab_extra_ids"] = sentinels
+        return _Found(tok_args, ["vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
                       wordpiece.tokens)
     if has("tokenizer.json"):
         return _Found({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "."},
@@ -277,8 +292,27 @@ def _place(found: _Found, hf_dir: str, out_dir: str) -> dict[str, Any]:
         with atomic_path(os.path.join(out_dir, "vocab.txt")) as tmp:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write("".join(t + "\n" for t in found.vocab_txt))
-    return {k: (v if k == "tokenizer_type" else os.path.normpath(os.path.join(out_dir, v)))
+    return {k: (os.path.normpath(os.path.join(out_dir, v)) if k in _FILE_FLAGS else v)
             for k, v in found.tok_args.items()}
+
+
+_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")  # tokenizer flags naming files of the folder
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\r\n") for line in f]
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def _sentinel_count(tokens: list[str]) -> int:
+    """How many of ``<extra_id_0>``, ``<extra_id_1>``, ... (in that order, without gaps) ``tokens`` has."""
+    present, n = set(tokens), 0
+    while f"<extra_id_{n}>" in present:
+        n += 1
+    return n
 
 
 def hf_tokenizer_vocab_size(hf_dir: str, architecture: str) -> int | None:

@@ -26,6 +26,7 @@ from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.loading import fill_tokenizer_args, load_model
+from megatrain.inference.seq2seq import is_encoder_decoder
 from megatrain.inference.text_generation import model_dtype
 from megatrain.training.builders import choose_device
 
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.micro_batch_size <= 0:
         raise SystemExit("error: --micro-batch-size must be positive")
     model, meta = load_model(args.load, choose_device(args.device), args.ckpt_step)
+    if is_encoder_decoder(model):
+        raise SystemExit(f"error: --load {args.load} holds an encoder-decoder (T5) model: this tool measures a "
+                         "left-to-right language model's loss; fine-tune it with finetune.py (validation loss) or "
+                         "generate with tools/generate.py")
     model.to(model_dtype(args))
     tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))
     if args.lambada:

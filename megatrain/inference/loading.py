@@ -46,13 +46,16 @@ def load_model(load: str, device: torch.device, step: int | None = None,
     return model, meta
 
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "vocab_extra_ids")
 
 
 def fill_tokenizer_args(args: argparse.Namespace, meta: dict[str, Any]) -> argparse.Namespace:
-    """Tokenizer flags not given on the command line are taken from the checkpoint's run arguments."""
+    """Tokenizer flags not given on the command line are taken from the checkpoint's run arguments
+    (``--vocab-extra-ids``, whose flag defaults to 0, when it is 0)."""
     saved = meta.get("args", {})
     for name in TOKENIZER_FIELDS:
-        if getattr(args, name, None) is None and saved.get(name) is not None:
+        current = getattr(args, name, None)
+        unset = current is None or (name == "vocab_extra_ids" and current == 0)
+        if unset and saved.get(name) is not None:
             setattr(args, name, saved[name])
     return args

@@ -11,7 +11,9 @@ and ``{"message": ...}``; an unexpected failure with a 500; the server keeps run
      "random_seed": 1234, "logprobs": false, "add_BOS": false}
     -> {"text": [prompt + completion, ...], "segments": [[token strings], ...], "logprobs": [[...], ...]}
 
-As in Megatron, the default is sampling at temperature 1; ``top_k: 1`` is greedy.
+As in Megatron, the default is sampling at temperature 1; ``top_k: 1`` is greedy. An encoder-decoder
+checkpoint (T5) takes the prompts as encoder inputs; ``text`` and ``segments`` are then its decoder's
+output and ``logprobs`` those of every generated token.
 
 ``POST /v1/completions``::
 
@@ -41,6 +43,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from megatrain.inference.seq2seq import (decoder_start_token, is_encoder_decoder, sequence_logprobs,
+                                         tokenize_with_sentinels)
 from megatrain.inference.text_generation import Completion, SamplingParams, complete
 from megatrain.json_input import parse_json
 
@@ -95,6 +99,7 @@ class TextGenerationService:
         config = getattr(model, "config", None)
         self.max_positions = (config.max_position_embeddings
                               if config is not None and config.position_embedding_type == "learned_absolute" else None)
+        self.seq2seq = is_encoder_decoder(model)  # T5: prompts are encoder inputs, answers decoder outputs
 
     # ---- shared checks ------------------------------------------------------------------------
     def _prompts(self, value: Any, name: str) -> list[str]:
@@ -115,7 +120,7 @@ class TextGenerationService:
         out = []
         for i, p in enumerate(prompts):
             try:
-                ids = self.tokenizer.tokenize(p)
+                ids = tokenize_with_sentinels(self.tokenizer, p) if self.seq2seq else self.tokenizer.tokenize(p)
             except ValueError as e:
                 raise RequestError(f"prompt {i} cannot be tokenized: {e}") from None
             if add_bos and self.tokenizer.bos is not None:
@@ -124,7 +129,11 @@ class TextGenerationService:
                 raise RequestError(f"prompt {i} has no tokens")
             if len(ids) > self.limits.max_prompt_tokens:
                 raise RequestError(f"prompt {i} has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
-            if self.max_positions is not None and len(ids) + tokens_to_generate - 1 > self.max_positions:
+            if self.max_positions is not None and self.seq2seq:  # the encoder's and the decoder's positions
+                if max(len(ids), tokens_to_generate) > self.max_positions:
+                    raise RequestError(f"prompt {i} ({len(ids)} tokens) or its {tokens_to_generate} new tokens exceed "
+                                       f"the model's {self.max_positions} positions")
+            elif self.max_positions is not None and len(ids) + tokens_to_generate - 1 > self.max_positions:
                 raise RequestError(f"prompt {i} ({len(ids)} tokens) plus {tokens_to_generate} new tokens exceeds "
                                    f"the model's {self.max_positions} positions")
             out.append(ids)
@@ -145,10 +154,16 @@ class TextGenerationService:
             except ValueError as e:
                 raise RequestError(str(e)) from None
 
-    def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of every token after the first of each sequence, under the model."""
+    def _logprobs(self, sequences: list[list[int]], encoder_ids: list[list[int]] | None = None) -> list[list[float]]:
+        """Log-probability of every token after the first of each sequence, under the model; for an
+        encoder-decoder of every token of each decoder output given its encoder input."""
         out = []
         device = next(self.model.parameters()).device
+        if encoder_ids is not None:
+            start = decoder_start_token(self.tokenizer)
+            with self.lock:
+                return [sequence_logprobs(self.model, enc, seq, start, self.tokenizer.vocab_size)
+                        for enc, seq in zip(encoder_ids, sequences)]
         with self.lock, torch.no_grad():
             for seq in sequences:
                 if len(seq) < 2:
@@ -196,14 +211,18 @@ class TextGenerationService:
         ids = self._tokenize(prompts, n, add_bos)
         params = SamplingParams(n, greedy=top_k == 1, temperature=float(temperature),
                                 top_k=0 if top_k == 1 else top_k, top_p=float(top_p), seed=seed)
+        if self.seq2seq and n == 0:
+            raise RequestError("tokens_to_generate must be positive for an encoder-decoder model (its output is "
+                               "what the decoder generates)")
         completions = self._run(prompts, ids, params)
-        full = [c.prompt_tokens + c.tokens for c in completions]
+        # an encoder-decoder answers with its decoder's output, not a continuation of the prompt
+        full = [c.tokens if self.seq2seq else c.prompt_tokens + c.tokens for c in completions]
         response: dict[str, Any] = {
             "text": [self.tokenizer.detokenize(seq) for seq in full],
             "segments": [[self.tokenizer.detokenize([t]) for t in seq] for seq in full],
         }
         if logprobs:
-            response["logprobs"] = self._logprobs(full)
+            response["logprobs"] = self._logprobs(full, ids if self.seq2seq else None)
         return response
 
     # ---- OpenAI POST /v1/completions ------------------------------------------------------------

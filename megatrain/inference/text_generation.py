@@ -3,6 +3,8 @@
 `complete()` is the text-in, text-out layer shared with the server and the evaluation tool: it
 tokenizes, runs :func:`generate` over micro-batches of prompts, turns stop strings into both early
 stopping (token sequences) and a cut of the decoded text, and reports why each completion ended.
+An encoder-decoder checkpoint (T5) takes the prompts as encoder inputs and completes them with the
+decoder (:mod:`megatrain.inference.seq2seq`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from megatrain.errors import user_errors_exit
 from megatrain.inference.fill_mask import masked_lm_hint
 from megatrain.inference.generation import generate
 from megatrain.inference.loading import fill_tokenizer_args, load_model
+from megatrain.inference.seq2seq import (decoder_start_token, end_token, generate_seq2seq, is_encoder_decoder,
+                                         tokenize_with_sentinels)
 from megatrain.parallel.distributed import destroy_distributed, init_distributed
 from megatrain.training.builders import choose_device
 
@@ -62,10 +66,11 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
     ``on_tokens(first, tokens)`` is called after every decoding step of the micro-batch whose
     first prompt is number ``first``, with each of its prompts' new token (None once stopped).
     """
+    seq2seq = is_encoder_decoder(model)  # T5: the prompts are encoder inputs, the completions decoder outputs
     if prompt_ids is None:
-        prompt_ids = [tokenizer.tokenize(p) for p in prompts]
+        prompt_ids = [tokenize_with_sentinels(tokenizer, p) if seq2seq else tokenizer.tokenize(p) for p in prompts]
     stop_seqs = [ids for ids in (tokenizer.tokenize(s) for s in params.stop) if ids] or None
-    eod = tokenizer.eod if params.stop_on_eod else None
+    eod = (end_token(tokenizer) if seq2seq else tokenizer.eod) if params.stop_on_eod else None
     size = micro_batch_size or len(prompts) or 1
     out: list[Completion] = []
     for start in range(0, len(prompts), size):
@@ -74,11 +79,16 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
             generated: list[list[int]] = [[] for _ in chunk]
         else:
             seed = None if params.seed is None else params.seed + start
+            sampling = dict(greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
+                            top_p=params.top_p, eod=eod, stop_token_sequences=stop_seqs, seed=seed,
+                            on_tokens=None if on_tokens is None else partial(on_tokens, start))
             with torch.no_grad():
-                generated = generate(model, chunk, params.tokens_to_generate, greedy=params.greedy,
-                                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                     eod=eod, stop_token_sequences=stop_seqs, seed=seed,
-                                     on_tokens=None if on_tokens is None else partial(on_tokens, start))
+                if seq2seq:
+                    generated = generate_seq2seq(model, chunk, params.tokens_to_generate,
+                                                 decoder_start=decoder_start_token(tokenizer),
+                                                 vocab_size=tokenizer.vocab_size, **sampling)
+                else:
+                    generated = generate(model, chunk, params.tokens_to_generate, **sampling)
         for prompt, ids, new in zip(prompts[start:start + size], chunk, generated):
             text = tokenizer.detokenize(new) if new else ""
             reason = "length"
@@ -172,10 +182,11 @@ def _generate_all(args: argparse.Namespace, prompts: list[str], device: torch.de
     params = SamplingParams(args.tokens_to_generate, args.greedy, args.temperature, args.top_k, args.top_p,
                             args.seed, list(args.stop))
     results = []
+    seq2seq = is_encoder_decoder(model)
     for c in complete(model, tokenizer, prompts, params, args.micro_batch_size):
         results.append({"prompt": c.prompt, "text": c.text, "tokens": c.tokens})
-        if first_rank:
-            print(f"--- prompt: {c.prompt!r}\n{c.prompt}{c.text}\n", flush=True)
+        if first_rank:  # an encoder-decoder's output is not a continuation of its input
+            print(f"--- prompt: {c.prompt!r}\n{c.text if seq2seq else c.prompt + c.text}\n", flush=True)
     if args.output_json and first_rank:
         atomic_write_json(args.output_json, results)
     sys.stdout.flush()

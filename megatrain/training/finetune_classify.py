@@ -4,7 +4,8 @@ with a BERT checkpoint, in the pre-training loop.
 ``finetune.py`` looks at the family its checkpoint records: a BERT checkpoint is fine-tuned for
 classification here (Megatron-LM's ``tasks/`` Classification model: the pooled ``[CLS]`` output,
 dropout, a new linear head); a GPT checkpoint runs ``finetune_gpt.py``'s supervised fine-tuning
-(:func:`megatrain.training.finetune.main`).
+(:func:`megatrain.training.finetune.main`), a T5 checkpoint input/target fine-tuning
+(:mod:`megatrain.training.finetune_seq2seq`).
 
 Data: jsonl files (``--train-data``, ``--valid-data``, several allowed), one example per line::
 
@@ -549,7 +550,8 @@ def gpt_argv(argv: Sequence[str], load_has_checkpoint: bool) -> list[str]:
 
 @user_errors_exit
 def main_any(argv: list[str] | None = None) -> None:
-    """``finetune.py``: classification for a BERT checkpoint, supervised fine-tuning for a GPT one."""
+    """``finetune.py``: classification for a BERT checkpoint, supervised fine-tuning for a GPT one,
+    input/target sequences for a T5 one (:mod:`megatrain.training.finetune_seq2seq`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = _preparse(argv)
     ckpt, flag = source_checkpoint(pre.load, pre.pretrained_checkpoint, pre.ckpt_step)
@@ -557,7 +559,8 @@ def main_any(argv: list[str] | None = None) -> None:
         if "-h" in argv or "--help" in argv:
             return main(argv)
         _fail("finetune.py starts from a checkpoint: give --pretrained-checkpoint DIR (or --load DIR); its model "
-              "family picks the task (bert: sequence classification, gpt: finetune_gpt.py's fine-tuning)"
+              "family picks the task (bert: sequence classification, gpt: finetune_gpt.py's fine-tuning, t5: "
+              "input/target sequences)"
               + (f"; --load {pre.load} holds none" if pre.load else ""))
     family = checkpointing.checkpoint_family(checkpointing.read_meta(ckpt))
     if family == FAMILY:
@@ -566,5 +569,9 @@ def main_any(argv: list[str] | None = None) -> None:
         from megatrain.training.finetune import main as gpt_main
 
         return gpt_main(gpt_argv(argv, load_has_checkpoint=flag == "--load"))
-    _fail(f"{flag} {ckpt} holds a {family!r} model; finetune.py fine-tunes BERT (classification) and GPT "
-          "(supervised fine-tuning) checkpoints")
+    from megatrain.training import finetune_seq2seq
+
+    if family == finetune_seq2seq.FAMILY:
+        return finetune_seq2seq.main(argv)
+    _fail(f"{flag} {ckpt} holds a {family!r} model; finetune.py fine-tunes BERT (classification), GPT "
+          "(supervised fine-tuning) and T5 (input/target sequences) checkpoints")

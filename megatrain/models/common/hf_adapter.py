@@ -9,7 +9,7 @@ projections, and the vocabulary rows trimmed to (or zero-padded up to) a size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -47,6 +47,9 @@ class HFAdapter:
     # the family's rule differs from the tokenizer files' (T5: the decoder starts with bos, [CLS] for
     # WordPiece, and stops at eos, [SEP]); keys bos/eos/pad/decoder_start_token_id. None: the files' ids.
     special_token_ids: Callable[[Any], dict[str, int | None]] | None = None
+    # Export: entries added to the tokenizer_config.json written (T5: model_input_names without
+    # token_type_ids, which T5ForConditionalGeneration does not take).
+    tokenizer_config: Mapping[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------

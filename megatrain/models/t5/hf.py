@@ -370,4 +370,5 @@ def _family_flags(cfg: T5Config) -> list[str]:
 ADAPTER = HFAdapter(architectures=(ARCHITECTURE,), accepts=_accepts, architecture=hf_architecture,
                     config_dict=hf_config_dict, to_hf_state_dict=to_hf_state_dict, config_from_hf=t5_config_from_hf,
                     from_hf_state_dict=from_hf_state_dict, vocab_from_tokenizer=True, generation_config=True,
-                    script="pretrain_t5.py", family_flags=_family_flags, special_token_ids=_special_token_ids)
+                    script="pretrain_t5.py", family_flags=_family_flags, special_token_ids=_special_token_ids,
+                    tokenizer_config={"model_input_names": ["input_ids", "attention_mask"]})
