@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 demo: env
 	$(PY) -m megatrain.demo
 
+# Two workers, each taking whole test files (module fixtures such as a spawned layout job stay in
+# one worker): the launched training processes leave a core idle much of the time.
 test: env
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -148,12 +148,14 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     if rows <= 0:
         raise ValueError(f"--vocab-size must be positive, got {rows}")
 
-    os.makedirs(output_path, exist_ok=True)
     print(f" exporting {ckpt} ({architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) to {output_path}",
           flush=True)
     state = load_full_state_dict(ckpt, cfg, family)
+    # The adapter may still refuse the weights themselves (T5's non-zero tied output bias): the output
+    # directory is made only once there is something to write into it.
     hf_state = hf.to_hf_state_dict(state, cfg, architecture, vocab_size=rows)
     hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state.items()}
+    os.makedirs(output_path, exist_ok=True)
 
     special = (write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings, tokenizer=tokenizer,
                                   vocab_rows=rows, extra_config=hf.tokenizer_config)

@@ -125,6 +125,7 @@ def test_refusals_are_one_line_naming_the_flag(tmp_path, capsys):
         biased.output_layer.bias[5] = 0.5
     with pytest.raises(UnsupportedModelError, match="--untie-embeddings-and-output-weights"):
         export_checkpoint(str(save(biased, tmp_path / "biased", vocab)), str(tmp_path / "ob"), progress=False)
+    assert not (tmp_path / "ob").exists()  # refused before anything was written
     with torch.no_grad():  # the padding rows' bias is not exported, so it may be anything
         biased.output_layer.bias.zero_()
         biased.output_layer.bias[V:] = 1.0
