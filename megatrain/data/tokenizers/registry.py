@@ -55,7 +55,9 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--vocab-file", type=str, default=None, help="Path to the vocab file.")
     group.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merge file.")
     group.add_argument("--vocab-extra-ids", type=int, default=0,
-                       help="Number of additional vocabulary tokens (T5 sentinels).")
+                       help="Number of additional vocabulary tokens (T5 sentinels). Current Megatron-LM ignores it "
+                            "for WordPiece (always 100 with BertWordPieceCase, none with BertWordPieceLowerCase); "
+                            "here it is honoured for both: give 100 with BertWordPieceCase for Megatron's vocabulary.")
     group.add_argument("--tokenizer-type", type=str, default=None, choices=list(TOKENIZER_TYPES),
                        help="What type of tokenizer to use.")
     group.add_argument("--tokenizer-model", type=str, default=None,
