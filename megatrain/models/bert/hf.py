@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from megatrain.models.bert.config import BertConfig
-from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError, fit_rows, qkv_join, qkv_split
+from megatrain.models.common.hf_adapter import (ConfigFields, HFAdapter, UnsupportedModelError, fit_rows, qkv_join,
+                                                qkv_split)
 
 __all__ = ["ADAPTER", "PRETRAINING", "MASKED_LM", "hf_architecture", "hf_config_dict", "bert_config_from_hf",
            "to_hf_state_dict", "from_hf_state_dict"]
@@ -154,17 +155,6 @@ def _architecture_of(hf: Mapping[str, Any]) -> str:
         "(the pre-training heads; the masked-LM head alone)")
 
 
-def _get(hf: Mapping[str, Any], key: str) -> Any:
-    value = hf.get(key)
-    return _HF_DEFAULTS[key] if value is None else value
-
-
-def _number(hf: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = _get(hf, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise UnsupportedModelError(f"config.json field {key}: expected a number, got {value!r}")
-    return kind(value)
-
 
 def bert_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[BertConfig, str]:
     """BertConfig (with the padded ``vocab_size``) and the architecture of a Hugging Face config dict."""
@@ -178,16 +168,17 @@ def bert_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[BertCon
         raise UnsupportedModelError("is_decoder=true: a causal MegatronBert; megatrain's BERT attends both ways")
     if hf.get("add_cross_attention"):
         raise UnsupportedModelError("add_cross_attention=true: megatrain's BERT has no cross-attention")
-    act = _get(hf, "hidden_act")
+    fields = ConfigFields(hf, _HF_DEFAULTS)
+    act = fields.get("hidden_act")
     if not isinstance(act, str) or act not in _GELU_OF_HF:
         raise UnsupportedModelError(
             f"hidden_act {act!r}: megatrain's BERT computes exact GELU (\"gelu\") or its tanh approximation "
             "(\"gelu_pytorch_tanh\", \"gelu_new\", \"gelu_fast\")")
-    hidden, heads = _number(hf, "hidden_size", int), _number(hf, "num_attention_heads", int)
+    hidden, heads = fields.number("hidden_size", int), fields.number("num_attention_heads", int)
     if heads <= 0 or hidden % heads:
         raise UnsupportedModelError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     binary_head = arch == PRETRAINING
-    type_vocab = _number(hf, "type_vocab_size", int)
+    type_vocab = fields.number("type_vocab_size", int)
     if binary_head and type_vocab != 2:
         raise UnsupportedModelError(
             f"type_vocab_size {type_vocab}: megatrain's BERT with the binary head has two token types (Megatron's)")
@@ -195,15 +186,15 @@ def bert_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[BertCon
         raise UnsupportedModelError(f"type_vocab_size {type_vocab}: expected at least 1")
     try:
         cfg = BertConfig(
-            num_layers=_number(hf, "num_hidden_layers", int), hidden_size=hidden, num_attention_heads=heads,
-            vocab_size=vocab_size, max_position_embeddings=_number(hf, "max_position_embeddings", int),
-            ffn_hidden_size=_number(hf, "intermediate_size", int), position_embedding_type="learned_absolute",
-            normalization="LayerNorm", norm_epsilon=_number(hf, "layer_norm_eps", float), swiglu=False,
+            num_layers=fields.number("num_hidden_layers", int), hidden_size=hidden, num_attention_heads=heads,
+            vocab_size=vocab_size, max_position_embeddings=fields.number("max_position_embeddings", int),
+            ffn_hidden_size=fields.number("intermediate_size", int), position_embedding_type="learned_absolute",
+            normalization="LayerNorm", norm_epsilon=fields.number("layer_norm_eps", float), swiglu=False,
             gelu_approximation=_GELU_OF_HF[act], add_bias_linear=True,
-            untie_embeddings_and_output_weights=not bool(_get(hf, "tie_word_embeddings")),
-            hidden_dropout=_number(hf, "hidden_dropout_prob", float),
-            attention_dropout=_number(hf, "attention_probs_dropout_prob", float),
-            init_method_std=_number(hf, "initializer_range", float),
+            untie_embeddings_and_output_weights=not bool(fields.get("tie_word_embeddings")),
+            hidden_dropout=fields.number("hidden_dropout_prob", float),
+            attention_dropout=fields.number("attention_probs_dropout_prob", float),
+            init_method_std=fields.number("initializer_range", float),
             add_binary_head=binary_head, num_tokentypes=2 if binary_head else 0)
     except ValueError as e:
         if isinstance(e, UnsupportedModelError):

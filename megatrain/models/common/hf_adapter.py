@@ -81,3 +81,21 @@ def fit_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     if w.shape[0] >= rows:
         return w[:rows]
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+class ConfigFields:
+    """Reads fields of a Hugging Face ``config.json`` with the class's defaults for the ones it omits (or
+    sets to null); a field that should be a number and is not raises the one-line UnsupportedModelError."""
+
+    def __init__(self, hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+        self.hf, self.defaults = hf, defaults
+
+    def get(self, key: str) -> Any:
+        value = self.hf.get(key)
+        return self.defaults[key] if value is None else value
+
+    def number(self, key: str, kind: type) -> Any:
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise UnsupportedModelError(f"config.json field {key}: expected a number, got {value!r}")
+        return kind(value)

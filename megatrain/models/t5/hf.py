@@ -55,7 +55,8 @@ from typing import Any
 
 import torch
 
-from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError, fit_rows, qkv_join, qkv_split
+from megatrain.models.common.hf_adapter import (ConfigFields, HFAdapter, UnsupportedModelError, fit_rows, qkv_join,
+                                                qkv_split)
 from megatrain.models.t5.config import T5Config
 
 __all__ = ["ADAPTER", "ARCHITECTURE", "hf_architecture", "hf_config_dict", "t5_config_from_hf", "to_hf_state_dict",
@@ -144,17 +145,6 @@ def hf_config_dict(cfg: T5Config, architecture: str, *, vocab_size: int, dtype: 
     }
 
 
-def _get(hf: Mapping[str, Any], key: str) -> Any:
-    value = hf.get(key)
-    return _HF_DEFAULTS[key] if value is None else value
-
-
-def _number(hf: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = _get(hf, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise UnsupportedModelError(f"config.json field {key}: expected a number, got {value!r}")
-    return kind(value)
-
 
 def _scaled(hf: Mapping[str, Any]) -> bool:
     """Whether Hugging Face scales the decoder output by d_model**-0.5 (tied embeddings)."""
@@ -175,7 +165,8 @@ def t5_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[T5Config,
     if hf.get("is_encoder_decoder") is False or hf.get("is_decoder"):
         raise UnsupportedModelError("is_encoder_decoder false / is_decoder true: megatrain's T5 is the whole "
                                     "encoder-decoder")
-    proj = _get(hf, "feed_forward_proj")
+    fields = ConfigFields(hf, _HF_DEFAULTS)
+    proj = fields.get("feed_forward_proj")
     if proj not in _MLP_OF_HF:
         why = {"relu": "the original T5's ReLU MLP", "gated-gelu": "T5 v1.1's / Flan-T5's gated GELU"}.get(
             proj, "this activation")
@@ -183,18 +174,18 @@ def t5_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[T5Config,
             f"feed_forward_proj {proj!r} ({why}) has no megatrain MLP: megatrain's T5 computes GELU (\"gelu\", "
             "\"gelu_new\") or SwiGLU (\"gated-silu\", --swiglu)")
     swiglu, gelu = _MLP_OF_HF[proj]
-    dropout = _number(hf, "dropout_rate", float)
+    dropout = fields.number("dropout_rate", float)
     try:
         cfg = T5Config(
-            num_layers=_number(hf, "num_layers", int),
-            decoder_num_layers=_number(hf, "num_decoder_layers", int) if hf.get("num_decoder_layers") is not None
+            num_layers=fields.number("num_layers", int),
+            decoder_num_layers=fields.number("num_decoder_layers", int) if hf.get("num_decoder_layers") is not None
             else None,
-            hidden_size=_number(hf, "d_model", int), num_attention_heads=_number(hf, "num_heads", int),
-            kv_channels=_number(hf, "d_kv", int), ffn_hidden_size=_number(hf, "d_ff", int), vocab_size=vocab_size,
-            max_position_embeddings=_number(hf, "n_positions", int), position_embedding_type="relative",
-            relative_attention_num_buckets=_number(hf, "relative_attention_num_buckets", int),
-            relative_attention_max_distance=_number(hf, "relative_attention_max_distance", int),
-            normalization="RMSNorm", norm_epsilon=_number(hf, "layer_norm_epsilon", float), swiglu=swiglu,
+            hidden_size=fields.number("d_model", int), num_attention_heads=fields.number("num_heads", int),
+            kv_channels=fields.number("d_kv", int), ffn_hidden_size=fields.number("d_ff", int), vocab_size=vocab_size,
+            max_position_embeddings=fields.number("n_positions", int), position_embedding_type="relative",
+            relative_attention_num_buckets=fields.number("relative_attention_num_buckets", int),
+            relative_attention_max_distance=fields.number("relative_attention_max_distance", int),
+            normalization="RMSNorm", norm_epsilon=fields.number("layer_norm_epsilon", float), swiglu=swiglu,
             gelu_approximation=gelu, add_bias_linear=False, untie_embeddings_and_output_weights=not _scaled(hf),
             hidden_dropout=dropout, attention_dropout=dropout)
     except ValueError as e:
