@@ -61,19 +61,25 @@ MakeDataset = Callable[..., object]
 # ----------------------------------------------------------------------------- flags -> numbers
 
 def parse_split(split: str, flag: str = "--split") -> list[float]:
-    """``"969,30,1"`` -> normalised weights ``[0.969, 0.03, 0.001]`` (missing entries are 0)."""
+    """``"969,30,1"`` -> normalised weights ``[0.969, 0.03, 0.001]`` (missing entries are 0).
+
+    Megatron-LM's ``parse_and_normalize_split``: the numbers are the runs of digits and dots, any
+    other character only separates them, so ``"'99,1,0'"`` (quotes a bash array passed literally),
+    ``"99 1 0"`` and ``"99/1/0"`` all mean 99,1,0."""
     text = str(split)
     numbers = re.findall(r"[.0-9]+", text)
-    leftover = re.sub(r"[.0-9]+", "", text)
-    if not numbers or leftover.strip(" ,/:") != "" or len(numbers) > 3:
-        raise ValueError(f"{flag} {split!r}: expected up to three non-negative numbers such as '969,30,1'")
+    if len(numbers) > 3:
+        raise ValueError(f"{flag} {split!r}: expected up to three non-negative numbers such as '969,30,1', "
+                         f"got {len(numbers)}")
     try:
         values = [float(n) for n in numbers]
     except ValueError:
-        raise ValueError(f"{flag} {split!r}: {numbers} are not all numbers") from None
+        raise ValueError(f"{flag} {split!r}: {', '.join(numbers)} are not all numbers") from None
     values += [0.0] * (3 - len(values))
     if sum(values) <= 0:
-        raise ValueError(f"{flag} {split!r}: the proportions must not all be zero")
+        got = "no number" if not numbers else "all zero"
+        raise ValueError(f"{flag} {split!r}: expected up to three non-negative numbers such as '969,30,1', "
+                         f"got {got}")
     w = np.asarray(values, dtype=np.float64)
     return (w / np.sum(w)).tolist()
 

@@ -47,7 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "gpipe")
 
-__all__ = ["PipelineConfig", "split_layers", "PipelineRankModel", "PipelineParallel", "SCHEDULES"]
+__all__ = ["PipelineConfig", "split_layers", "PipelineRankModel", "PipelineParallel", "SCHEDULES",
+           "stage_parameter_count"]
 
 
 # ---- configuration and the layer split ------------------------------------------------------------
@@ -397,6 +398,14 @@ class PipelineParallel:
                 grad = p.grad
             dist.all_reduce(grad, group=self._tied_group)
 
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """The whole model's parameter count: the stages of every pipeline rank (collective over the pp
+        group), the tied word embeddings counted once."""
+        total = torch.tensor([stage_parameter_count(self.stage_modules, exclude_embeddings)], dtype=torch.int64,
+                             device=self.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return int(total.item())
+
     def norm_parameters(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` without the stages' copies of other stages' weights (each counts once)."""
         if not self._norm_duplicates:
@@ -412,6 +421,16 @@ class PipelineParallel:
         if max_norm > 0.0 and params:
             clip_grads_with_norm_(params, max_norm, total)
         return total
+
+
+def stage_parameter_count(stages: Sequence[nn.Module], exclude_embeddings: bool = False) -> int:
+    """The parameters of some pipeline stages, each stage's copy of another stage's weight (the tied
+    word embeddings on the last stage) left out, so that the counts of all ranks sum to the model's."""
+    model = stages[0] if len(stages) == 1 else PipelineRankModel(stages)
+    count = type(stages[0]).num_parameters(model, exclude_embeddings)  # type: ignore[arg-type]
+    if not exclude_embeddings:  # exclude_embeddings already leaves the word-embedding copy out
+        count -= sum(p.numel() for m in stages for p in _stage_list(m, "norm_duplicates"))
+    return count
 
 
 def _stage_list(stage: nn.Module, method: str) -> list[torch.Tensor]:

@@ -315,6 +315,81 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
               f"{args.data_parallel_size})); raise --global-batch-size")
 
 
+def _apply_old_megatron_names(args: argparse.Namespace) -> None:
+    """Old Megatron-LM spellings of current flags: the data format, recomputation, warm-up."""
+    impl = getattr(args, "dataset_impl", None)
+    if impl in ("lazy", "cached"):
+        _fail(f"--dataset-impl {impl}: megatrain reads only Megatron's mmap .bin/.idx format (current Megatron-LM "
+              "too); convert the data with tools/preprocess_data.py, or give --dataset-impl mmap for mmap files")
+    given_layers = args.recompute_num_layers
+    method = getattr(args, "activations_checkpoint_method", None)
+    if method is not None:
+        if args.recompute_method is not None and args.recompute_method != method:
+            _fail(f"--activations-checkpoint-method is the old name of --recompute-method; give only one of them "
+                  f"(got {method} and {args.recompute_method})")
+        args.recompute_method = method
+        args.recompute_granularity = args.recompute_granularity or "full"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+    old_layers = getattr(args, "activations_checkpoint_num_layers", None)
+    if old_layers is not None:
+        if given_layers not in (None, old_layers):
+            _fail("--activations-checkpoint-num-layers is the old name of --recompute-num-layers; give only one")
+        args.recompute_num_layers = old_layers
+    if getattr(args, "recompute_activations", False):
+        # Megatron-LM: --recompute-activations sets --recompute-granularity selective.
+        if args.recompute_granularity == "full" or args.checkpoint_activations:
+            _fail("--recompute-activations means --recompute-granularity selective; it cannot be combined with "
+                  "full recomputation (--recompute-granularity full / --checkpoint-activations)")
+        args.recompute_granularity = "selective"
+    warmup = getattr(args, "warmup", None)
+    if warmup is not None:
+        given = [f for f, v in (("--lr-warmup-fraction", args.lr_warmup_fraction),
+                                ("--lr-warmup-iters", args.lr_warmup_iters or None),
+                                ("--lr-warmup-samples", args.lr_warmup_samples or None)) if v is not None]
+        if given:
+            _fail(f"--warmup is old Megatron-LM's warm-up fraction (now --lr-warmup-fraction); give only one of "
+                  f"--warmup and {given[0]}")
+        if not 0.0 <= warmup <= 1.0:
+            _fail(f"--warmup is a fraction of the decay iterations (old Megatron-LM; now --lr-warmup-fraction): "
+                  f"expected a value in [0, 1], got {warmup}")
+        args.lr_warmup_fraction = warmup
+
+
+_FSDP_STRATEGY_ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _apply_megatron_fsdp(args: argparse.Namespace) -> None:
+    """--use-megatron-fsdp and its family: FSDP2 at the ZeRO stage of the sharding strategy."""
+    if getattr(args, "outer_dp_sharding_strategy", None) not in (None, "no_shard"):
+        _fail(f"--outer-dp-sharding-strategy {args.outer_dp_sharding_strategy}: hybrid sharding (HSDP) is not "
+              "supported; megatrain shards over all data-parallel ranks (use no_shard)")
+    instances = getattr(args, "num_distributed_optimizer_instances", None)
+    if instances not in (None, 1):
+        _fail(f"--num-distributed-optimizer-instances {instances}: megatrain shards the optimizer state over all "
+              "data-parallel ranks (one instance); hybrid sharding is not supported")
+    for name in ("main_params", "main_grads", "grad_comm"):
+        dtype = getattr(args, f"megatron_fsdp_{name}_dtype", None)
+        flag = f"--megatron-fsdp-{name.replace('_', '-')}-dtype"
+        if dtype == "fp16" or (dtype == "bf16" and name == "main_params"):
+            _fail(f"{flag} {dtype} is not supported: megatrain keeps fp32 master weights and reduces gradients in "
+                  "fp32 or bf16 (--grad-reduce-in-bf16)")
+        if dtype == "bf16":
+            args.grad_reduce_in_bf16 = True
+    if getattr(args, "use_megatron_fsdp", False):
+        if args.use_torch_fsdp2:
+            _fail("--use-megatron-fsdp and --use-torch-fsdp2 cannot be used together (as in Megatron-LM)")
+        strategy = args.data_parallel_sharding_strategy or "optim_grads_params"  # Megatron-LM's default
+        stage = _FSDP_STRATEGY_ZERO[strategy]
+        if args.zero_stage not in (0, stage):
+            _fail(f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} means --zero-stage {stage}; "
+                  f"got --zero-stage {args.zero_stage}")
+        args.zero_stage = stage
+        if stage == 0:
+            args.use_distributed_optimizer = False  # no_shard: replicated, as Megatron-FSDP's no_shard
+    if args.use_torch_fsdp2 and not getattr(args, "torch_fsdp2_reshard_after_forward", True) and args.zero_stage == 0:
+        args.zero_stage = 2
+
+
 def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
                   config_from_args: Callable[..., Any] | None = None) -> argparse.Namespace:
     """Check flag combinations (clear messages naming the flags) and fill derived values.
@@ -329,6 +404,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         if args.micro_batch_size is not None and args.micro_batch_size != args.batch_size:
             _fail("--batch-size is the old name of --micro-batch-size; give only one of them")
         args.micro_batch_size = args.batch_size
+    _apply_old_megatron_names(args)
     if args.checkpoint_activations:
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
@@ -414,6 +490,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         args.train_iters_derived = args.train_samples // args.global_batch_size
     else:
         args.train_iters_derived = args.train_iters
+    _apply_megatron_fsdp(args)
     if args.use_distributed_optimizer and args.zero_stage == 0:
         args.zero_stage = 1
     if args.use_torch_fsdp2 and args.zero_stage == 0:

@@ -58,6 +58,41 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--log-memory-to-tensorboard": "peak memory is always written to TensorBoard on CUDA",
     "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 "
                                             "(unless --grad-reduce-in-bf16)",
+    "--dataset-impl": "old name of the data format: megatrain reads Megatron's mmap .bin/.idx files (mmap and "
+                      "infer mean that; lazy and cached are refused)",
+    "--data-impl": "old name of the data format: megatrain reads Megatron's mmap .bin/.idx files (mmap and "
+                   "infer mean that; lazy and cached are refused)",
+    "--activations-checkpoint-method": "old name of --recompute-method (it implies --recompute-granularity full, "
+                                       "as in the Megatron-LM versions that had it)",
+    "--activations-checkpoint-num-layers": "old name of --recompute-num-layers",
+    "--warmup": "old Megatron-LM's warm-up, a fraction of the decay iterations: means --lr-warmup-fraction",
+    "--recompute-activations": "means --recompute-granularity selective (as in Megatron-LM)",
+    "--use-megatron-fsdp": "data parallelism is PyTorch FSDP2: --data-parallel-sharding-strategy optim / "
+                           "optim_grads / optim_grads_params (the default) mean --zero-stage 1 / 2 / 3, no_shard "
+                           "means replicated data parallelism",
+    "--use-custom-fsdp": "old name of --use-megatron-fsdp: data parallelism is PyTorch FSDP2 (--zero-stage from "
+                         "--data-parallel-sharding-strategy)",
+    "--data-parallel-sharding-strategy": "optim / optim_grads / optim_grads_params mean --zero-stage 1 / 2 / 3 "
+                                         "with --use-megatron-fsdp (no effect without it, as in Megatron-LM)",
+    "--torch-fsdp2-no-reshard-after-forward": "with --use-torch-fsdp2: --zero-stage 2 (parameters gathered once "
+                                              "per step, not resharded after the forward)",
+    "--init-model-with-meta-device": "the model is always built on the meta device and materialised shard by "
+                                     "shard",
+    "--megatron-fsdp-version": "data parallelism is PyTorch FSDP2 (--zero-stage)",
+    "--outer-dp-sharding-strategy": "hybrid sharding (HSDP) is not separate here: sharding spans all "
+                                    "data-parallel ranks (no_shard only is accepted)",
+    "--num-distributed-optimizer-instances": "the optimizer state is sharded over all data-parallel ranks "
+                                             "(1 only is accepted)",
+    "--megatron-fsdp-main-params-dtype": "master weights are fp32 (fp32 / auto accepted)",
+    "--megatron-fsdp-main-grads-dtype": "gradients are accumulated in fp32 (bf16 means --grad-reduce-in-bf16)",
+    "--megatron-fsdp-grad-comm-dtype": "gradients are reduced in fp32 (bf16 means --grad-reduce-in-bf16)",
+    # Megatron-FSDP performance switches: FSDP2 manages its own buffers and communication.
+    **{flag: "a Megatron-FSDP buffer/communication tuning switch; FSDP2 manages its own (no effect)"
+       for flag in ("--fsdp-double-buffer", "--use-nccl-ub", "--disable-symmetric-registration",
+                    "--fsdp-manual-registration", "--create-all-gather-group", "--suggested-communication-unit-size",
+                    "--keep-fp8-transpose-cache", "--enable-full-sharding-in-hsdp",
+                    "--megatron-fsdp-enable-fine-grained-param-gather", "--megatron-fsdp-max-pool-double-buffer",
+                    "--fsdp-db-use-persist-buf-on-alloc-fail", "--no-gradient-reduce-div-fusion")},
 }
 
 # Megatron flags that megatrain knows but does not implement; they are refused with this reason.
@@ -123,4 +158,28 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
                    dest="keep_fp8_weight_transpose_cache")
     g.add_argument("--fp8-interval", type=int, default=None)
     g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument("--dataset-impl", "--data-impl", default=None, choices=["mmap", "infer", "lazy", "cached"],
+                   dest="dataset_impl")
+    g.add_argument("--activations-checkpoint-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--activations-checkpoint-num-layers", type=int, default=None)
+    g.add_argument("--warmup", type=float, default=None)
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--use-megatron-fsdp", "--use-custom-fsdp", action="store_true", dest="use_megatron_fsdp")
+    g.add_argument("--data-parallel-sharding-strategy", default=None,
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward")
+    g.add_argument("--init-model-with-meta-device", action="store_true")
+    g.add_argument("--megatron-fsdp-version", type=int, default=None, choices=[1, 2])
+    g.add_argument("--outer-dp-sharding-strategy", default=None, choices=["no_shard", "optim"])
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=None)
+    for name in ("main-params", "main-grads", "grad-comm"):
+        g.add_argument(f"--megatron-fsdp-{name}-dtype", default=None, choices=["fp32", "bf16", "fp16", "auto"])
+    for flag in ("--fsdp-double-buffer", "--use-nccl-ub", "--disable-symmetric-registration",
+                 "--fsdp-manual-registration", "--create-all-gather-group", "--keep-fp8-transpose-cache",
+                 "--enable-full-sharding-in-hsdp", "--megatron-fsdp-enable-fine-grained-param-gather",
+                 "--megatron-fsdp-max-pool-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail",
+                 "--no-gradient-reduce-div-fusion"):
+        g.add_argument(flag, action="store_true", dest="compat_" + flag.lstrip("-").replace("-", "_"))
+    g.add_argument("--suggested-communication-unit-size", type=int, default=None)
     g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])

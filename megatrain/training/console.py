@@ -3,12 +3,14 @@ validation lines (it holds the loss under pipeline parallelism), one write per l
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import Any
 
 from megatrain.parallel.distributed import get_rank, get_world_size
 
-__all__ = ["print_line", "print_rank0", "print_rank_last"]
+__all__ = ["launch_rank", "print_line", "print_rank0", "print_rank_last", "setup_logging"]
 
 
 def print_line(*a: Any) -> None:
@@ -17,8 +19,37 @@ def print_line(*a: Any) -> None:
     sys.stdout.flush()
 
 
+def launch_rank() -> int:
+    """This process's rank: torch.distributed's once started, before that the launcher's RANK."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def setup_logging(level: int | None) -> int | None:
+    """Megatron-LM's ``setup_logging``: ``--logging-level``, else ``MEGATRON_LOGGING_LEVEL``, sets the root
+    logger's level (else it is left alone). Returns the level set."""
+    if level is None:
+        env = os.environ.get("MEGATRON_LOGGING_LEVEL")
+        if env is not None:
+            try:
+                level = int(env)
+            except ValueError:
+                raise SystemExit(f"error: MEGATRON_LOGGING_LEVEL must be a number (like --logging-level), "
+                                 f"got {env!r}") from None
+    if level is not None:
+        logging.getLogger().setLevel(level)
+    return level
+
+
 def print_rank0(*a: Any) -> None:
-    if get_rank() == 0:
+    """Print on rank 0 only (before torch.distributed starts, the launcher's RANK tells)."""
+    if launch_rank() == 0:
         print_line(*a)
 
 

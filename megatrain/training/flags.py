@@ -38,6 +38,9 @@ def add_loop_flags(parser: argparse.ArgumentParser) -> None:
                         "micro-batch's tokens, then over micro-batches)")
     g.add_argument("--max-nan-iterations", type=int, default=10,
                    help="stop the run after this many iterations with a NaN/inf loss or gradient")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="keep training through iterations with a NaN/inf loss or gradient (their optimizer step "
+                        "is still skipped) instead of stopping after --max-nan-iterations")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g = flag_section(parser, "initialization")
     g.add_argument("--seed", type=int, default=1234)
@@ -131,6 +134,18 @@ def add_precision_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
 
 
+def _logging_level(text: str) -> int:
+    """--logging-level: a number, as Megatron-LM takes it, or a level name (DEBUG, INFO, ...)."""
+    import logging
+
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    level = logging.getLevelName(text.strip().upper())
+    if not isinstance(level, int):
+        raise argparse.ArgumentTypeError(f"expected a number or DEBUG, INFO, WARNING, ERROR, CRITICAL, got {text!r}")
+    return level
+
+
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     """TensorBoard and Weights & Biases."""
     g = flag_section(parser, "logging")
@@ -143,6 +158,9 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--logging-level", type=_logging_level, default=None,
+                   help="level of Python's root logger, a number (10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR) or "
+                        "a name; else the MEGATRON_LOGGING_LEVEL environment variable, as in Megatron-LM")
 
 
 def add_validation_flags(parser: argparse.ArgumentParser) -> None:

@@ -306,6 +306,8 @@ class StepMixin:
         self.last_result = (iteration, result)
 
     def _stop_on_nan_iterations(self) -> None:
+        if not getattr(self.args, "check_for_nan_in_loss_and_grad", True):
+            return  # --no-check-for-nan-in-loss-and-grad: such iterations are skipped, the run goes on
         if self.state.nan_iterations >= self.args.max_nan_iterations:
             raise SystemExit(f"error: stopping: {self.state.nan_iterations} iterations had a NaN/inf loss or "
                              f"gradient (--max-nan-iterations {self.args.max_nan_iterations}); lower --lr, use "

@@ -31,7 +31,7 @@ from megatrain.checkpoint import TrainState
 from megatrain.runtime.cuda_graph import MicroBatchGraphs
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import choose_device, padded_vocab_size
-from megatrain.training.console import print_rank0, print_rank_last
+from megatrain.training.console import print_rank0, print_rank_last, setup_logging
 from megatrain.training.evaluation import EvaluationMixin
 from megatrain.training.exits import ExitRequest
 from megatrain.training.flops import device_peak_tflops
@@ -291,7 +291,9 @@ class Trainer(StepMixin, EvaluationMixin):
         a = self.args
         train_iters = a.train_iters_derived
         exits = ExitRequest(a, self.start_time, self.device)
-        print_rank0(f" training: {self.module.num_parameters():,} parameters, {train_iters} iterations, "
+        # Under pipeline parallelism the whole model's count (every rank takes part in the sum).
+        n_params = self.pipeline.num_parameters() if self.pipeline is not None else self.module.num_parameters()
+        print_rank0(f" training: {n_params:,} parameters, {train_iters} iterations, "
                     f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
                     f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
                     f"on {self.device}" + (f"; {self.dims.describe()}" if self.world_size > 1 else ""))
@@ -420,6 +422,7 @@ def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer,
              family: str | ModelFamily = DEFAULT_FAMILY) -> TrainState:
     """Build everything from parsed arguments for a model ``family``, train, evaluate at the end, save
     (Megatron's ``pretrain``; the family stands for its model, dataset and forward-step providers)."""
+    setup_logging(getattr(args, "logging_level", None))
     for note in args.legacy_notes:
         print_rank0(note)
     trainer = trainer_class(args, family=family)

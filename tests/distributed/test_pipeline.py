@@ -88,6 +88,30 @@ def test_world4_pipeline_matches_one_process(world4, name):
 
 # ---- the layer split and the flags (no processes) -------------------------------------------------
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_stage_counts_sum_to_the_whole_model(tied):
+    """The start-up line's count under PP: each rank's stages, summed, give the model's (a tied
+    embedding copy on the last stage counted once); ranks with virtual stages too."""
+    import torch
+
+    from megatrain.models.gpt import GPTModel
+    from megatrain.models.gpt.config import GPTConfig
+    from megatrain.models.gpt.stage import GPTStage
+    from megatrain.parallel.pipeline import split_layers, stage_parameter_count
+
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=96,
+                       max_position_embeddings=64, untie_embeddings_and_output_weights=not tied)
+    with torch.device("meta"):
+        whole = GPTModel(config).num_parameters()
+        for pp, virtual in ((2, 1), (4, 1), (2, 2)):
+            split = split_layers(4, pp, virtual_stages=virtual)
+            stages = [GPTStage(config, ids, stage_index=s, num_stages=len(split)) for s, ids in enumerate(split)]
+            per_rank = [stage_parameter_count([st for s, st in enumerate(stages) if s % pp == r]) for r in range(pp)]
+            assert sum(per_rank) == whole, (pp, virtual, per_rank)
+            assert sum(per_rank) < sum(stage_parameter_count([st]) + sum(
+                p.numel() for p in st.norm_duplicates()) for st in stages) or not tied
+
+
 def test_split_layers_even_uneven_and_virtual():
     from megatrain.parallel.pipeline import split_layers
 

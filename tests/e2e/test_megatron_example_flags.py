@@ -45,3 +45,25 @@ def test_megatron_llama3_fp8_example_flags_run(tmp_path):
         assert f"note: {note}" in log, note
     assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert (out / "tb" / "trace_rank0_iters2-4.json").stat().st_size > 0
+
+
+# Megatron-LM's examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: its bash arrays expand
+# unquoted, so "--split '99,1,0'" reaches the parser with the quotes.
+MEGATRON_FSDP = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                 "--no-gradient-accumulation-fusion --calculate-per-token-loss --init-model-with-meta-device "
+                 "--ckpt-format fsdp_dtensor --use-nccl-ub --fsdp-double-buffer --fsdp-manual-registration "
+                 "--no-check-for-nan-in-loss-and-grad").split() + ["--split", "'99,1,0'"]
+
+
+def test_megatron_fsdp_example_flags_are_accepted():
+    pytest.importorskip("torchao.float8")
+    from megatrain.data.dataset_builder import parse_split
+    from megatrain.training.arguments import parse_args
+
+    example = [f for f in EXAMPLE if f != "--split" and f != "99,1,0"]
+    args = parse_args([*example, *SHRUNK, *MEGATRON_FSDP])
+    assert args.zero_stage == 3 and not args.check_for_nan_in_loss_and_grad
+    assert parse_split(args.split) == pytest.approx([0.99, 0.01, 0.0])
+    notes = "\n".join(args.legacy_notes)
+    for flag in ("--use-megatron-fsdp", "--init-model-with-meta-device", "--use-nccl-ub", "--fsdp-double-buffer"):
+        assert f"note: {flag} " in notes, flag

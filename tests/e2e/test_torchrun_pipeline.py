@@ -102,3 +102,22 @@ def test_fp8_under_pipeline_parallelism_trains_like_one_fp8_process():
     assert len(train) == len(ref_train) == 4
     for (loss, _), (ref_loss, _) in zip(train, ref_train):
         assert loss == pytest.approx(ref_loss, rel=1e-3)  # bf16 activations: summation order differs
+
+
+@pytest.mark.slow
+def test_pipeline_start_up_counts_the_whole_model_and_notes_print_once():
+    """The `training: N parameters` line under PP=2 counts both stages (the tied embedding once), as one
+    process does; a compatibility flag's note is printed once, by rank 0, not by every rank."""
+    import re
+
+    short = [*ARGS, "--train-iters", "1", "--eval-iters", "0", "--use-flash-attn"]
+
+    def count(stdout: str) -> int:
+        return int(re.search(r" training: ([\d,]+) parameters", stdout).group(1).replace(",", ""))
+
+    one = run_cmd([sys.executable, "pretrain_gpt.py", *short], env=_env()).stdout
+    pp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(_free_port()), "pretrain_gpt.py", *short, "--pipeline-model-parallel-size", "2"],
+                 env=_env(), timeout=600).stdout
+    assert count(pp) == count(one)
+    assert pp.count("note: --use-flash-attn") == 1

@@ -191,3 +191,116 @@ def test_fp32_residual_connection_reaches_the_model_config():
     assert model_config_from_args(default, 128).fp32_residual_connection is False  # Megatron's default
     on = parse_args([*BASE, "--bf16", "--fp32-residual-connection"], validate=True)
     assert model_config_from_args(on, 128).fp32_residual_connection is True
+
+
+# ---- issue 23: Megatron-LM users' scripts run unchanged ---------------------------------------------
+
+def test_split_with_literal_quotes_as_bash_arrays_pass_it():
+    from megatrain.data.dataset_builder import parse_split
+
+    a = parse("--split", "'99,1,0'")
+    assert parse_split(a.split) == pytest.approx([0.99, 0.01, 0.0])
+
+
+@pytest.mark.parametrize("flag", ["--dataset-impl", "--data-impl"])
+def test_old_data_format_flags(capsys, flag):
+    for value in ("mmap", "infer"):
+        a = parse(flag, value)
+        assert any(n.startswith(f"note: {flag} ") for n in a.legacy_notes)
+    msg = fails(capsys, flag, "lazy")
+    assert "--dataset-impl lazy" in msg and "mmap" in msg and "\n" not in msg
+
+
+def test_activations_checkpoint_method_is_the_old_recompute_method(capsys):
+    a = parse("--activations-checkpoint-method", "block", "--activations-checkpoint-num-layers", "2")
+    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "block", 2)
+    assert any(n.startswith("note: --activations-checkpoint-method") for n in a.legacy_notes)
+    assert "give only one" in fails(capsys, "--activations-checkpoint-method", "block", "--recompute-method",
+                                    "uniform")
+    a = parse("--checkpoint-activations", "--activations-checkpoint-num-layers", "2")
+    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "uniform", 2)
+
+
+def test_old_warmup_is_a_fraction_of_the_decay_iterations(capsys):
+    a = parse("--warmup", "0.01")
+    assert a.lr_warmup_fraction == 0.01 and any(n.startswith("note: --warmup") for n in a.legacy_notes)
+    from megatrain.training.run_config import RunConfig
+
+    assert RunConfig.from_args(a) is not None
+    assert "--lr-warmup-iters" in fails(capsys, "--warmup", "0.1", "--lr-warmup-iters", "5")
+    assert "[0, 1]" in fails(capsys, "--warmup", "100")
+
+
+def test_recompute_activations_is_selective_recompute(capsys):
+    a = parse("--recompute-activations")
+    assert a.recompute_granularity == "selective"
+    assert "--recompute-activations" in fails(capsys, "--recompute-activations", "--recompute-granularity", "full")
+    assert "--recompute-activations" in fails(capsys, "--recompute-activations", "--checkpoint-activations")
+
+
+def test_logging_level_sets_the_root_logger(monkeypatch):
+    import logging
+
+    from megatrain.training.console import setup_logging
+
+    root = logging.getLogger()
+    before = root.level
+    try:
+        assert parse("--logging-level", "30").logging_level == 30
+        assert parse("--logging-level", "debug").logging_level == logging.DEBUG
+        assert setup_logging(40) == 40 and root.level == 40
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "10")
+        assert setup_logging(None) == 10 and root.level == 10  # the environment, as in Megatron-LM
+        assert setup_logging(20) == 20 and root.level == 20  # the flag wins
+    finally:
+        root.setLevel(before)
+
+
+def test_no_check_for_nan_keeps_training_through_nan_iterations():
+    from types import SimpleNamespace
+
+    from megatrain.training.step import StepMixin as TrainStep
+
+    assert parse().check_for_nan_in_loss_and_grad is True
+    a = parse("--no-check-for-nan-in-loss-and-grad")
+    assert a.check_for_nan_in_loss_and_grad is False
+    step = SimpleNamespace(state=SimpleNamespace(nan_iterations=50), args=a)
+    TrainStep._stop_on_nan_iterations(step)  # does not stop
+    with pytest.raises(SystemExit, match="--max-nan-iterations"):
+        TrainStep._stop_on_nan_iterations(SimpleNamespace(state=step.state, args=parse()))
+
+
+@pytest.mark.parametrize("strategy, stage", [("optim", 1), ("optim_grads", 2), ("optim_grads_params", 3),
+                                             (None, 3), ("no_shard", 0)])
+def test_megatron_fsdp_maps_to_zero_stages(strategy, stage):
+    extra = ["--data-parallel-sharding-strategy", strategy] if strategy else []
+    a = parse("--use-megatron-fsdp", *extra, "--use-distributed-optimizer", "--init-model-with-meta-device",
+              "--fsdp-double-buffer", "--use-nccl-ub", "--ckpt-format", "fsdp_dtensor",
+              "--outer-dp-sharding-strategy", "no_shard", "--num-distributed-optimizer-instances", "1",
+              "--megatron-fsdp-main-params-dtype", "fp32", "--suggested-communication-unit-size", "1000",
+              world_size=2)
+    assert a.zero_stage == stage
+    notes = "\n".join(a.legacy_notes)
+    for flag in ("--use-megatron-fsdp", "--init-model-with-meta-device", "--fsdp-double-buffer", "--use-nccl-ub"):
+        assert f"note: {flag} " in notes, flag
+
+
+def test_megatron_fsdp_refusals_name_the_flag(capsys):
+    assert "--zero-stage 3" in fails(capsys, "--use-megatron-fsdp", "--zero-stage", "1", world_size=2)
+    assert "--outer-dp-sharding-strategy optim" in fails(capsys, "--use-megatron-fsdp",
+                                                         "--outer-dp-sharding-strategy", "optim")
+    assert "--num-distributed-optimizer-instances 2" in fails(capsys, "--num-distributed-optimizer-instances", "2")
+    assert "--megatron-fsdp-main-params-dtype bf16" in fails(capsys, "--megatron-fsdp-main-params-dtype", "bf16")
+    assert parse("--megatron-fsdp-grad-comm-dtype", "bf16").grad_reduce_in_bf16
+    assert parse("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward").zero_stage == 2
+
+
+def test_notes_are_printed_by_rank_0_only(monkeypatch, capsys):
+    from megatrain.training.console import print_rank0
+
+    monkeypatch.setenv("RANK", "1")  # a launcher's rank before torch.distributed starts
+    print_rank0("note: x")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    print_rank0("note: x")
+    assert capsys.readouterr().out == "note: x\n"

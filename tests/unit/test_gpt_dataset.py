@@ -176,9 +176,17 @@ def test_split_parsing_and_ranges():
     matrix = split_matrix_from_vector(parse_split("98,2,0"))
     assert matrix[2] is None
     assert split_ranges(1000, matrix)[:2] == [(0, 980), (980, 1000)]
-    for bad in ("abc", "1,-2,3", "0,0,0", "1,2,3,4", "90;5x5"):
+    for bad in ("abc", "", "0,0,0", "1,2,3,4", "1.2.3,4"):
         with pytest.raises(ValueError, match="--split"):
             parse_split(bad)
+
+
+def test_split_ignores_non_numeric_characters_as_megatron_does():
+    # Megatron-LM keeps only the runs of digits and dots: quotes that bash arrays pass literally
+    # (its llama3 / megatron_fsdp / gptoss scripts), spaces and other separators.
+    for text in ("'99,1,0'", '"99,1,0"', "99 1 0", "99/1/0", "99;1x0", "99,1"):
+        assert parse_split(text) == pytest.approx([0.99, 0.01, 0.0]), text
+    assert parse_split("1,-2,3") == pytest.approx([1 / 6, 2 / 6, 3 / 6])  # '-' is not part of a number there
 
 
 def test_blend_parsing():

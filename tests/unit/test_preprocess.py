@@ -263,3 +263,39 @@ def test_iter_texts_reports_bad_lines(tmp_path):
     with pytest.raises(PreprocessError, match=r"c.jsonl:3: invalid JSON"):
         list(pp.iter_texts(inp))
     assert list(pp.iter_texts(inp, skip_bad_lines=True)) == ["a", "b", "c"]
+
+
+def test_find_optimal_num_workers_times_each_count_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pp_inputs, "CHUNK_LINES", 5)
+    inp = write_jsonl(tmp_path / "c.jsonl", [{"text": "1 2 3 4"}] * 60)
+    from megatrain.data.preprocess import command
+
+    stats, real = [], command.preprocess
+
+    def counting(cfg, s=None):
+        out = real(cfg, s)
+        stats.append((cfg.workers, s.documents))
+        return out
+
+    monkeypatch.setattr(command, "preprocess", counting)
+    assert run(tmp_path, inp, *NULL, "--find-optimal-num-workers", "--workers-to-check", "1", "2", "3",
+               "--partitions", "1", "--max-documents", "10") == []
+    out = capsys.readouterr().out
+    assert [w for w, _ in stats] == [1, 2, 3]
+    assert all(10 <= n <= 15 for _, n in stats), stats  # stops at the end of the chunk reaching 10
+    assert "The most optimal num of workers is" in out and "run again with --workers" in out
+    assert files_in(tmp_path) == ["c.jsonl"]  # trial outputs went to a temporary directory
+
+
+def test_find_optimal_num_workers_refuses_counts_that_do_not_divide(tmp_path):
+    inp = write_jsonl(tmp_path / "c.jsonl", [{"text": "1 2"}])
+    with pytest.raises(SystemExit, match="--workers-to-check 3"):
+        run(tmp_path, inp, *NULL, "--workers", "2", "--partitions", "2", "--find-optimal-num-workers",
+            "--workers-to-check", "3")
+
+
+def test_max_documents_without_find_optimal_is_a_note_as_in_megatron(tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "c.jsonl", [{"text": "1 2 3"}] * 20)
+    (prefix,) = run(tmp_path, inp, *NULL, "--max-documents", "5")
+    assert len(IndexedDataset(prefix)) == 20
+    assert "note: --max-documents has no effect without --find-optimal-num-workers" in capsys.readouterr().out

@@ -34,6 +34,8 @@ class PreprocessConfig:
     input_format: str = "auto"
     #: show a tqdm progress bar (when stderr is a terminal); else log lines every log_interval docs
     progress: bool = True
+    #: stop reading after the chunk holding this many documents (--find-optimal-num-workers' trial runs)
+    max_documents: int | None = None
 
     @property
     def level(self) -> str:
@@ -68,6 +70,8 @@ def _check_config(cfg: PreprocessConfig) -> None:
         raise PreprocessError(
             f"--workers {cfg.workers} must be divisible by --partitions {cfg.partitions} (as in Megatron-LM)"
         )
+    if cfg.max_documents is not None and cfg.max_documents < 1:
+        raise PreprocessError(f"--max-documents must be at least 1, got {cfg.max_documents}")
     if not cfg.json_keys:
         raise PreprocessError("--json-keys needs at least one key")
     if len(set(cfg.json_keys)) != len(cfg.json_keys):

@@ -127,6 +127,8 @@ def _preprocess_locked(cfg: PreprocessConfig, files: list[str], prefixes: list[s
             stats.empty_documents += result.n_empty_docs
             stats.empty_sentences += result.n_empty_sentences
             progress.update(n_docs, tokens, result.nbytes)
+            if cfg.max_documents is not None and stats.documents >= cfg.max_documents:
+                break
         chunks.close()
         outputs.publish(stats)
     except BaseException as e:
