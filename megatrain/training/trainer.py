@@ -210,7 +210,9 @@ class Trainer(StepMixin, EvaluationMixin):
                                                       data_sharding=a.data_sharding))
 
         self.train_iter = loader(self.train_ds, self.state.consumed_train_samples)
-        self.valid_iter = loader(self.valid_ds, self.state.consumed_valid_samples)
+        # --eval-iters 0: no validation (Megatron's do_valid), so no loader; a BERT/T5 split of 0 samples
+        # (what eval_iters 0 asks for) would refuse to make one.
+        self.valid_iter = loader(self.valid_ds, self.state.consumed_valid_samples) if a.eval_iters > 0 else None
 
     def _load(self, load: str) -> None:
         a = self.args
