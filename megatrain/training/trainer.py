@@ -210,9 +210,12 @@ class Trainer(StepMixin, EvaluationMixin):
                                                       data_sharding=a.data_sharding))
 
         self.train_iter = loader(self.train_ds, self.state.consumed_train_samples)
-        # --eval-iters 0: no validation (Megatron's do_valid), so no loader; a BERT/T5 split of 0 samples
-        # (what eval_iters 0 asks for) would refuse to make one.
-        self.valid_iter = loader(self.valid_ds, self.state.consumed_valid_samples) if a.eval_iters > 0 else None
+        # A split with no samples (BERT/T5 under --eval-iters 0 ask for none) gets no loader: its sampler
+        # would refuse. Every other validation split keeps its loader even without evaluation, because
+        # starting a loader draws its base seed from torch's global generator, and the dropout masks
+        # (so the losses of runs and checkpoints made so far) follow from that generator's state.
+        empty = self.valid_ds is not None and len(self.valid_ds) == 0
+        self.valid_iter = None if empty else loader(self.valid_ds, self.state.consumed_valid_samples)
 
     def _load(self, load: str) -> None:
         a = self.args
