@@ -60,7 +60,9 @@ def _differing(saved: dict[str, Any], current: Any, how: str, checks: Mapping[st
         if check.how != how or name not in cur or not compared(check):
             continue
         ours, theirs = cur[name], saved.get(name, defaults.get(name))
-        if theirs is not None and theirs != ours:
+        if isinstance(ours, tuple) and isinstance(theirs, list):  # meta.json has no tuples
+            theirs = tuple(theirs)
+        if (theirs is not None or check.none_is_value) and theirs != ours:
             yield check, theirs, ours
 
 

@@ -128,6 +128,9 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     hf = family.hf
     architecture = hf.architecture(cfg)  # refuse before reading any weights
     saved_args = meta.get("args", {}) or {}
+    imported_as = saved_args.get("hf_architecture")
+    if imported_as and imported_as != architecture and hf.exports_as is not None and hf.exports_as(cfg, imported_as):
+        architecture = imported_as  # back to the class it came from (Mistral rather than Llama)
     max_shard_bytes = parse_size(max_shard_size)
     tok_args = {k: saved_args.get(k) for k in TOKENIZER_FIELDS if saved_args.get(k) is not None}
     for k, v in (tokenizer_overrides or {}).items():

@@ -131,8 +131,14 @@ def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int,
         flags += ["--swiglu"]
     if not cfg.add_bias_linear:
         flags += ["--disable-bias-linear"]
+        if getattr(cfg, "add_qkv_bias", False):
+            flags += ["--add-qkv-bias"]
     elif not cfg.swiglu and cfg.gelu_approximation == "none":
         flags += ["--no-bias-gelu-fusion"]  # exact GELU (the default with biases is the tanh approximation)
+    if getattr(cfg, "qk_layernorm", False):
+        flags += ["--qk-layernorm"]
+    if getattr(cfg, "window_size", None) is not None:
+        flags += ["--window-size", ",".join(str(w) for w in cfg.window_size)]
     if cfg.untie_embeddings_and_output_weights:
         flags += ["--untie-embeddings-and-output-weights"]
     flags += list(family_flags or [])

@@ -88,6 +88,8 @@ class _SequenceGather:
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Install the key/value gather on every transformer layer's ``core_attention`` (in place)."""
+    if getattr(getattr(model, "config", None), "window_size", None) is not None:
+        raise ValueError("--window-size with --context-parallel-size > 1 is not supported yet")
     hook = _SequenceGather(cp_mesh)
     for layer in transformer_layers(model):
         layer.self_attention.core_attention.register_forward_pre_hook(hook)

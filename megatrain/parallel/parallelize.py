@@ -162,7 +162,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     if device.type == "cuda":
         # An encoder's padding mask is an explicit mask too (flash attention takes only causal ones).
         warn_if_attention_falls_back(config, cfg.compute_dtype, device,
-                                     explicit_mask=cfg.attention_mask or not config.causal_attention)
+                                     explicit_mask=cfg.attention_mask or not config.causal_attention
+                                     or getattr(config, "window_size", None) is not None)
     wrapped = model
     if distributed and dims.replicas > 1 and not fsdp:
         wrapped = apply_ddp(model, dims.replica_mesh(), cfg.data_parallel, device)

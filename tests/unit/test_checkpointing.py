@@ -214,6 +214,11 @@ def test_config_differences_field_by_field():
     assert diff(swiglu=True, ffn_hidden_size=64) == ["--swiglu: checkpoint without, flags with"]
     assert diff(apply_layernorm_1p=True)[0].startswith("--apply-layernorm-1p: checkpoint without, flags with")
     assert diff(normalization="RMSNorm") == ["--normalization: checkpoint LayerNorm, flags RMSNorm"]
+    assert diff(add_qkv_bias=True) == ["--add-qkv-bias: checkpoint without, flags with"]
+    assert diff(qk_layernorm=True) == ["--qk-layernorm: checkpoint without, flags with"]
+    assert diff(window_size=(7, 0)) == ["--window-size: checkpoint None, flags (7, 0)"]
+    windowed = {**saved, "window_size": [7, 0]}  # as meta.json holds it
+    assert checkpointing.config_differences(windowed, GPTConfig(**{**rope.__dict__, "window_size": (7, 0)})) == []
     assert diff(gelu_approximation="tanh", hidden_dropout=0.5) == []  # a warning elsewhere; regularisation
     learned = dict(CONFIG.__dict__)
     assert checkpointing.config_differences(learned, GPTConfig(**{**CONFIG.__dict__, "rotary_base": 5.0})) == []
@@ -222,7 +227,8 @@ def test_config_differences_field_by_field():
     assert checkpointing.config_differences(learned, rope) == [
         "--position-embedding-type: checkpoint learned_absolute, flags rope"]
     # A field the checkpoint predates counts as its default; a checkpoint with no config is not compared.
-    del learned["norm_epsilon"]
+    del learned["norm_epsilon"], learned["qk_layernorm"], learned["add_qkv_bias"], learned["window_size"]  # older checkpoints: defaults
+    assert checkpointing.config_differences(learned, GPTConfig(**CONFIG.__dict__)) == []
     assert checkpointing.config_differences(learned, GPTConfig(**{**CONFIG.__dict__, "norm_epsilon": 1e-6})) == [
         "--norm-epsilon: checkpoint 1e-05, flags 1e-06"]
     assert checkpointing.config_differences({}, rope) == []

@@ -52,7 +52,39 @@ STYLES = {
                                vocab_size=VOCAB, ffn_hidden_size=48, position_embedding_type="rope",
                                normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                                untie_embeddings_and_output_weights=True, apply_layernorm_1p=True),
+    # GPT-2 always has biases: --add-qkv-bias alone exports with the other biases zero
+    "gpt2_qkv_bias_only": dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                               max_position_embeddings=64, add_bias_linear=False, add_qkv_bias=True),
+    # --disable-bias-linear --add-qkv-bias: Qwen2 (tied, as Qwen2-0.5B; a padded vocabulary never leaks)
+    "qwen2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB,
+                  ffn_hidden_size=48, position_embedding_type="rope", rotary_base=1e6, normalization="RMSNorm",
+                  swiglu=True, add_bias_linear=False, add_qkv_bias=True, max_position_embeddings=128),
+    "qwen2_untied_kv_channels": dict(num_layers=1, hidden_size=32, num_attention_heads=4, kv_channels=12,
+                                     vocab_size=VOCAB, ffn_hidden_size=40, position_embedding_type="rope",
+                                     normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=True,
+                                     untie_embeddings_and_output_weights=True),
+    # --qk-layernorm with a head dim independent of hidden / heads (--kv-channels): Qwen3
+    "qwen3": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                  vocab_size=VOCAB, ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm",
+                  swiglu=True, add_bias_linear=False, qk_layernorm=True, max_position_embeddings=128),
+    "qwen3_untied_layernorm_1p": dict(num_layers=1, hidden_size=32, num_attention_heads=2, kv_channels=24,
+                                      vocab_size=VOCAB, ffn_hidden_size=40, position_embedding_type="rope",
+                                      normalization="RMSNorm", swiglu=True, add_bias_linear=False, qk_layernorm=True,
+                                      untie_embeddings_and_output_weights=True, apply_layernorm_1p=True),
+    # --window-size 5,0 (sequences of 17 tokens and more: the window matters): Mistral's sliding_window 6,
+    # or Qwen's with every layer sliding
+    "mistral_window": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=1, vocab_size=VOCAB,
+                           ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                           add_bias_linear=False, untie_embeddings_and_output_weights=True, window_size=(5, 0)),
+    "qwen2_window": dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=40,
+                         position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                         add_qkv_bias=True, window_size=(3, 0)),
+    "qwen3_window": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                         vocab_size=VOCAB, ffn_hidden_size=40, position_embedding_type="rope", normalization="RMSNorm",
+                         swiglu=True, add_bias_linear=False, qk_layernorm=True, window_size=(7, -1)),
 }
+EXPORTED_AS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def random_model(style: str) -> GPTModel:
@@ -80,7 +112,7 @@ def test_export_logits_and_greedy_generation_match(style, tmp_path):
     model = random_model(style)
     export_checkpoint(str(save(model, tmp_path / "ckpt")), str(tmp_path / "hf"), progress=False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM" if style.startswith("llama") else "GPT2LMHeadModel"]
+    assert config["architectures"] == [EXPORTED_AS[style.split("_")[0]]]
     hf = hf_load(tmp_path / "hf")
     tokens = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -138,11 +170,50 @@ def _hf_llama_folder(path: Path) -> "transformers.PreTrainedModel":
     return model
 
 
-@pytest.mark.parametrize("source", ["gpt2_bin", "gpt2_safetensors", "gpt2_gelu_new", "gpt2_gelu_pytorch_tanh", "llama"])
+# Tiny random models of the LLaMA-like classes, as their configs describe them (transformers' own classes).
+LLAMA_LIKE_SOURCES = {
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        intermediate_size=40, vocab_size=100, max_position_embeddings=64, sliding_window=None,
+        rope_theta=1e4, tie_word_embeddings=False)),
+    "mistral_sliding_window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+        vocab_size=100, max_position_embeddings=64, sliding_window=4)),
+    "qwen2_sliding_window": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+        vocab_size=100, max_position_embeddings=64, use_sliding_window=True, sliding_window=5, max_window_layers=0)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+        vocab_size=100, max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen2_untied": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=40,
+        vocab_size=100, max_position_embeddings=64, tie_word_embeddings=False)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=40, vocab_size=100, max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3_untied": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+        intermediate_size=40, vocab_size=100, max_position_embeddings=64, tie_word_embeddings=False)),
+}
+
+
+def _hf_llama_like_folder(path: Path, source: str) -> "transformers.PreTrainedModel":
+    torch.manual_seed(5)
+    model = LLAMA_LIKE_SOURCES[source]().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.mark.parametrize("source", ["gpt2_bin", "gpt2_safetensors", "gpt2_gelu_new", "gpt2_gelu_pytorch_tanh", "llama",
+                                    *LLAMA_LIKE_SOURCES])
 def test_import_matches_hf_and_round_trip_is_lossless(source, tmp_path):
     src = tmp_path / "src"
     activation = source.removeprefix("gpt2_") if "gelu" in source else "gelu"
     hf = (_hf_llama_folder(src) if source == "llama"
+          else _hf_llama_like_folder(src, source) if source in LLAMA_LIKE_SOURCES
           else _hf_gpt2_folder(src, safe=source != "gpt2_bin", activation=activation))
     ckpt = import_hf_model(str(src), str(tmp_path / "ckpt"))
     model, meta = load_model(str(tmp_path / "ckpt"), torch.device("cpu"))
@@ -153,6 +224,18 @@ def test_import_matches_hf_and_round_trip_is_lossless(source, tmp_path):
         theirs = hf(tokens).logits
     assert (ours[..., : hf.config.vocab_size] - theirs).abs().max().item() < 1e-4
     assert os.path.basename(ckpt) == "iter_0000000"
+    if source in LLAMA_LIKE_SOURCES:  # the printed flags rebuild exactly this model
+        from megatrain.models.gpt.config import gpt_config_from_args
+        from megatrain.training.arguments import parse_args
+        args = parse_args([*meta["args"]["pretrain_flags"], "--seq-length", "16", "--micro-batch-size", "1",
+                           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                           "--train-iters", "1", "--lr", "1e-3"])
+        assert gpt_config_from_args(args, model.config.vocab_size) == model.config
+    if source in LLAMA_LIKE_SOURCES:  # greedy generation token for token
+        with torch.no_grad():
+            expected = hf.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=8, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+        assert generate(model, tokens.tolist(), 8) == expected[:, tokens.shape[1]:].tolist()
 
     export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "back"), progress=False)
     original = {k: v for k, v in hf.state_dict().items() if not k.endswith(".attn.bias")}
@@ -164,8 +247,8 @@ def test_import_matches_hf_and_round_trip_is_lossless(source, tmp_path):
         assert torch.equal(back[k], v), k
     before = json.loads((src / "config.json").read_text())
     after = json.loads((tmp_path / "back" / "config.json").read_text())
-    for key in ("vocab_size", "tie_word_embeddings", "n_layer", "n_embd", "n_head", "num_key_value_heads",
-                "intermediate_size", "max_position_embeddings", "n_positions"):
+    for key in ("architectures", "model_type", "vocab_size", "tie_word_embeddings", "n_layer", "n_embd", "n_head",
+                "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "n_positions"):
         assert before.get(key) == after.get(key), key
     if source.startswith("gpt2"):  # the tanh approximation's three names export as one
         assert after["activation_function"] == ("gelu" if activation == "gelu" else "gelu_new")
@@ -189,7 +272,53 @@ def test_refusals(tmp_path):
     with pytest.raises(UnsupportedModelError, match="one switch for all linear biases"):
         gpt_config_from_hf({**llama, "attention_bias": True, "mlp_bias": False}, 128)
     with pytest.raises(UnsupportedModelError, match="not supported; supported: GPT2LMHeadModel"):
-        gpt_config_from_hf({**llama, "architectures": ["MistralForCausalLM"]}, 128)
+        gpt_config_from_hf({**llama, "architectures": ["GPTNeoXForCausalLM"]}, 128)
+    # Mistral, Qwen2, Qwen3: what they add that megatrain lacks is refused, naming the config.json field.
+    mistral = {**llama, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 64}
+    assert gpt_config_from_hf({**mistral, "sliding_window": 16}, 128)[0].window_size == (15, 0)  # 16 keys: 15 + itself
+    cfg, arch = gpt_config_from_hf({**mistral, "sliding_window": None}, 128)
+    assert arch == "MistralForCausalLM" and cfg.window_size is None and not cfg.add_bias_linear
+    with pytest.raises(UnsupportedModelError, match="field sliding_window: expected a positive integer"):
+        gpt_config_from_hf({**mistral, "sliding_window": 0}, 128)
+    qwen2 = {**llama, "architectures": ["Qwen2ForCausalLM"]}
+    cfg, _ = gpt_config_from_hf(qwen2, 128)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.window_size is None
+    assert cfg.untie_embeddings_and_output_weights  # no tie_word_embeddings: Qwen2Config's default, untied
+    assert gpt_config_from_hf({**qwen2, "sliding_window": 16}, 128)[0].window_size is None  # use_sliding_window off
+    sliding = {**qwen2, "use_sliding_window": True, "sliding_window": 16}
+    assert gpt_config_from_hf({**sliding, "max_window_layers": 0}, 128)[0].window_size == (15, 0)
+    assert gpt_config_from_hf(sliding, 128)[0].window_size is None  # max_window_layers 28 (default): no layer slides
+    with pytest.raises(UnsupportedModelError, match="field layer_types .*mixes full and sliding"):
+        gpt_config_from_hf({**sliding, "num_hidden_layers": 30}, 128)  # layers 28 and 29 slide
+    with pytest.raises(UnsupportedModelError, match="field layer_types .*mixes full and sliding"):
+        gpt_config_from_hf({**sliding, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
+                           128)
+    assert gpt_config_from_hf({**qwen2, "num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2},
+                              128)[0].window_size is None  # use_sliding_window false: transformers ignores them
+    with pytest.raises(UnsupportedModelError, match="field layer_types holds \\['chunked_attention'\\]"):
+        gpt_config_from_hf({**qwen2, "layer_types": ["chunked_attention"]}, 128)
+    qwen3 = {**llama, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16}
+    cfg, _ = gpt_config_from_hf(qwen3, 128)
+    assert cfg.qk_layernorm and cfg.kv_channels == 16 and not cfg.add_qkv_bias and not cfg.add_bias_linear
+    with pytest.raises(UnsupportedModelError, match="field attention_bias"):
+        gpt_config_from_hf({**qwen3, "attention_bias": True}, 128)
+    for source in (mistral, qwen2, qwen3):
+        with pytest.raises(UnsupportedModelError, match="rope scaling 'yarn'"):
+            gpt_config_from_hf({**source, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 128)
+        with pytest.raises(UnsupportedModelError, match="field mlp_bias"):
+            gpt_config_from_hf({**source, "mlp_bias": True}, 128)
+    llama_style = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    with pytest.raises(UnsupportedModelError, match="Qwen3ForCausalLM, which needs --disable-bias-linear"):
+        hf_architecture(GPTConfig(**llama_style, qk_layernorm=True))
+    with pytest.raises(UnsupportedModelError, match="no --qk-layernorm"):
+        hf_architecture(GPTConfig(qk_layernorm=True))
+    assert hf_architecture(GPTConfig(**llama_style, add_qkv_bias=True)) == "LlamaForCausalLM"  # biases anyway
+    assert hf_architecture(GPTConfig(add_bias_linear=False, add_qkv_bias=True)) == "GPT2LMHeadModel"  # zero biases
+    with pytest.raises(UnsupportedModelError, match="--window-size exports as MistralForCausalLM.*--disable-bias-linear"):
+        hf_architecture(GPTConfig(**llama_style, window_size=(3, 0)))
+    with pytest.raises(UnsupportedModelError, match="full attention \\(no --window-size\\)"):
+        hf_architecture(GPTConfig(window_size=(3, 0)))
+    assert hf_architecture(GPTConfig(**llama_style, add_bias_linear=False, window_size=(-1, 0))) == "LlamaForCausalLM"
     gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 90}
     assert gpt_config_from_hf(gpt2, 128)[0].gelu_approximation == "tanh"  # GPT-2's default: gelu_new
     with pytest.raises(UnsupportedModelError, match="activation_function 'relu'.*exact GELU"):

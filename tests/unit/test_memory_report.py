@@ -16,7 +16,11 @@ LLAMA = dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_grou
              max_position_embeddings=32)
 
 
-@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+QWEN2 = dict(LLAMA, add_qkv_bias=True)
+QWEN3 = dict(LLAMA, qk_layernorm=True, kv_channels=12)
+
+
+@pytest.mark.parametrize("kw", [GPT2, LLAMA, QWEN2, QWEN3], ids=["gpt2", "llama", "qwen2", "qwen3"])
 def test_parameter_count_matches_the_model(kw):
     cfg = GPTConfig(**kw)
     with torch.device("meta"):

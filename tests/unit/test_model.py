@@ -32,6 +32,9 @@ def llama_config(**overrides) -> GPTConfig:
 
 
 STYLES = {"gpt2": gpt2_config, "llama": llama_config}
+# Qwen2 (--disable-bias-linear --add-qkv-bias) and Qwen3 (--qk-layernorm, --kv-channels apart from h / n)
+FEATURES = {"qkv_bias": dict(add_qkv_bias=True), "qk_layernorm": dict(qk_layernorm=True, kv_channels=10),
+            "both": dict(add_qkv_bias=True, qk_layernorm=True, kv_channels=12)}
 
 
 def count_parameters_formula(config: GPTConfig) -> int:
@@ -40,12 +43,13 @@ def count_parameters_formula(config: GPTConfig) -> int:
     n, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     bias = config.add_bias_linear
     norm = 2 * h if config.normalization == "LayerNorm" else h
-    qkv = h * (n + 2 * g) * d + (bias and (n + 2 * g) * d)
+    qkv = h * (n + 2 * g) * d + ((bias or config.add_qkv_bias) and (n + 2 * g) * d)
+    qk_norms = (2 * d if config.normalization == "LayerNorm" else d) * 2 * config.qk_layernorm
     proj = n * d * h + (bias and h)
     fc1_out = 2 * F_ if config.swiglu else F_
     fc1 = h * fc1_out + (bias and fc1_out)
     fc2 = F_ * h + (bias and h)
-    layer = 2 * norm + qkv + proj + fc1 + fc2
+    layer = 2 * norm + qkv + qk_norms + proj + fc1 + fc2
     embeddings = V * h + (config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0)
     output = V * h if config.untie_embeddings_and_output_weights else 0
     return embeddings + L * layer + norm + output
@@ -82,6 +86,20 @@ def test_parameter_count_matches_formula(style, untie):
     if config.position_embedding_type == "learned_absolute":
         embeddings += config.max_position_embeddings * config.hidden_size
     assert model.num_parameters(exclude_embeddings=True) == count_parameters_formula(config) - embeddings
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("style", STYLES)
+def test_parameter_count_with_qkv_bias_and_qk_layernorm(style, feature):
+    config = STYLES[style](**FEATURES[feature], add_bias_linear=False)
+    model = GPTModel(config)
+    assert model.num_parameters() == count_parameters_formula(config)
+    attention = model.layers["0"].self_attention
+    assert (attention.linear_qkv.bias is not None) == config.add_qkv_bias  # QKV only, as Megatron's
+    assert attention.linear_proj.bias is None and model.layers["0"].mlp.linear_fc2.bias is None
+    names = {n for n, _ in model.named_parameters()}
+    assert ("layers.1.self_attention.q_layernorm.weight" in names) == config.qk_layernorm
+    assert ("layers.1.self_attention.k_layernorm.weight" in names) == config.qk_layernorm
 
 
 def test_tied_output_uses_word_embeddings():
@@ -194,6 +212,133 @@ def test_grouped_qkv_layout_matches_per_head_reference(groups):
         attention.linear_qkv.bias.normal_()
     x = torch.randn(2, 9, 48)
     torch.testing.assert_close(attention(x), reference_attention(attention, x, 6, groups, 5))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_qk_layernorm_and_qkv_bias_match_written_out_reference(groups):
+    """Megatron's --qk-layernorm: RMSNorm (eps --norm-epsilon, one weight of width d for all query
+    heads, one for all key heads) over each head's query and key, then RoPE; --add-qkv-bias without
+    the other biases. Written out per head from the [g, n/g + 2, d] rows."""
+    n, d, h, eps, base = 4, 6, 16, 1e-5, 500.0
+    config = llama_config(hidden_size=h, num_attention_heads=n, num_query_groups=groups, kv_channels=d,
+                          add_qkv_bias=True, qk_layernorm=True, norm_epsilon=eps, rotary_base=base)
+    attention = SelfAttention(config, layer_number=0)
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 7, h)
+    positions = torch.arange(7)
+
+    def rms(t, w):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(t):  # [b, s, d]: pair i with i + d/2, angle p * base^(-2i/d)
+        theta = positions[:, None].float() * base ** (-torch.arange(0, d, 2).float() / d)  # [s, d/2]
+        a, b = t[..., : d // 2], t[..., d // 2:]
+        return torch.cat([a * theta.cos() - b * theta.sin(), a * theta.sin() + b * theta.cos()], dim=-1)
+
+    hpg = n // groups
+    w = attention.linear_qkv.weight.view(groups, hpg + 2, d, h)
+    bias = attention.linear_qkv.bias.view(groups, hpg + 2, d)
+    wq, wk = attention.q_layernorm.weight, attention.k_layernorm.weight
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    heads = []
+    for group in range(groups):
+        k = rope(rms(x @ w[group, hpg].T + bias[group, hpg], wk))
+        v = x @ w[group, hpg + 1].T + bias[group, hpg + 1]
+        for i in range(hpg):
+            q = rope(rms(x @ w[group, i].T + bias[group, i], wq))
+            scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, float("-inf"))
+            heads.append(scores.softmax(-1) @ v)
+    expected = torch.cat(heads, dim=-1) @ attention.linear_proj.weight.T
+    torch.testing.assert_close(attention(x, positions[None]), expected)
+
+
+def test_qk_layernorm_with_layernorm_1p_is_the_same_function():
+    plain = GPTModel(llama_config(qk_layernorm=True)).eval()
+    centred = GPTModel(llama_config(qk_layernorm=True, apply_layernorm_1p=True)).eval()
+    assert torch.equal(centred.layers["0"].self_attention.q_layernorm.weight, torch.zeros(8))
+    with torch.no_grad():
+        for (name, p), (_, c) in zip(plain.named_parameters(), centred.named_parameters()):
+            p.add_(torch.randn_like(p) * 0.1)
+            c.copy_(p - 1 if name.endswith("layernorm.weight") else p)
+    tokens = torch.randint(0, 96, (2, 9))
+    torch.testing.assert_close(centred(tokens), plain(tokens))
+
+
+@pytest.mark.parametrize("flags,expected", [([], (False, False)), (["--add-qkv-bias"], (True, False)),
+                                            (["--qk-layernorm", "--kv-channels", "12"], (False, True))])
+def test_megatron_flags_qkv_bias_and_qk_layernorm(flags, expected):
+    from megatrain.training.arguments import parse_args
+    from megatrain.models.gpt.config import gpt_config_from_args
+    args = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+                       "--max-position-embeddings", "8", "--micro-batch-size", "1", "--mock-data",
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3",
+                       "--disable-bias-linear", *flags])
+    config = gpt_config_from_args(args, 128)
+    assert (config.add_qkv_bias, config.qk_layernorm) == expected
+    if "--kv-channels" in flags:
+        assert config.kv_channels == 12 and GPTModel(config).layers["0"].self_attention.linear_proj.in_features == 48
+
+
+@pytest.mark.parametrize("window", [(2, 0), (0, 0), (3, -1), (-1, 0)])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_sliding_window_matches_written_out_reference(window, groups):
+    """--window-size LEFT,RIGHT (Megatron's, as Transformer Engine and flash attention): query i sees
+    keys i - LEFT ... i, causally (RIGHT changes nothing in a decoder); -1 unbounded."""
+    config = gpt2_config(hidden_size=48, num_attention_heads=6, num_query_groups=groups, window_size=window)
+    attention = SelfAttention(config, layer_number=0)
+    with torch.no_grad():
+        attention.linear_qkv.bias.normal_()
+    x = torch.randn(2, 9, 48)
+    n, d, hpg = 6, 8, 6 // groups
+    w = attention.linear_qkv.weight.view(groups, hpg + 2, d, -1)
+    b = attention.linear_qkv.bias.view(groups, hpg + 2, d)
+    left = window[0] if window[0] >= 0 else 10**9
+    allowed = torch.tensor([[i - left <= j <= i for j in range(9)] for i in range(9)])
+    heads = []
+    for group in range(groups):
+        k, v = x @ w[group, hpg].T + b[group, hpg], x @ w[group, hpg + 1].T + b[group, hpg + 1]
+        for i in range(hpg):
+            q = x @ w[group, i].T + b[group, i]
+            scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+            heads.append(scores.softmax(-1) @ v)
+    torch.testing.assert_close(attention(x), attention.linear_proj(torch.cat(heads, dim=-1)))
+
+
+def test_sliding_window_with_kv_cache_and_explicit_mask():
+    from megatrain.models.common.attention import KVCache
+    model = GPTModel(llama_config(window_size=(3, 0))).eval()
+    tokens = torch.randint(0, 96, (2, 12))
+    full = model(tokens)
+    cache = KVCache(12)
+    steps = [model(tokens[:, :5], kv_cache=cache)] + [model(tokens[:, t:t + 1], kv_cache=cache) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+    # an explicit (packed-document) mask is intersected with the window
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(model(tokens, attention_mask=causal), full)
+    bias = torch.zeros(1, 1, 12, 12).masked_fill(~causal, float("-inf"))
+    torch.testing.assert_close(model(tokens, attention_mask=bias), full)
+    assert not torch.allclose(GPTModel(llama_config()).eval()(tokens)[:, 6:], full[:, 6:])  # the window matters
+
+
+@pytest.mark.parametrize("window", [(1,), (2, -2), (1.5, 0), [True, 0]])
+def test_bad_window_size(window):
+    with pytest.raises(ValueError, match="--window-size must be two integers"):
+        gpt2_config(window_size=window)
+
+
+def test_window_size_flag_and_checkpoint_list():
+    from megatrain.training.arguments import parse_args
+    from megatrain.models.gpt.config import gpt_config_from_args
+    base = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--micro-batch-size", "1", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3"]
+    assert gpt_config_from_args(parse_args(base + ["--window-size", "4095,0"]), 128).window_size == (4095, 0)
+    assert gpt_config_from_args(parse_args(base), 128).window_size is None
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--window-size", "4095"])
+    assert gpt2_config(window_size=[7, 0]).window_size == (7, 0)  # as meta.json gives it back
 
 
 def test_swiglu_fc1_rows_interleave_gate_and_up():
@@ -440,3 +585,19 @@ def test_rotary_tables_are_computed_once_per_forward_and_change_nothing(monkeypa
 def test_bad_rotary_percent(fields, message):
     with pytest.raises(ValueError, match=message):
         llama_config(**fields)
+
+
+def test_parallel_layouts_not_implemented_for_the_new_attention_options_say_so():
+    """--qk-layernorm under tensor parallelism (its replicated norm weights would need their gradients
+    all-reduced over the ranks' heads) and --window-size under context parallelism are refused."""
+    from megatrain.parallel.context_parallel import apply_context_parallel
+    from megatrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    class TwoRanks:
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(ValueError, match="--qk-layernorm with --tensor-model-parallel-size > 1"):
+        apply_tensor_parallel(GPTModel(llama_config(qk_layernorm=True)), TwoRanks())
+    with pytest.raises(ValueError, match="--window-size with --context-parallel-size > 1"):
+        apply_context_parallel(GPTModel(llama_config(window_size=(3, 0))), TwoRanks())

@@ -91,6 +91,9 @@ def hf_architecture(cfg: BertConfig) -> str:
         "no grouped-query attention (--num-query-groups equal to --num-attention-heads)":
             cfg.num_query_groups == cfg.num_attention_heads,
         "head dim = hidden / heads (no --kv-channels)": cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size,
+        "no --qk-layernorm": not cfg.qk_layernorm,
+        "no --add-qkv-bias without the other biases": cfg.add_bias_linear or not cfg.add_qkv_bias,
+        "full attention (no --window-size)": cfg.window_size is None,
     }
     architecture = PRETRAINING if cfg.add_binary_head else MASKED_LM
     missing = [k for k, ok in needs.items() if not ok]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.common.config import TransformerConfig
+from megatrain.models.common.norms import build_norm
 from megatrain.models.common.rope import RotaryEmbedding, apply_rotary
 
 
@@ -93,11 +94,15 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.heads_per_group
         self.attention_dropout = config.attention_dropout
         n, g, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
-        self.linear_qkv = nn.Linear(h, (n + 2 * g) * d, bias=config.add_bias_linear)
+        # Megatron: the QKV projection has a bias with --add-bias-linear or --add-qkv-bias.
+        self.linear_qkv = nn.Linear(h, (n + 2 * g) * d, bias=config.add_bias_linear or config.add_qkv_bias)
         self.linear_proj = nn.Linear(n * d, h, bias=config.add_bias_linear)
+        # --qk-layernorm: one norm of width d shared by every query head, one by every key head.
+        self.q_layernorm: nn.Module | None = build_norm(config, d) if config.qk_layernorm else None
+        self.k_layernorm: nn.Module | None = build_norm(config, d) if config.qk_layernorm else None
         # A parameter-free submodule so that parallel code can address the dropout region (its RNG)
         # and recompute it (selective activation recomputation) by module path.
-        self.core_attention = CoreAttention(config, causal=causal)
+        self.core_attention = CoreAttention(config, causal=causal, window=config.window_size)
         self.rotary = (
             RotaryEmbedding(config.rotary_dim, config.rotary_base) if config.position_embedding_type == "rope"
             else None
@@ -129,6 +134,8 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :hpg].reshape(b, s, -1, d).transpose(1, 2)  # [b, heads, s, d]
         k = qkv[:, :, :, hpg].transpose(1, 2)  # [b, groups, s, d]
         v = qkv[:, :, :, hpg + 1].transpose(1, 2)  # [b, groups, s, d]
+        if self.q_layernorm is not None and self.k_layernorm is not None:  # before RoPE, as Megatron
+            q, k = self.q_layernorm(q).to(v.dtype), self.k_layernorm(k).to(v.dtype)
 
         if self.rotary is not None:
             if rotary is None:
@@ -150,14 +157,33 @@ class CoreAttention(nn.Module):
 
     q [b, heads, s, d], k and v [b, groups, past + s, d] -> [b, heads, s, d]. ``causal``: without
     a mask, queries see earlier keys only (default: the config's ``causal_attention``); a mask given
-    is the whole rule.
+    is the whole rule. ``window`` (LEFT, RIGHT), --window-size: query i (counted from the first
+    cached key) also sees only keys i - LEFT ... i + RIGHT (-1: unbounded), as an SDPA boolean mask
+    (or -inf in a float mask) on top of the causal rule or of the mask given.
     """
 
-    def __init__(self, config: TransformerConfig, causal: bool | None = None) -> None:
+    def __init__(self, config: TransformerConfig, causal: bool | None = None,
+                 window: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.heads_per_group = config.heads_per_group
         self.attention_dropout = config.attention_dropout
         self.causal = config.causal_attention if causal is None else causal
+        self.window = None if window is None or tuple(window) == (-1, -1) else tuple(window)
+
+    def window_mask(self, s: int, total: int, past: int, device: torch.device, causal: bool) -> torch.Tensor:
+        """bool [s, total]: True where query past + i may see key j under the window (and causality)."""
+        assert self.window is not None
+        i = torch.arange(past, past + s, device=device)[:, None]
+        j = torch.arange(total, device=device)[None, :]
+        left, right = self.window
+        allowed = torch.ones(s, total, dtype=torch.bool, device=device)
+        if left >= 0:
+            allowed &= j >= i - left
+        if right >= 0:
+            allowed &= j <= i + right
+        if causal:
+            allowed &= j <= i
+        return allowed
 
     def forward(
         self,
@@ -168,6 +194,14 @@ class CoreAttention(nn.Module):
         past: int,
     ) -> torch.Tensor:
         s = q.shape[2]
+        if self.window is not None:
+            window = self.window_mask(s, k.shape[2], past, q.device, causal=self.causal and attention_mask is None)
+            if attention_mask is None:
+                attention_mask = window
+            elif attention_mask.dtype == torch.bool:
+                attention_mask = attention_mask & window
+            else:
+                attention_mask = attention_mask.masked_fill(~window, float("-inf"))
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:  # an additive bias: SDPA takes it in the query's dtype
                 attention_mask = attention_mask.to(q.dtype)
@@ -207,6 +241,8 @@ class CrossAttention(nn.Module):
         if config.num_query_groups != config.num_attention_heads:
             raise ValueError("--group-query-attention: cross-attention has one key/value head per query head "
                              "(as Megatron's CrossAttention)")
+        if config.qk_layernorm:
+            raise ValueError("--qk-layernorm is not implemented for cross-attention (encoder-decoder models)")
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
         n, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size

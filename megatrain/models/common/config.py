@@ -35,6 +35,16 @@ class TransformerConfig:
     # Megatron-LM's default fused bias-GELU computes, and GPT-2's "gelu_new").
     gelu_approximation: str = "none"
     add_bias_linear: bool = True
+    # A bias on the QKV projection even without the other linear biases (Megatron's --add-qkv-bias;
+    # with add_bias_linear it has one anyway): Qwen2's attention.
+    add_qkv_bias: bool = False
+    # RMSNorm (or LayerNorm, as --normalization) over each head's queries and keys before RoPE
+    # (Megatron's --qk-layernorm: self_attention.q_layernorm / k_layernorm, width kv_channels): Qwen3's.
+    qk_layernorm: bool = False
+    # Sliding-window attention (Megatron's --window-size LEFT,RIGHT; Transformer Engine's and flash
+    # attention's convention): query i attends to keys i - LEFT ... i + RIGHT (-1: unbounded), within
+    # the causal rule for decoders. None: full attention. Hugging Face's sliding_window W is (W - 1, 0).
+    window_size: tuple[int, int] | None = None
     untie_embeddings_and_output_weights: bool = False
     # Under autocast the residual stream between layers is in the autocast dtype (Megatron's default);
     # True keeps it in float32 (--fp32-residual-connection).
@@ -96,6 +106,13 @@ class TransformerConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.window_size is not None:
+            window = tuple(self.window_size)
+            if len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1
+                                           for w in window):
+                raise ValueError(f"--window-size must be two integers LEFT,RIGHT, each >= -1 (-1: unbounded), "
+                                 f"got {self.window_size!r}")
+            self.window_size = window  # a list when read back from a checkpoint's meta.json
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
 
@@ -145,6 +162,9 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         swiglu=args.swiglu,
         gelu_approximation=gelu_approximation_from_args(args),
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        window_size=getattr(args, "window_size", None),
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         fp32_residual_connection=bool(getattr(args, "fp32_residual_connection", False)),
         hidden_dropout=args.hidden_dropout,

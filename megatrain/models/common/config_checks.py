@@ -11,7 +11,8 @@ applies them without knowing any field. The decision is data:
   setting only when both use RoPE).
 * ``note``: said after the line, in parentheses; ``inverted``: a boolean whose flag means False
   (``--disable-bias-linear``); ``values``: words for values in a warning (``"none"`` ->
-  ``"exact GELU"``).
+  ``"exact GELU"``); ``none_is_value``: None is a setting of its own (``--window-size`` unset: full
+  attention), compared like any value (otherwise a None in the checkpoint means "not recorded").
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ConfigCheck:
     note: str = ""
     inverted: bool = False
     values: Mapping[str, str] = field(default_factory=dict)
+    none_is_value: bool = False
 
     def __post_init__(self) -> None:
         assert self.how in KINDS, self.how
@@ -68,6 +70,9 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
         "the default with linear biases is the tanh approximation, as Megatron-LM's fused bias-GELU; "
         "--no-bias-gelu-fusion gives exact GELU; --use-checkpoint-args takes the checkpoint's")),
     "add_bias_linear": ConfigCheck("compare", "--disable-bias-linear", inverted=True),
+    "add_qkv_bias": ConfigCheck("compare", "--add-qkv-bias"),
+    "qk_layernorm": ConfigCheck("compare", "--qk-layernorm"),
+    "window_size": ConfigCheck("compare", "--window-size", none_is_value=True),
     "untie_embeddings_and_output_weights": ConfigCheck("compare", "--untie-embeddings-and-output-weights"),
     "fp32_residual_connection": ConfigCheck("no", "--fp32-residual-connection"),  # precision of the residual stream
     "hidden_dropout": ConfigCheck("no", "--hidden-dropout"),

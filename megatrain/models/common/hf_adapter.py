@@ -34,6 +34,9 @@ class HFAdapter:
     to_hf_state_dict: Callable[..., dict[str, Any]]  # (state, config, architecture, *, vocab_size) -> HF tensors
     config_from_hf: Callable[[Mapping[str, Any], int], tuple[Any, str]]  # (config.json, padded vocab) -> (config, class)
     from_hf_state_dict: Callable[..., dict[str, Any]]  # (HF tensors, config, architecture) -> our state dict
+    # Export: (config, the class the checkpoint was imported from) -> whether to write that class instead of
+    # ``architecture``'s choice (a LLaMA-style model imported from Mistral goes back as Mistral).
+    exports_as: Callable[[Any, str], bool] | None = None
     # Export: True writes as many vocabulary rows as the tokenizer has (the trainer's padding rows stay
     # behind; an export without a tokenizer then needs --vocab-size); False keeps the padded size.
     vocab_from_tokenizer: bool = False

@@ -4,7 +4,7 @@ residual stream.
 
 Module paths inside a layer are a contract with the parallel code (tensor-parallel plans,
 recomputation, context parallelism): ``input_layernorm``, ``self_attention.{linear_qkv,
-core_attention, linear_proj}``, with cross-attention ``pre_cross_attn_layernorm`` and
+core_attention, linear_proj}`` (with ``--qk-layernorm`` also ``q_layernorm``, ``k_layernorm``), with cross-attention ``pre_cross_attn_layernorm`` and
 ``cross_attention.{linear_q, linear_kv, core_attention, linear_proj}`` (Megatron's names),
 ``pre_mlp_layernorm``, ``mlp.{linear_fc1, linear_fc2}``, ``dropout``.
 """

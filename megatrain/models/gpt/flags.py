@@ -14,6 +14,15 @@ from megatrain.flags import flag_section
 __all__ = ["add_gpt_flags"]
 
 
+def _window(text: str) -> tuple[int, int]:
+    """Megatron's --window-size value: LEFT,RIGHT (e.g. 4095,0)."""
+    try:
+        left, right = (int(part) for part in text.replace("(", "").replace(")", "").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two integers, e.g. 4095,0), got {text!r}") from None
+    return left, right
+
+
 def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     """Add the model-shape, dropout and initialisation flags of the GPT family to ``parser``."""
     g = flag_section(parser, "network size")
@@ -50,6 +59,14 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="no biases in linear layers")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the QKV projection only, also with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each head's queries and keys (--normalization, width --kv-channels) "
+                        "before RoPE (Qwen3)")
+    g.add_argument("--window-size", type=_window, default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention: query i sees keys i-LEFT..i+RIGHT (-1: unbounded; decoders "
+                        "also stay causal); Hugging Face's sliding_window W is W-1,0 (Mistral)")
     g.add_argument("--seq-length", type=int, default=None, help="sequence length")
     g = flag_section(parser, "regularization")
     g.add_argument("--attention-dropout", type=float, default=0.1)

@@ -1,4 +1,5 @@
-"""Mapping between megatrain's GPTModel and Hugging Face's GPT2LMHeadModel / LlamaForCausalLM.
+"""Mapping between megatrain's GPTModel and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
 
 Pure tensor and dict code (``transformers`` is not imported): configs go to and from the plain
 ``config.json`` dicts, state dicts to and from Hugging Face parameter names.
@@ -9,7 +10,10 @@ Layouts that differ:
   ``c_attn`` holds all queries, then all keys, then all values, while our ``linear_qkv`` rows are
   grouped per head as ``[g, n/g + 2, d]`` (queries of a group, its key, its value).
 - LLaMA has separate ``q_proj/k_proj/v_proj`` and ``gate_proj/up_proj``; our ``linear_fc1`` rows are
-  interleaved (row 2i = gate i, row 2i + 1 = up i).
+  interleaved (row 2i = gate i, row 2i + 1 = up i). Mistral, Qwen2 and Qwen3 share LLaMA's names:
+  Mistral is LLaMA without biases; Qwen2 has a bias on q/k/v only (``--disable-bias-linear
+  --add-qkv-bias``); Qwen3 adds ``q_norm``/``k_norm`` (our ``self_attention.q_layernorm`` /
+  ``k_layernorm``, ``--qk-layernorm``) and a free head dim (``head_dim``, ``--kv-channels``).
 
 A model that neither class represents exactly is refused with :class:`UnsupportedModelError`.
 """
@@ -26,7 +30,12 @@ from megatrain.models.gpt.config import GPTConfig
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT2, LLAMA)
+MISTRAL = "MistralForCausalLM"
+QWEN2 = "Qwen2ForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+SUPPORTED_ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)
+_LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2, QWEN3)
+_MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
 
@@ -34,6 +43,14 @@ SUPPORTED_ARCHITECTURES = (GPT2, LLAMA)
 # ---------------------------------------------------------------------------------------------
 # choosing the Hugging Face class
 # ---------------------------------------------------------------------------------------------
+def _sliding_window(cfg: GPTConfig) -> int | None:
+    """Hugging Face's ``sliding_window`` (keys a query sees, itself included) of a causal model with
+    ``--window-size LEFT,RIGHT``: LEFT + 1 (RIGHT changes nothing under the causal rule); None: full."""
+    if cfg.window_size is None or cfg.window_size[0] < 0:
+        return None
+    return cfg.window_size[0] + 1
+
+
 def hf_architecture(cfg: GPTConfig) -> str:
     """GPT2LMHeadModel or LlamaForCausalLM for ``cfg``; raises UnsupportedModelError otherwise."""
     assert cfg.kv_channels is not None and cfg.num_query_groups is not None
@@ -44,6 +61,8 @@ def hf_architecture(cfg: GPTConfig) -> str:
         "a GELU MLP (no --swiglu)": not cfg.swiglu,
         "no grouped-query attention": cfg.num_query_groups == cfg.num_attention_heads,
         "head dim = hidden / heads (no --kv-channels)": cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size,
+        "no --qk-layernorm": not cfg.qk_layernorm,
+        "full attention (no --window-size)": _sliding_window(cfg) is None,
     }
     llama_needs = {
         "rotary positions (--position-embedding-type rope)": cfg.position_embedding_type == "rope",
@@ -54,13 +73,38 @@ def hf_architecture(cfg: GPTConfig) -> str:
     if all(gpt2_needs.values()):
         return GPT2
     if all(llama_needs.values()):
+        if cfg.qk_layernorm:
+            if cfg.add_bias_linear or cfg.add_qkv_bias:
+                raise UnsupportedModelError(
+                    "--qk-layernorm exports as Qwen3ForCausalLM, which needs --disable-bias-linear without "
+                    "--add-qkv-bias (its attention_bias would add an output-projection bias too)")
+            return QWEN3
+        if cfg.add_qkv_bias and not cfg.add_bias_linear:
+            return QWEN2
+        if _sliding_window(cfg) is not None:
+            if cfg.add_bias_linear:
+                raise UnsupportedModelError(
+                    "--window-size exports as MistralForCausalLM (sliding_window), which has no biases: it needs "
+                    "--disable-bias-linear (or --add-qkv-bias with it: Qwen2ForCausalLM)")
+            return MISTRAL
         return LLAMA
     gpt2_missing = [k for k, ok in gpt2_needs.items() if not ok]
     llama_missing = [k for k, ok in llama_needs.items() if not ok]
     raise UnsupportedModelError(
         "this model has no exact Hugging Face equivalent: GPT2LMHeadModel needs "
-        + "; ".join(gpt2_missing) + ". LlamaForCausalLM needs " + "; ".join(llama_missing) + "."
+        + "; ".join(gpt2_missing) + ". LlamaForCausalLM needs "
+        + "; ".join(llama_missing) + " (so do Mistral, Qwen2 and Qwen3)."
     )
+
+
+def exports_as(cfg: GPTConfig, architecture: str) -> bool:
+    """Whether ``cfg`` can also be written as ``architecture`` (the class it was imported from) instead of
+    :func:`hf_architecture`'s choice: a LLaMA-style model without biases is exactly a Mistral one."""
+    try:
+        chosen = hf_architecture(cfg)
+    except UnsupportedModelError:
+        return False
+    return architecture == chosen or (architecture == MISTRAL and chosen == LLAMA and not cfg.add_bias_linear)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,10 +144,9 @@ def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype:
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         }
-    if architecture == LLAMA:
-        return {
+    if architecture in _LLAMA_LIKE:
+        llama_like = {
             **common,
-            "model_type": "llama",
             "num_hidden_layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size,
             "num_attention_heads": cfg.num_attention_heads,
@@ -115,11 +158,24 @@ def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype:
             "rms_norm_eps": cfg.norm_epsilon,
             "rope_theta": cfg.rotary_base,
             "rope_scaling": None,
-            "attention_bias": cfg.add_bias_linear,
-            "mlp_bias": cfg.add_bias_linear,
             "attention_dropout": cfg.attention_dropout,
-            "pretraining_tp": 1,
         }
+        window = _sliding_window(cfg)
+        # Qwen: layers from max_window_layers on slide; megatrain's --window-size is every layer's
+        qwen_window = {"use_sliding_window": window is not None, "sliding_window": window,
+                       "max_window_layers": 0 if window is not None else cfg.num_layers,
+                       "layer_types": ["sliding_attention" if window is not None else "full_attention"]
+                       * cfg.num_layers}
+        if architecture == LLAMA:
+            return {**llama_like, "model_type": "llama", "attention_bias": cfg.add_bias_linear,
+                    "mlp_bias": cfg.add_bias_linear, "pretraining_tp": 1}
+        if architecture == MISTRAL:
+            return {**llama_like, "model_type": "mistral", "sliding_window": window}
+        if architecture == QWEN2:  # Qwen2Config has no head_dim field; its attention reads one if present
+            if cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size:
+                del llama_like["head_dim"]
+            return {**llama_like, **qwen_window, "model_type": "qwen2"}
+        return {**llama_like, **qwen_window, "model_type": "qwen3", "attention_bias": False}
     raise UnsupportedModelError(f"unknown architecture {architecture!r}")
 
 
@@ -129,10 +185,8 @@ def _architecture_of(hf: Mapping[str, Any]) -> str:
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
-    if not archs and model_type == "gpt2":
-        return GPT2
-    if not archs and model_type == "llama":
-        return LLAMA
+    if not archs and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
     raise UnsupportedModelError(
         f"architecture {archs or model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
@@ -161,7 +215,8 @@ _HF_GELU = {"none": "gelu", "tanh": "gelu_new"}
 def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfig, str]:
     """GPTConfig (with the padded ``vocab_size``) and the architecture of a Hugging Face config dict."""
     arch = _architecture_of(hf)
-    tied = bool(hf.get("tie_word_embeddings", True))
+    # a missing tie_word_embeddings means the class's default: True for GPT-2, False for the others
+    tied = bool(hf.get("tie_word_embeddings", arch == GPT2))
     if arch == GPT2:
         act = hf.get("activation_function", "gelu_new")
         if act not in _GELU_OF_HF:
@@ -186,22 +241,73 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act {act!r}: megatrain's SwiGLU uses silu only")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attention_bias != mlp_bias:
-        raise UnsupportedModelError(
-            f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megatrain has one switch for all linear "
-            "biases (--disable-bias-linear), so both must be equal")
+    max_positions = int(hf.get("max_position_embeddings", 2048))
+    add_bias_linear, add_qkv_bias, qk_layernorm = attention_bias, False, False
+    if arch == LLAMA:
+        if attention_bias != mlp_bias:
+            raise UnsupportedModelError(
+                f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megatrain has one switch for all linear "
+                "biases (--disable-bias-linear), so both must be equal")
+    else:
+        for key in ("mlp_bias", "attention_bias") if arch != QWEN3 else ("mlp_bias",):
+            if hf.get(key):
+                raise UnsupportedModelError(f"config.json field {key}: true is not part of {arch}; refusing it")
+    window_size = _window_size_of_hf(hf, arch)
+    if arch == QWEN2:  # q/k/v have a bias, o_proj and the MLP none
+        add_bias_linear, add_qkv_bias = False, True
+    if arch == QWEN3:
+        if attention_bias:
+            raise UnsupportedModelError(
+                "config.json field attention_bias: true: Qwen3 then has q/k/v/o biases but no MLP bias, which "
+                "megatrain's one switch (--disable-bias-linear) cannot express")
+        add_bias_linear, qk_layernorm = False, True
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or (128 if arch == QWEN3 else hidden // heads)  # Qwen3Config's default: 128
     cfg = GPTConfig(
         num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
-        vocab_size=vocab_size, max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        ffn_hidden_size=int(hf["intermediate_size"]), kv_channels=int(hf.get("head_dim") or hidden // heads),
+        vocab_size=vocab_size, max_position_embeddings=max_positions,
+        ffn_hidden_size=int(hf["intermediate_size"]), kv_channels=int(head_dim),
         num_query_groups=int(hf.get("num_key_value_heads") or heads), position_embedding_type="rope",
         rotary_base=_rope_theta(hf), normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        swiglu=True, add_bias_linear=attention_bias, untie_embeddings_and_output_weights=not tied,
+        swiglu=True, add_bias_linear=add_bias_linear, add_qkv_bias=add_qkv_bias, qk_layernorm=qk_layernorm,
+        window_size=window_size,
+        untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=float(hf.get("initializer_range", 0.02)))
     return cfg, arch
+
+
+def _window_size_of_hf(hf: Mapping[str, Any], arch: str) -> tuple[int, int] | None:
+    """--window-size of a Mistral / Qwen2 / Qwen3 config: sliding_window W (a query sees W keys, itself
+    included) is (W - 1, 0); Qwen's per-layer choice must be the same for every layer."""
+    window = hf.get("sliding_window")
+    if arch in (QWEN2, QWEN3):
+        if not hf.get("use_sliding_window"):
+            window = None  # transformers' rule: no layer slides, whatever layer_types says
+        types = hf.get("layer_types")
+        if types is None:  # transformers' rule: layers from max_window_layers on slide
+            start = int(hf.get("max_window_layers", 28))
+            types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                     for i in range(int(hf["num_hidden_layers"]))]
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"config.json field layer_types holds {unknown}: megatrain has full and "
+                                        "sliding-window causal attention only")
+        if window is not None and len(set(types)) > 1:
+            raise UnsupportedModelError(
+                "config.json field layer_types (or max_window_layers) mixes full and sliding-window layers: "
+                "megatrain's --window-size applies to every layer (Megatron's --window-attn-skip-freq is not "
+                "implemented)")
+        if not types or types[0] == "full_attention":
+            window = None
+    elif arch != MISTRAL:
+        return None
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"config.json field sliding_window: expected a positive integer, got {window!r}")
+    return (window - 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +353,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
         out["transformer.ln_f.bias"] = sd["final_layernorm.bias"]
         if not tied:
             out["lm_head.weight"] = fit_rows(sd["output_layer.weight"], vocab_size)
-    elif architecture == LLAMA:
+    elif architecture in _LLAMA_LIKE:
         out["model.embed_tokens.weight"] = word
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -260,10 +366,14 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
             fc1 = sd[p + "mlp.linear_fc1.weight"]
             out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
             out[q + "mlp.down_proj.weight"] = sd[p + "mlp.linear_fc2.weight"]
-            if cfg.add_bias_linear:
+            if cfg.qk_layernorm:
+                out[q + "self_attn.q_norm.weight"] = sd[p + "self_attention.q_layernorm.weight"]
+                out[q + "self_attn.k_norm.weight"] = sd[p + "self_attention.k_layernorm.weight"]
+            if cfg.add_bias_linear or cfg.add_qkv_bias:
                 bq, bk, bv = qkv_split(sd[p + "self_attention.linear_qkv.bias"], cfg)
                 out[q + "self_attn.q_proj.bias"], out[q + "self_attn.k_proj.bias"] = bq, bk
                 out[q + "self_attn.v_proj.bias"] = bv
+            if cfg.add_bias_linear:
                 out[q + "self_attn.o_proj.bias"] = sd[p + "self_attention.linear_proj.bias"]
                 b1 = sd[p + "mlp.linear_fc1.bias"]
                 out[q + "mlp.gate_proj.bias"], out[q + "mlp.up_proj.bias"] = b1[0::2], b1[1::2]
@@ -318,7 +428,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
             sd[p + "mlp.linear_fc2.bias"] = take(q + "mlp.c_proj.bias")
         sd["final_layernorm.weight"] = take("transformer.ln_f.weight")
         sd["final_layernorm.bias"] = take("transformer.ln_f.bias")
-    elif architecture == LLAMA:
+    elif architecture in _LLAMA_LIKE:
         sd["embedding.word_embeddings.weight"] = fit_rows(take("model.embed_tokens.weight"), vocab)
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -331,10 +441,14 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
             gate, up = take(q + "mlp.gate_proj.weight"), take(q + "mlp.up_proj.weight")
             sd[p + "mlp.linear_fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, h)
             sd[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
-            if cfg.add_bias_linear:
+            if cfg.qk_layernorm:
+                sd[p + "self_attention.q_layernorm.weight"] = take(q + "self_attn.q_norm.weight")
+                sd[p + "self_attention.k_layernorm.weight"] = take(q + "self_attn.k_norm.weight")
+            if cfg.add_bias_linear or cfg.add_qkv_bias:
                 sd[p + "self_attention.linear_qkv.bias"] = qkv_join(
                     take(q + "self_attn.q_proj.bias"), take(q + "self_attn.k_proj.bias"),
                     take(q + "self_attn.v_proj.bias"), cfg)
+            if cfg.add_bias_linear:
                 sd[p + "self_attention.linear_proj.bias"] = take(q + "self_attn.o_proj.bias")
                 sd[p + "mlp.linear_fc1.bias"] = torch.stack(
                     [take(q + "mlp.gate_proj.bias"), take(q + "mlp.up_proj.bias")], dim=1).reshape(-1)
@@ -363,5 +477,5 @@ def _accepts(hf: Mapping[str, Any]) -> bool:
 
 
 ADAPTER = HFAdapter(architectures=SUPPORTED_ARCHITECTURES, accepts=_accepts, architecture=hf_architecture,
-                    config_dict=hf_config_dict, to_hf_state_dict=to_hf_state_dict, config_from_hf=gpt_config_from_hf,
+                    config_dict=hf_config_dict, exports_as=exports_as, to_hf_state_dict=to_hf_state_dict, config_from_hf=gpt_config_from_hf,
                     from_hf_state_dict=from_hf_state_dict)

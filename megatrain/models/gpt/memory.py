@@ -66,12 +66,13 @@ def parameter_counts(cfg: GPTConfig) -> tuple[int, int, int]:
     h, d, n, g, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
     assert d is not None and g is not None and f is not None
     bias = cfg.add_bias_linear
-    qkv = h * (n + 2 * g) * d + ((n + 2 * g) * d if bias else 0)
+    qkv = h * (n + 2 * g) * d + ((n + 2 * g) * d if bias or cfg.add_qkv_bias else 0)
     proj = n * d * h + (h if bias else 0)
     fc1_out = 2 * f if cfg.swiglu else f
     mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
-    per_layer = qkv + proj + mlp + 2 * norm
+    qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
+    per_layer = qkv + qk_norms + proj + mlp + 2 * norm
     emb = cfg.vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":
         emb += cfg.max_position_embeddings * h

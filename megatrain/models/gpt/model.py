@@ -3,7 +3,8 @@
 Module paths are a contract shared with the parallelism, checkpoint and conversion code:
 
     embedding.word_embeddings, embedding.position_embeddings (learned_absolute only)
-    layers["0"...]: input_layernorm, self_attention.{linear_qkv, linear_proj},
+    layers["0"...]: input_layernorm, self_attention.{linear_qkv, linear_proj, and with --qk-layernorm
+                    q_layernorm, k_layernorm},
                     pre_mlp_layernorm, mlp.{linear_fc1, linear_fc2}
     final_layernorm, output_layer (only with untie_embeddings_and_output_weights)
 

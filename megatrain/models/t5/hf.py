@@ -89,6 +89,9 @@ def hf_architecture(cfg: T5Config) -> str:
             cfg.position_embedding_type == "relative",
         "--normalization RMSNorm (T5LayerNorm: no mean, no bias)": cfg.normalization == "RMSNorm",
         "--disable-bias-linear (T5's linear layers have no biases)": not cfg.add_bias_linear,
+        "no --add-qkv-bias (T5's attention has no biases)": not cfg.add_qkv_bias,
+        "no --qk-layernorm": not cfg.qk_layernorm,
+        "full attention (no --window-size)": cfg.window_size is None,
     }
     missing = [k for k, ok in needs.items() if not ok]
     if missing:
