@@ -400,6 +400,22 @@ def source_checkpoint(load: str | None, pretrained: str | None, step: int | None
     return None, None
 
 
+def start_from(args: argparse.Namespace, ckpt: str, flag: str, *, resume: bool, why_finetune: str) -> list[str]:
+    """Point ``args`` at the checkpoint :func:`source_checkpoint` found (named by ``flag``) and return the
+    notes to print: ``--pretrained-checkpoint`` loads its weights as ``--load DIR --finetune``; a
+    ``--load`` that is not a resume of this task (``why_finetune`` says what it holds) loads them the
+    same way."""
+    notes = []
+    if flag == "--pretrained-checkpoint":
+        if args.load:
+            notes.append(f"note: --load {args.load} holds no checkpoint; starting from --pretrained-checkpoint {ckpt}")
+        args.load, args.finetune, args.ckpt_step = ckpt, True, None
+    elif not resume and not args.finetune:
+        notes.append(f"note: --load {ckpt} holds {why_finetune}: its weights are loaded as with --finetune")
+        args.finetune = True
+    return notes
+
+
 def build_parser(prog: str = "finetune.py", checkpoint_meta: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     """``pretrain_bert.py``'s flags plus the task's; with ``checkpoint_meta`` the model and tokenizer
     flags default to the checkpoint's run."""
@@ -464,15 +480,7 @@ def main(argv: list[str] | None = None) -> None:
               "parallelism")
     saved_labels = LabelSet.from_json(meta[META_KEY], ckpt) if META_KEY in meta else None
     resume = flag == "--load" and saved_labels is not None and not args.finetune
-    notes = []
-    if flag == "--pretrained-checkpoint":
-        if args.load:
-            notes.append(f"note: --load {args.load} holds no checkpoint; starting from --pretrained-checkpoint {ckpt}")
-        args.load, args.finetune, args.ckpt_step = ckpt, True, None
-    elif saved_labels is None and not args.finetune:
-        notes.append(f"note: --load {ckpt} holds a BERT model without a classification head: its weights are "
-                     "loaded as with --finetune")
-        args.finetune = True
+    notes = start_from(args, ckpt, flag, resume=resume, why_finetune="a BERT model without a classification head")
     validate_args(args)
     check = get_family(FAMILY).check_args
     if check is not None:

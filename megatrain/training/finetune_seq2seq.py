@@ -30,7 +30,7 @@ from megatrain.models.registry import get_family
 from megatrain.parallel.distributed import setup_env_from_slurm
 from megatrain.training.arguments import parse_args, validate_args
 from megatrain.training.console import print_rank0
-from megatrain.training.finetune_classify import CHECKPOINT_DEFAULT_SECTIONS, _preparse, source_checkpoint
+from megatrain.training.finetune_classify import CHECKPOINT_DEFAULT_SECTIONS, _preparse, source_checkpoint, start_from
 from megatrain.training.main import family_parser
 from megatrain.training.trainer import Trainer, pretrain
 
@@ -147,15 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.test_data_path:
         _fail("--test-data-path is not used by T5 fine-tuning; evaluate with --valid-data")
     resume = flag == "--load" and META_KEY in meta and not args.finetune
-    notes = []
-    if flag == "--pretrained-checkpoint":
-        if args.load:
-            notes.append(f"note: --load {args.load} holds no checkpoint; starting from --pretrained-checkpoint {ckpt}")
-        args.load, args.finetune, args.ckpt_step = ckpt, True, None
-    elif not resume and not args.finetune:
-        notes.append(f"note: --load {ckpt} holds a T5 model that was not fine-tuned by this task: its weights are "
-                     "loaded as with --finetune")
-        args.finetune = True
+    notes = start_from(args, ckpt, flag, resume=resume, why_finetune="a T5 model that was not fine-tuned by this task")
     fam = get_family(FAMILY)
     try:
         if fam.prepare_args is not None:
