@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from common import timed_hf_steps  # noqa: E402
 from throughput import measure_matmul_peak  # noqa: E402
 
 SHAPES = {  # layers, hidden, heads, seq, micro-batch
@@ -137,24 +138,7 @@ def run_transformers(kind: str, shape: str, iters: int, warmup: int, device: str
                                                  next_sentence_label=torch.randint(0, 2, (b,), generator=g),
                                                  attention_mask=torch.ones(b, s, dtype=torch.long)).items()}
 
-    batches = [batch() for _ in range(4)]
-    times, peak = [], 0.0
-    for i in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss = step_model(**batches[i % 4]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-            peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    ms = statistics.median(times) * 1e3
+    ms, peak, loss = timed_hf_steps(step_model, model, opt, [batch() for _ in range(4)], iters, warmup, cuda)
     del model, opt, step_model
     if cuda:
         torch.cuda.empty_cache()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import platform
+import statistics
+import time
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -29,3 +32,29 @@ def glue_flag_values(argv: list[str], flag: str = "--extra") -> list[str]:
             out.append(argv[i])
             i += 1
     return out
+
+
+def timed_hf_steps(step_model: Any, model: Any, opt: Any, batches: list[dict[str, Any]], iters: int, warmup: int,
+                   cuda: bool) -> tuple[float, float, float]:
+    """``iters`` training steps of a transformers model (``step_model``: it or its compiled form; bf16
+    autocast on CUDA, gradient clipping at 1.0, ``opt``) cycling through ``batches``: the median step
+    time in ms after ``warmup`` steps, the peak CUDA memory in GiB (0 on CPU) and the last step's loss."""
+    import torch
+
+    times, peak = [], 0.0
+    for i in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
+            loss = step_model(**batches[i % len(batches)]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3, peak, float(loss)

@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from common import timed_hf_steps  # noqa: E402
 from throughput import measure_matmul_peak  # noqa: E402
 
 # encoder layers, decoder layers, hidden, heads, kv-channels, ffn, encoder seq, decoder seq, micro-batch
@@ -209,24 +210,7 @@ def hf_worker(shape: str, iters: int, warmup: int, device: str, vocab: int, attn
             decoder_attention_mask=torch.ones(b, sd, dtype=torch.long),
             labels=torch.randint(FIRST_ID, VOCAB, (b, sd), generator=g)).items()}
 
-    batches = [batch() for _ in range(4)]
-    times, peak = [], 0.0
-    for i in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss = step_model(**batches[i % 4]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-            peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    ms = statistics.median(times) * 1e3
+    ms, peak, loss = timed_hf_steps(step_model, model, opt, [batch() for _ in range(4)], iters, warmup, cuda)
     note = "" if impl == "sdpa" or attn != "best" else f"; no SDPA: {'; '.join(why)}"
     layout = "untied" if untied else "tied, decoder output scaled by d_model**-0.5"
     return {"row": f"transformers T5ForConditionalGeneration ({impl} attention{note}; {layout})", "ms/iter": ms,
