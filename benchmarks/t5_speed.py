@@ -17,8 +17,12 @@ Rows (every row trains without dropout: the same work everywhere):
   with ``--split 100,0,0`` and no evaluation.
 * megatrain, Hugging Face T5 layout: the same run with ``--position-embedding-type relative
   --normalization RMSNorm --disable-bias-linear`` (what ``T5ForConditionalGeneration`` computes, exact
-  GELU) and ``--untie-embeddings-and-output-weights`` (T5 v1.1's untied head) where the installed
-  transformers can untie T5's ``lm_head``. transformers 5.x (5.24 checked) always ties it to ``shared``
+  GELU; on CUDA its attention runs through FlexAttention, the relative position bias as a score_mod and
+  the padding as block masks, as ``--attention-backend auto`` picks there: each megatrain row's notes
+  give pretrain_t5.py's start-up line on the attention path; the extra row ``hf-layout-sdpa`` runs it
+  with SDPA and the [b, heads, s, s] bias masks instead, ``--attention-backend unfused``) and
+  ``--untie-embeddings-and-output-weights`` (T5 v1.1's untied head) where the installed transformers
+  can untie T5's ``lm_head``. transformers 5.x (5.24 checked) always ties it to ``shared``
   and reads ``tie_word_embeddings=False`` only as "do not scale the decoder output", so with it both
   rows are tied (megatrain's tied head adds T5LMHead's bias, one [vocab] add; transformers scales by
   d_model**-0.5): the row names say which. This is the like-for-like row.
@@ -39,7 +43,8 @@ measured first (CUDA only), and the peak allocated GPU memory.
 Entry point for a device call (all rows on one GPU, inside one 10-minute call):
 ``python benchmarks/t5_speed.py --output $OUT/t5_speed.md`` (defaults ``--iters 12 --warmup 5``; every
 row's process has its own ``--timeout``, 180 s, and every row prints a JSON line as it finishes, so a
-call cut short still shows the rows done). ``--rows`` picks rows (``transformers-eager`` adds one).
+call cut short still shows the rows done). ``--rows`` picks rows (``transformers-eager`` and
+``hf-layout-sdpa`` add one each).
 """
 
 from __future__ import annotations
@@ -165,7 +170,9 @@ def run_megatrain(name: str, shape: str, iters: int, warmup: int, device: str, t
         return {"row": name, "error": (proc.stdout + proc.stderr)[-2000:] or f"exit {proc.returncode}"}
     ms = statistics.median(r["elapsed time per iteration (ms)"] for r in steady)
     logged = [r[k] for r in steady for k in r if "TFLOP/s" in k]
-    return {"row": name, "ms/iter": ms, "tokens/s": b * (se + sd) / ms * 1e3,
+    # pretrain_t5.py's start-up note on how attention runs (FlexAttention or SDPA; models/t5/config.py)
+    attention = next((x.split("note: ", 1)[1] for x in proc.stdout.splitlines() if "note: T5 attention" in x), None)
+    return {"row": name, "ms/iter": ms, "tokens/s": b * (se + sd) / ms * 1e3, "attention": attention,
             "peak GiB": max(r.get("peak mem (GiB)", 0.0) for r in steady), "wall s": time.time() - t0,
             "lm loss": steady[-1].get("lm loss"), "logged TFLOP/s": statistics.median(logged) if logged else None,
             "iterations": f"{steady[0]['iteration']}-{steady[-1]['iteration']}"}
@@ -268,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=int, default=180, help="seconds for each row's process")
     ap.add_argument("--rows", default="example,hf-layout,transformers",
                     help="comma list of: example, hf-layout (megatrain rows), transformers (--attn), "
-                         "transformers-eager (an extra row with eager attention)")
+                         "transformers-eager (an extra row with eager attention), hf-layout-sdpa (an extra "
+                         "megatrain HF-layout row with SDPA attention instead of FlexAttention)")
     ap.add_argument("--attn", default="best", choices=["best", "sdpa", "eager", "flex_attention"],
                     help="transformers' attn_implementation (best: SDPA if T5 offers it, else eager)")
     ap.add_argument("--output", default=None, help="also write the table to this file")
@@ -310,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
             "hf-layout": ("megatrain pretrain_t5.py, HF T5 layout (relative, RMSNorm, no biases, "
                           + ("untied)" if untied else "tied as this transformers' T5 always is)"),
                           HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
+            # not a default row: the same HF layout with SDPA's explicit [b, heads, s, s] bias masks
+            "hf-layout-sdpa": ("megatrain pretrain_t5.py, HF T5 layout, SDPA attention (--attention-backend unfused)",
+                               HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])
+                               + ["--attention-backend", "unfused"]),
         }
         for key in [r for r in wanted if r in megatrain_rows]:
             name, flags = megatrain_rows[key]
@@ -347,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
              + (f", TFLOP/s logged by pretrain_t5.py {num(r['logged TFLOP/s'])}"
                 if r.get("logged TFLOP/s") is not None else "")
              + (f", wall {r['wall s']:.0f} s" if r.get("wall s") else "")
+             + (f"; {r['attention']}" if r.get("attention") else "")
              for r in rows if "error" not in r and r.get("lm loss") is not None]
     text = "\n".join(out + ([""] + notes if notes else []))
     print(text)

@@ -11,7 +11,9 @@ Cross-attention (Megatron's ``CrossAttention``) has ``linear_q`` [n d, h] and ``
 split again gives each rank whole heads.
 
 Masks are bool (True = may attend) or floating point, added to the scores: an attention bias (T5's
-relative positions) with the masked keys set to -inf in it.
+relative positions) with the masked keys set to -inf in it. A
+:class:`~megatrain.models.common.flex_attention.FlexAttentionMask` instead (the bias as a [heads,
+distances] table, the hidden keys as a block mask) runs the attention through FlexAttention.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.common.config import TransformerConfig
+from megatrain.models.common.flex_attention import FlexAttentionMask, flex_attention_forward
 from megatrain.models.common.norms import build_norm
 from megatrain.models.common.rope import RotaryEmbedding, apply_rotary
 
@@ -112,7 +115,7 @@ class SelfAttention(nn.Module):
         self,
         x_bsh: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | FlexAttentionMask | None = None,
         kv_cache: KVCache | None = None,
         *,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -121,7 +124,8 @@ class SelfAttention(nn.Module):
 
         attention_mask: None for plain causal (or bidirectional) attention, else bool [b or 1, 1 or
         heads, s, past + s] with True where a query may attend to a key, or a float bias of that
-        shape added to the scores (-inf where a query may not attend). position_ids [b or 1, s]
+        shape added to the scores (-inf where a query may not attend), or a FlexAttentionMask (the
+        whole rule, through FlexAttention; no KV cache). position_ids [b or 1, s]
         drive the rotary angles; ``rotary`` gives their (cos, sin) tables already computed (the
         model computes them once).
         """
@@ -159,7 +163,9 @@ class CoreAttention(nn.Module):
     a mask, queries see earlier keys only (default: the config's ``causal_attention``); a mask given
     is the whole rule. ``window`` (LEFT, RIGHT), --window-size: query i (counted from the first
     cached key) also sees only keys i - LEFT ... i + RIGHT (-1: unbounded), as an SDPA boolean mask
-    (or -inf in a float mask) on top of the causal rule or of the mask given.
+    (or -inf in a float mask) on top of the causal rule or of the mask given. A
+    :class:`FlexAttentionMask` runs FlexAttention instead of SDPA (no window, no cached keys, no
+    attention dropout).
     """
 
     def __init__(self, config: TransformerConfig, causal: bool | None = None,
@@ -190,9 +196,11 @@ class CoreAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | FlexAttentionMask | None,
         past: int,
     ) -> torch.Tensor:
+        if isinstance(attention_mask, FlexAttentionMask):
+            return self._flex(q, k, v, attention_mask, past)
         s = q.shape[2]
         if self.window is not None:
             window = self.window_mask(s, k.shape[2], past, q.device, causal=self.causal and attention_mask is None)
@@ -226,13 +234,24 @@ class CoreAttention(nn.Module):
         v = v.repeat_interleave(self.heads_per_group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p)
 
+    def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexAttentionMask,
+              past: int) -> torch.Tensor:
+        if self.window is not None:
+            raise ValueError("FlexAttention masks do not take --window-size here; use SDPA attention")
+        if past:
+            raise ValueError("FlexAttention masks do not take cached keys (incremental decoding uses SDPA)")
+        if self.training and self.attention_dropout > 0:
+            raise ValueError("FlexAttention has no attention dropout: use --attention-dropout 0 or SDPA attention")
+        return flex_attention_forward(q, k, v, mask, enable_gqa=self.heads_per_group > 1)
+
 
 class CrossAttention(nn.Module):
     """Queries from one sequence over the keys and values of another (the decoder over the encoder
     output), through SDPA; Megatron's ``CrossAttention``: no grouped-query form, no rotary positions.
 
     ``forward(x [b, s, h], context [b, s_ctx, h], context_mask)`` -> [b, s, h]; ``context_mask`` is
-    None or bool [b or 1, 1, 1 or s, s_ctx] (True = the query may attend to that context position).
+    None or bool [b or 1, 1, 1 or s, s_ctx] (True = the query may attend to that context position),
+    or a FlexAttentionMask (through FlexAttention).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int) -> None:
@@ -252,7 +271,8 @@ class CrossAttention(nn.Module):
         self.linear_proj = nn.Linear(n * d, h, bias=config.add_bias_linear)
 
     def forward(self, x_bsh: torch.Tensor, context_bsh: torch.Tensor,
-                context_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                context_mask: torch.Tensor | FlexAttentionMask | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
         """With ``kv_cache`` (incremental decoding) the context's keys and values are computed once
         and kept in it."""
         b, s, _ = x_bsh.shape

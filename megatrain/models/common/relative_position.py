@@ -59,5 +59,19 @@ class RelativePositionBias(nn.Module):
                                            num_buckets=self.num_buckets, max_distance=self.max_distance)
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)  # [1, heads, q, k]
 
+    def distance_bias(self, query_length: int, key_length: int, device: torch.device, *,
+                      pad_to: int = 1) -> tuple[torch.Tensor, int]:
+        """The bias of every key-minus-query distance, for attention kernels that add it themselves
+        (FlexAttention's ``score_mod``): (bias [heads, L] (float32, the table's dtype), offset), the
+        bias of query i and key j at column ``j - i + offset``. Nothing of size query x key: one
+        bucket lookup per distance, from -(Q - 1) to K - 1 with Q and K the lengths rounded up to
+        ``pad_to`` (a kernel working in tiles may read positions past the ends)."""
+        q_pad = -(-query_length // pad_to) * pad_to
+        k_pad = -(-key_length // pad_to) * pad_to
+        distance = torch.arange(-(q_pad - 1), k_pad, device=device)
+        buckets = relative_position_bucket(distance, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+                                           max_distance=self.max_distance)
+        return self.relative_attention_bias(buckets).t().contiguous(), q_pad - 1  # [heads, L]
+
     def extra_repr(self) -> str:
         return f"buckets={self.num_buckets}, max_distance={self.max_distance}, bidirectional={self.bidirectional}"

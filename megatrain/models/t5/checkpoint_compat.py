@@ -16,4 +16,6 @@ CONFIG_CHECKS: dict[str, ConfigCheck] = {
     "relative_attention_max_distance": ConfigCheck("compare", "--relative-attention-max-distance", when=_RELATIVE),
     # the data's shape, not the weights' (it only enters the FLOPs of the log line)
     "decoder_seq_length": ConfigCheck("no", "--decoder-seq-length"),
+    # the attention kernel (FlexAttention or SDPA): the same numbers either way
+    "attention_backend": ConfigCheck("no", "--attention-backend"),
 }

@@ -8,7 +8,25 @@ from typing import ClassVar
 
 from megatrain.models.common.config import TransformerConfig, transformer_fields_from_args
 
-__all__ = ["T5Config", "t5_config_from_args"]
+__all__ = ["T5Config", "t5_config_from_args", "ATTENTION_BACKENDS", "attention_backend_from_args",
+           "uses_flex_attention", "attention_description"]
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+# Megatron-LM's --attention-backend values (and this config's own) -> T5Config.attention_backend:
+# flash / fused / auto ask for fused kernels (FlexAttention where it applies), unfused / local for
+# the attention with its mask written out (SDPA with the explicit mask).
+_MEGATRON_ATTENTION_BACKENDS = {"auto": "auto", "flash": "auto", "fused": "auto", "unfused": "sdpa", "local": "sdpa",
+                                "flex": "flex", "sdpa": "sdpa"}
+
+
+def attention_backend_from_args(args: argparse.Namespace) -> str:
+    """T5Config.attention_backend from ``--attention-backend`` (None: "auto")."""
+    value = getattr(args, "attention_backend", None)
+    if value is None:
+        return "auto"
+    if value not in _MEGATRON_ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(_MEGATRON_ATTENTION_BACKENDS)}, got {value!r}")
+    return _MEGATRON_ATTENTION_BACKENDS[value]
 
 
 @dataclass
@@ -21,15 +39,24 @@ class T5Config(TransformerConfig):
     ``relative_attention_num_buckets`` buckets up to ``relative_attention_max_distance``, one table
     for the encoder and one for the decoder. ``decoder_seq_length`` is the decoder's input length
     (``--decoder-seq-length``): the FLOPs formula counts it; the weights do not depend on it.
+
+    ``attention_backend`` (from Megatron's ``--attention-backend``; a kernel choice, the same numbers):
+    "sdpa": PyTorch SDPA, with the relative position bias and the padding folded into one float mask
+    [b, heads, s, s] per stack; "flex": FlexAttention (:mod:`megatrain.models.common.flex_attention`:
+    the bias as a score_mod over a [heads, distances] table, padding and causality as a block mask;
+    no attention dropout, no backward on CPU); "auto": FlexAttention where it pays and can run (see
+    :func:`uses_flex_attention`), else SDPA.
     """
 
     decoder_num_layers: int | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     decoder_seq_length: int | None = None
+    attention_backend: str = "auto"  # "auto", "flex" or "sdpa"
     # The masks are explicit: encoder padding, decoder causal + padding, encoder padding for cross-attention.
     causal_attention: ClassVar[bool] = False
     position_embedding_types: ClassVar[tuple[str, ...]] = ("learned_absolute", "relative", "rope")
+    supports_moe: ClassVar[bool] = False  # --num-experts is refused (no MoE layers in T5)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,11 +77,60 @@ class T5Config(TransformerConfig):
                                  f"({self.relative_attention_num_buckets}): the exactly bucketed distances")
         if self.decoder_seq_length is not None and self.decoder_seq_length <= 0:
             raise ValueError(f"--decoder-seq-length must be positive, got {self.decoder_seq_length}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"T5 attention_backend must be {', '.join(ATTENTION_BACKENDS)}, got "
+                             f"{self.attention_backend!r}")
+        if self.attention_backend == "flex":
+            from megatrain.models.common.flex_attention import flex_attention_available
+
+            if not flex_attention_available():
+                raise ValueError("FlexAttention needs torch.nn.attention.flex_attention (torch >= 2.5)")
+            if self.window_size is not None:
+                raise ValueError("--window-size is not implemented with FlexAttention for T5; use SDPA attention")
+            if self.attention_dropout > 0:
+                raise ValueError(f"FlexAttention has no attention dropout (--attention-dropout "
+                                 f"{self.attention_dropout}); use --attention-dropout 0 or SDPA attention")
+
+    def uses_flex_attention(self, device_type: str, training: bool = True) -> bool:
+        """Whether the model's full forward (``encode`` and ``decode``; incremental decoding always
+        uses SDPA) runs its attention through FlexAttention on ``device_type`` ("cuda", "cpu"):
+        :func:`uses_flex_attention` of this config's fields."""
+        return uses_flex_attention(self.attention_backend, self.position_embedding_type, self.attention_dropout,
+                                   self.window_size, device_type, training)
 
     @property
     def decoder_layers(self) -> int:
         assert self.decoder_num_layers is not None
         return self.decoder_num_layers
+
+
+def uses_flex_attention(backend: str, position_embedding_type: str, attention_dropout: float,
+                        window_size: tuple[int, int] | None, device_type: str, training: bool = True) -> bool:
+    """Whether T5's attention runs through FlexAttention: "flex" always, "sdpa" never; "auto" for the
+    relative position bias (the layout whose SDPA mask is [b, heads, s, s] floats) when training on
+    CUDA, with torch's flex_attention, no attention dropout and no sliding window. Evaluation and
+    generation keep SDPA under "auto" (no recompilation for each new length)."""
+    if backend != "auto":
+        return backend == "flex"
+    from megatrain.models.common.flex_attention import flex_attention_available
+
+    return (position_embedding_type == "relative" and device_type == "cuda" and training and attention_dropout == 0.0
+            and window_size is None and flex_attention_available())
+
+
+def attention_description(backend: str, position_embedding_type: str, attention_dropout: float,
+                          window_size: tuple[int, int] | None, device_type: str) -> str:
+    """One line saying how training's attention runs (the note ``pretrain_t5.py`` prints)."""
+    relative = position_embedding_type == "relative"
+    if uses_flex_attention(backend, position_embedding_type, attention_dropout, window_size, device_type):
+        how = ("FlexAttention (torch.compile'd flex_attention; "
+               + ("the relative position bias as a score_mod over a [heads, distances] table, " if relative else "")
+               + "padding and causality as block masks)")
+    elif relative:
+        how = "SDPA with the relative position bias and the padding as one float mask [b, heads, s, s] per stack"
+    else:
+        how = "SDPA with boolean padding masks"
+    return f"T5 attention (attention backend {backend} on {device_type}): {how}"
 
 
 def t5_config_from_args(args: argparse.Namespace, vocab_size: int) -> T5Config:
@@ -64,4 +140,5 @@ def t5_config_from_args(args: argparse.Namespace, vocab_size: int) -> T5Config:
                     decoder_num_layers=getattr(args, "decoder_num_layers", None),
                     relative_attention_num_buckets=getattr(args, "relative_attention_num_buckets", 32),
                     relative_attention_max_distance=getattr(args, "relative_attention_max_distance", 128),
-                    decoder_seq_length=getattr(args, "decoder_seq_length", None))
+                    decoder_seq_length=getattr(args, "decoder_seq_length", None),
+                    attention_backend=attention_backend_from_args(args))

@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
+import torch
+
 from megatrain.data.bert_dataset import BERT_TOKENIZER_TYPES
 from megatrain.models.registry import ModelFamily, register
 from megatrain.models.t5.checkpoint_compat import CONFIG_CHECKS
-from megatrain.models.t5.config import T5Config, t5_config_from_args
+from megatrain.models.t5.config import T5Config, attention_backend_from_args, attention_description, t5_config_from_args
 from megatrain.models.t5.flags import add_t5_flags
 from megatrain.models.t5.flops import num_floating_point_operations
 from megatrain.models.t5.hf import ADAPTER
@@ -95,6 +97,13 @@ def check_t5_args(args: argparse.Namespace) -> None:
     if args.sequence_parallel and args.decoder_seq_length % tp:
         raise ValueError(f"--sequence-parallel needs --decoder-seq-length ({args.decoder_seq_length}) divisible "
                          f"by --tensor-model-parallel-size ({tp})")
+    # How attention will run (FlexAttention or SDPA), printed with the other notes at start-up.
+    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    note = attention_description(attention_backend_from_args(args), args.position_embedding_type,
+                                 getattr(args, "attention_dropout", 0.1), getattr(args, "window_size", None),
+                                 str(device).split(":")[0])
+    if isinstance(getattr(args, "legacy_notes", None), list):
+        args.legacy_notes.append(f"note: {note}")
 
 
 def _objective(args: Any, tokenizer: Any) -> Seq2SeqObjective:

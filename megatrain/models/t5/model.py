@@ -18,10 +18,14 @@ names; the output layer sits at the top as in every megatrain family, Megatron's
     output_layer.weight      untied (--untie-embeddings-and-output-weights) a weight and no bias,
                              as Megatron's T5LMHead
 
-Attention scores are q k^T / sqrt(d) (Megatron's); with relative positions each stack's bias
-[1, heads, s, s] is computed once per forward and added to every layer's self-attention scores.
-Padded keys are hidden from every query (Megatron's padding masks as Transformer Engine and
-Hugging Face apply them), so no row of scores is ever fully masked.
+Attention scores are q k^T / sqrt(d) (Megatron's); with relative positions each stack's bias is
+computed once per forward and added to every layer's self-attention scores. Padded keys are hidden
+from every query (Megatron's padding masks as Transformer Engine and Hugging Face apply them), so no
+row of scores is ever fully masked. Through SDPA the bias and the padding make one float mask [b,
+heads, s, s] per stack; through FlexAttention (``T5Config.attention_backend``, by default when
+training with relative positions on CUDA) the bias is a [heads, distances] table read by a
+score_mod and the padding a block mask, built once per forward for all layers
+(:mod:`megatrain.models.common.flex_attention`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 
 from megatrain.models.common.attention import KVCache
 from megatrain.models.common.embedding import Embedding
+from megatrain.models.common.flex_attention import BLOCK_SIZE, FlexAttentionMask, flex_mask
 from megatrain.models.common.heads import LogitsCrossEntropy, LossHead
 from megatrain.models.common.init import (RESIDUAL_PROJECTIONS, canonical_parameter_name, megatron_initial_value,
                                           seeded_normal)
@@ -58,9 +63,11 @@ class T5Stack(nn.Module):
                                      for i in range(num_layers)})
         self.final_layernorm = build_norm(config)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | FlexAttentionMask | None, *,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None, context: torch.Tensor | None = None,
-                context_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                context_mask: torch.Tensor | FlexAttentionMask | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
         """``kv_cache``: incremental decoding (the decoder's keys and values so far; see ``T5Model.decode_step``)."""
         cache = {} if kv_cache is None else {"kv_cache": kv_cache}
         for layer in self.layers.values():
@@ -176,11 +183,34 @@ class T5Model(nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         return self_attention_mask(padding_mask, s, causal=causal, bias=bias_table(s, s, tokens.device), dtype=dtype)
 
+    def uses_flex_attention(self, device: torch.device) -> bool:
+        """Whether ``encode`` and ``decode`` run attention through FlexAttention now (the config's
+        ``attention_backend``, the device, training or not)."""
+        return self.config.uses_flex_attention(device.type, self.training)
+
+    def _flex_mask(self, bias_table: RelativePositionBias | None, padding_mask: torch.Tensor | None,
+                   tokens: torch.Tensor, causal: bool) -> FlexAttentionMask | None:
+        """The FlexAttention form of :meth:`_mask` (None where nothing is hidden and there is no bias)."""
+        s = tokens.shape[1]
+        if bias_table is None and padding_mask is None:
+            return None  # plain causal or bidirectional attention: SDPA's fused kernels
+        bias = None
+        if bias_table is not None:
+            table, offset = bias_table.distance_bias(s, s, tokens.device, pad_to=BLOCK_SIZE)  # [heads, L]
+            # One copy per batch row (a few MB): the backward kernel's atomic gradient adds then go to
+            # b times more addresses (autograd sums the copies into the table's gradient).
+            bias = (table.unsqueeze(0).expand(tokens.shape[0], -1, -1).contiguous(), offset)
+        return flex_mask(None if padding_mask is None else padding_mask != 0, s, s, causal=causal,
+                         device=tokens.device, position_bias=bias)
+
     def encode(self, encoder_tokens: torch.Tensor, encoder_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Encoder token ids [b, s_enc] -> the encoder output [b, s_enc, h] (after its final norm)."""
         position_ids = self._positions(encoder_tokens)
         hidden = self.embed(encoder_tokens, position_ids)
-        mask = self._mask(self.encoder_relative_pos_emb, encoder_padding_mask, encoder_tokens, causal=False)
+        if self.uses_flex_attention(encoder_tokens.device):
+            mask = self._flex_mask(self.encoder_relative_pos_emb, encoder_padding_mask, encoder_tokens, causal=False)
+        else:
+            mask = self._mask(self.encoder_relative_pos_emb, encoder_padding_mask, encoder_tokens, causal=False)
         return self.encoder(hidden, position_ids, mask, rotary=rotary_tables(self.config, position_ids))
 
     def decode(self, decoder_tokens: torch.Tensor, encoder_output: torch.Tensor,
@@ -189,9 +219,18 @@ class T5Model(nn.Module):
         """Decoder token ids [b, s_dec] and the encoder output -> the decoder's normed output [b, s_dec, h]."""
         position_ids = self._positions(decoder_tokens)
         hidden = self.embed(decoder_tokens, position_ids)
-        mask = self._mask(self.decoder_relative_pos_emb, decoder_padding_mask, decoder_tokens, causal=True)
+        mask: torch.Tensor | FlexAttentionMask | None
+        context_mask: torch.Tensor | FlexAttentionMask | None
+        if self.uses_flex_attention(decoder_tokens.device):
+            mask = self._flex_mask(self.decoder_relative_pos_emb, decoder_padding_mask, decoder_tokens, causal=True)
+            context_mask = None if encoder_padding_mask is None else flex_mask(
+                encoder_padding_mask != 0, decoder_tokens.shape[1], encoder_output.shape[1], causal=False,
+                device=decoder_tokens.device)
+        else:
+            mask = self._mask(self.decoder_relative_pos_emb, decoder_padding_mask, decoder_tokens, causal=True)
+            context_mask = padding_key_mask(encoder_padding_mask)
         return self.decoder(hidden, position_ids, mask, rotary=rotary_tables(self.config, position_ids),
-                            context=encoder_output, context_mask=padding_key_mask(encoder_padding_mask))
+                            context=encoder_output, context_mask=context_mask)
 
     def decode_step(self, decoder_tokens: torch.Tensor, encoder_output: torch.Tensor,
                     encoder_padding_mask: torch.Tensor | None, kv_cache: KVCache) -> torch.Tensor:
