@@ -73,15 +73,23 @@ def load_full_state_dict(ckpt: str, cfg: Any, family: ModelFamily | None = None)
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int,
-                      progress: bool = True) -> list[str]:
-    """``model.safetensors``, or shards + ``model.safetensors.index.json`` above ``max_shard_bytes``."""
+                      progress: bool = True, dtype: torch.dtype | None = None) -> list[str]:
+    """``model.safetensors``, or shards + ``model.safetensors.index.json`` above ``max_shard_bytes``.
+
+    ``tensors`` may be views of the model's tensors (a layer's experts sliced out of one stacked
+    tensor): each shard is copied into standalone tensors (of ``dtype``, if given) only as it is
+    written, so no second copy of the whole model is ever held.
+    """
     from safetensors.torch import save_file
     from tqdm import tqdm
+
+    def size_of(t: torch.Tensor) -> int:
+        return t.numel() * (t.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+        nbytes = size_of(t)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
@@ -89,13 +97,14 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_
         size += nbytes
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(size_of(t) for t in tensors.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing weights", disable=not progress)
     try:
         for fname, shard in zip(names, shards):
             with atomic_path(os.path.join(out_dir, fname)) as tmp:
-                save_file({k: v.contiguous() for k, v in shard.items()}, tmp, metadata={"format": "pt"})
-            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
+                save_file({k: v.to(dtype=dtype or v.dtype, memory_format=torch.contiguous_format, copy=True)
+                           for k, v in shard.items()}, tmp, metadata={"format": "pt"})
+            bar.update(sum(size_of(t) for t in shard.values()))
     finally:
         bar.close()
     if len(shards) > 1:
@@ -156,15 +165,14 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
     state = load_full_state_dict(ckpt, cfg, family)
     # The adapter may still refuse the weights themselves (T5's non-zero tied output bias): the output
     # directory is made only once there is something to write into it.
-    hf_state = hf.to_hf_state_dict(state, cfg, architecture, vocab_size=rows)
-    hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state.items()}
+    hf_state = hf.to_hf_state_dict(state, cfg, architecture, vocab_size=rows)  # views: copied shard by shard
     os.makedirs(output_path, exist_ok=True)
 
     special = (write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings, tokenizer=tokenizer,
                                   vocab_rows=rows, extra_config=hf.tokenizer_config)
                if tokenizer is not None else SpecialTokens())
 
-    names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress)
+    names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress, dtype=DTYPES[dtype])
     ids: dict[str, int | None] = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id,
                                   "pad_token_id": special.pad_token_id}
     if hf.special_token_ids is not None and tokenizer is not None:  # the family's own rule (T5's decoder start)

@@ -1,5 +1,6 @@
 """Mapping between megatrain's GPTModel and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, and (with --num-experts; the MoE part is
+:mod:`megatrain.models.gpt.hf_moe`) MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
 
 Pure tensor and dict code (``transformers`` is not imported): configs go to and from the plain
 ``config.json`` dicts, state dicts to and from Hugging Face parameter names.
@@ -27,15 +28,19 @@ import torch
 
 from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError, fit_rows, qkv_join, qkv_split
 from megatrain.models.gpt.config import GPTConfig
+from megatrain.models.gpt.hf_moe import (CLASS_DEFAULTS, DENSE_TWIN, MOE_ARCHITECTURES, MOE_MODEL_TYPES, QWEN2_MOE,
+                                         QWEN3_MOE, is_moe, moe_architecture, moe_config_entries, moe_fields_from_hf,
+                                         moe_layers, moe_mlp_from_hf, moe_mlp_to_hf, moe_pretrain_flags,
+                                         moe_window_size)
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 MISTRAL = "MistralForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)
-_LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2, QWEN3)
-_MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+SUPPORTED_ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)
+_LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)
+_MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, **MOE_MODEL_TYPES}
 
 
 
@@ -70,6 +75,12 @@ def hf_architecture(cfg: GPTConfig) -> str:
         "RMSNorm (--normalization RMSNorm)": cfg.normalization == "RMSNorm",
         "a SwiGLU MLP (--swiglu)": cfg.swiglu,
     }
+    if is_moe(cfg):
+        llama_missing = [k for k, ok in llama_needs.items() if not ok]
+        if llama_missing:
+            raise UnsupportedModelError("a mixture-of-experts model exports as MixtralForCausalLM, Qwen2MoeForCausalLM "
+                                        "or Qwen3MoeForCausalLM, which need " + "; ".join(llama_missing))
+        return moe_architecture(cfg)
     if all(gpt2_needs.values()):
         return GPT2
     if all(llama_needs.values()):
@@ -171,9 +182,12 @@ def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype:
                     "mlp_bias": cfg.add_bias_linear, "pretraining_tp": 1}
         if architecture == MISTRAL:
             return {**llama_like, "model_type": "mistral", "sliding_window": window}
-        if architecture == QWEN2:  # Qwen2Config has no head_dim field; its attention reads one if present
+        if architecture in (QWEN2, QWEN2_MOE):  # no head_dim field in the config; the attention reads one if present
             if cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size:
                 del llama_like["head_dim"]
+        if architecture in MOE_ARCHITECTURES:
+            return {**llama_like, **moe_config_entries(cfg, architecture, window)}
+        if architecture == QWEN2:
             return {**llama_like, **qwen_window, "model_type": "qwen2"}
         return {**llama_like, **qwen_window, "model_type": "qwen3", "attention_bias": False}
     raise UnsupportedModelError(f"unknown architecture {architecture!r}")
@@ -191,7 +205,7 @@ def _architecture_of(hf: Mapping[str, Any]) -> str:
         f"architecture {archs or model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
+def _rope_theta(hf: Mapping[str, Any], default: float = 10000.0) -> float:
     """rope_theta from a LLaMA config (transformers 4 top-level key or 5's ``rope_parameters``)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
@@ -203,7 +217,7 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
                 "behave differently on long contexts)")
         if source.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta", default))
     return float(theta)
 
 
@@ -240,6 +254,8 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act {act!r}: megatrain's SwiGLU uses silu only")
+    # a MoE class has the attention of its dense twin (Mixtral: Mistral's, Qwen2/3-MoE: Qwen2/3's)
+    moe_arch, arch = (arch, DENSE_TWIN[arch]) if arch in MOE_ARCHITECTURES else (None, arch)
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     max_positions = int(hf.get("max_position_embeddings", 2048))
     add_bias_linear, add_qkv_bias, qk_layernorm = attention_bias, False, False
@@ -251,10 +267,12 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
     else:
         for key in ("mlp_bias", "attention_bias") if arch != QWEN3 else ("mlp_bias",):
             if hf.get(key):
-                raise UnsupportedModelError(f"config.json field {key}: true is not part of {arch}; refusing it")
-    window_size = _window_size_of_hf(hf, arch)
-    if arch == QWEN2:  # q/k/v have a bias, o_proj and the MLP none
-        add_bias_linear, add_qkv_bias = False, True
+                raise UnsupportedModelError(f"config.json field {key}: true is not part of {moe_arch or arch}; "
+                                            "refusing it")
+    window_size = (_window_size_of_hf(hf, arch) if moe_arch is None
+                   else moe_window_size(hf, moe_arch, _window_size_of_hf))
+    if arch == QWEN2:  # q/k/v have a bias, o_proj and the MLP none (Qwen2-MoE: if qkv_bias, its default)
+        add_bias_linear, add_qkv_bias = False, True if moe_arch is None else bool(hf.get("qkv_bias", True))
     if arch == QWEN3:
         if attention_bias:
             raise UnsupportedModelError(
@@ -263,19 +281,24 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
         add_bias_linear, qk_layernorm = False, True
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    head_dim = hf.get("head_dim") or (128 if arch == QWEN3 else hidden // heads)  # Qwen3Config's default: 128
+    # Qwen3Config's default head_dim: 128 (Qwen3MoeConfig has none: hidden / heads)
+    head_dim = hf.get("head_dim") or (128 if arch == QWEN3 and moe_arch is None else hidden // heads)
+    layers = int(hf["num_hidden_layers"])
+    moe_fields = moe_fields_from_hf(hf, moe_arch, layers) if moe_arch is not None else {}
+    defaults = CLASS_DEFAULTS.get(moe_arch or "", {})
     cfg = GPTConfig(
-        num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         vocab_size=vocab_size, max_position_embeddings=max_positions,
         ffn_hidden_size=int(hf["intermediate_size"]), kv_channels=int(head_dim),
         num_query_groups=int(hf.get("num_key_value_heads") or heads), position_embedding_type="rope",
-        rotary_base=_rope_theta(hf), normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        rotary_base=_rope_theta(hf, defaults.get("rope_theta", 10000.0)), normalization="RMSNorm",
+        norm_epsilon=float(hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
         swiglu=True, add_bias_linear=add_bias_linear, add_qkv_bias=add_qkv_bias, qk_layernorm=qk_layernorm,
         window_size=window_size,
         untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        init_method_std=float(hf.get("initializer_range", 0.02)))
-    return cfg, arch
+        init_method_std=float(hf.get("initializer_range", 0.02)), **moe_fields)
+    return cfg, moe_arch or arch
 
 
 def _window_size_of_hf(hf: Mapping[str, Any], arch: str) -> tuple[int, int] | None:
@@ -354,6 +377,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
         if not tied:
             out["lm_head.weight"] = fit_rows(sd["output_layer.weight"], vocab_size)
     elif architecture in _LLAMA_LIKE:
+        moe = moe_layers(cfg)
         out["model.embed_tokens.weight"] = word
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -363,9 +387,12 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
             out[q + "self_attn.q_proj.weight"], out[q + "self_attn.k_proj.weight"] = wq, wk
             out[q + "self_attn.v_proj.weight"] = wv
             out[q + "self_attn.o_proj.weight"] = sd[p + "self_attention.linear_proj.weight"]
-            fc1 = sd[p + "mlp.linear_fc1.weight"]
-            out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
-            out[q + "mlp.down_proj.weight"] = sd[p + "mlp.linear_fc2.weight"]
+            if moe[i]:
+                out.update(moe_mlp_to_hf(sd, cfg, architecture, i))
+            else:
+                fc1 = sd[p + "mlp.linear_fc1.weight"]
+                out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
+                out[q + "mlp.down_proj.weight"] = sd[p + "mlp.linear_fc2.weight"]
             if cfg.qk_layernorm:
                 out[q + "self_attn.q_norm.weight"] = sd[p + "self_attention.q_layernorm.weight"]
                 out[q + "self_attn.k_norm.weight"] = sd[p + "self_attention.k_layernorm.weight"]
@@ -383,7 +410,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
             out["lm_head.weight"] = fit_rows(sd["output_layer.weight"], vocab_size)
     else:
         raise UnsupportedModelError(f"unknown architecture {architecture!r}")
-    return {k: v.contiguous() for k, v in out.items()}
+    return out  # views of ``sd`` where the layout allows: the writer copies them shard by shard
 
 
 # Hugging Face keys that hold no parameters (old GPT-2 files store attention mask buffers).
@@ -404,6 +431,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
                 used.add(candidate)
                 return hf[candidate]
         raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
+
+    def has(name: str) -> bool:
+        return any(c in hf for c in (name, name.removeprefix("transformer."), name.removeprefix("model.")))
 
     tied = not cfg.untie_embeddings_and_output_weights
     h, vocab = cfg.hidden_size, cfg.vocab_size
@@ -429,6 +459,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
         sd["final_layernorm.weight"] = take("transformer.ln_f.weight")
         sd["final_layernorm.bias"] = take("transformer.ln_f.bias")
     elif architecture in _LLAMA_LIKE:
+        moe = moe_layers(cfg)
         sd["embedding.word_embeddings.weight"] = fit_rows(take("model.embed_tokens.weight"), vocab)
         for i in range(cfg.num_layers):
             p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -438,9 +469,12 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
                 take(q + "self_attn.q_proj.weight"), take(q + "self_attn.k_proj.weight"),
                 take(q + "self_attn.v_proj.weight"), cfg)
             sd[p + "self_attention.linear_proj.weight"] = take(q + "self_attn.o_proj.weight")
-            gate, up = take(q + "mlp.gate_proj.weight"), take(q + "mlp.up_proj.weight")
-            sd[p + "mlp.linear_fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, h)
-            sd[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
+            if moe[i]:
+                sd.update(moe_mlp_from_hf(take, has, cfg, architecture, i))
+            else:
+                gate, up = take(q + "mlp.gate_proj.weight"), take(q + "mlp.up_proj.weight")
+                sd[p + "mlp.linear_fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, h)
+                sd[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
             if cfg.qk_layernorm:
                 sd[p + "self_attention.q_layernorm.weight"] = take(q + "self_attn.q_norm.weight")
                 sd[p + "self_attention.k_layernorm.weight"] = take(q + "self_attn.k_norm.weight")
@@ -478,4 +512,4 @@ def _accepts(hf: Mapping[str, Any]) -> bool:
 
 ADAPTER = HFAdapter(architectures=SUPPORTED_ARCHITECTURES, accepts=_accepts, architecture=hf_architecture,
                     config_dict=hf_config_dict, exports_as=exports_as, to_hf_state_dict=to_hf_state_dict, config_from_hf=gpt_config_from_hf,
-                    from_hf_state_dict=from_hf_state_dict)
+                    from_hf_state_dict=from_hf_state_dict, family_flags=moe_pretrain_flags)
