@@ -15,6 +15,10 @@ tensor parallel on, no ZeRO flag               FSDP2 as for ZeRO-2 (DDP does not
                                                parameters); same numbers as a replicated run
 --overlap-param-gather                         explicit FSDP2 prefetch of the next layer's
                                                parameters (forward) and the previous (backward)
+mixture-of-experts model, more than one rank   FSDP2 as for ZeRO-2 (or as the ZeRO flag says); each
+                                               MoE layer's ``mlp.experts`` is sharded on its own
+                                               over the expert-data-parallel ranks first
+                                               (:mod:`megatrain.parallel.expert_parallel`)
 --bf16                                         FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
                                                reduce_dtype=fp32, or bf16 with
                                                --grad-reduce-in-bf16; DDP: bf16_compress_hook
@@ -69,8 +73,13 @@ def uses_fsdp(cfg: DataParallelConfig, tensor_parallel: bool) -> bool:
     return cfg.zero_stage > 0 or tensor_parallel
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -> bool:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig,
+               expert_mesh: DeviceMesh | None = None) -> bool:
     """``fully_shard`` every transformer layer, then the root (embeddings, final norm, head).
+
+    ``expert_mesh`` (expert parallel runs: the ``edp`` mesh): each mixture-of-experts layer's
+    ``mlp.experts`` is sharded over it first, so that its gradients are reduced over the ranks that
+    hold the same experts, not over ``dp_mesh``.
 
     Returns whether the gathered parameters stay unsharded between the micro-batches of an
     iteration (what :func:`gradient_sync` needs to know)."""
@@ -85,6 +94,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: DataParallelConfig) -
         mp = MixedPrecisionPolicy()
     layers = transformer_layers(model)  # every stack's, in forward order (encoder, then decoder)
     for layer in layers:
+        if expert_mesh is not None:
+            from megatrain.parallel.expert_parallel import moe_layers
+
+            for moe in moe_layers(layer):
+                fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     # ZeRO-1/2 keep the gathered (compute-dtype) parameters between the micro-batches of an

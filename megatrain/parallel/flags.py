@@ -37,6 +37,15 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
                    help="split every sequence over this many ranks (load-balanced chunks; attention gathers "
                         "keys and values)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split each mixture-of-experts layer's experts over this many ranks of a pipeline stage "
+                        "(folded over the data x context x tensor parallel ranks)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="1 only: experts are not split over tensor-parallel ranks (Megatron's default, the "
+                        "tensor-parallel size, gives the same numbers)")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"],
+                   help="how tokens reach their experts' ranks: all-gather then reduce-scatter over the expert "
+                        "ranks, or all-to-all of the routed tokens (flex is refused)")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="overlap the sequence-parallel all-gathers and reduce-scatters with the GEMMs through "
                         "torch's async tensor parallelism (inductor's micro-pipeline TP over symmetric memory); "
@@ -51,6 +60,9 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="recompute the mixture-of-experts layers' MLP (router, dispatch, experts) in the backward "
+                        "pass")
     g.add_argument("--use-torch-compile", action="store_true", default=None,
                    help="compile each transformer layer (default: on with CUDA, off on CPU)")
     g.add_argument("--no-torch-compile", action="store_false", dest="use_torch_compile", default=None)

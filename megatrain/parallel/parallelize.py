@@ -5,13 +5,16 @@ The steps always run in this order:
 
 0. with ``--fp8-format``, the transformer layers' linear layers become fp8 (:mod:`megatrain.runtime.fp8`);
 1. tensor / sequence parallel plans by module path (the family's plan, applied by
-   :mod:`megatrain.parallel.tensor_parallel`), then the context-parallel key/value gather (:mod:`megatrain.parallel.context_parallel`);
+   :mod:`megatrain.parallel.tensor_parallel`), then the context-parallel key/value gather (:mod:`megatrain.parallel.context_parallel`),
+   then expert parallelism for mixture-of-experts layers (experts sharded over ``ep``, token dispatchers,
+   router groups: :mod:`megatrain.parallel.expert_parallel`);
 2. activation checkpointing (:mod:`megatrain.parallel.recompute`);
 3. per-layer ``torch.compile`` (``--use-torch-compile``, or any ``compile_fn``), and the head's
    loss head: chunked float32 cross entropy (``--cross-entropy-chunk-size``) unless tensor parallel
    already made it vocab-parallel;
-4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs), over the
-   data x context parallel ranks;
+4. FSDP2 ``fully_shard`` per layer, then the root (ZeRO stages, or tensor parallel runs, or any
+   distributed run of a mixture-of-experts model), over the data x context parallel ranks; each MoE
+   layer's experts first, over the expert-data-parallel ranks;
 5. materialise (``to_empty``) and fill every parameter from the family's ``initial_value`` -- each
    rank writes only its shard of the full tensor, so the weights are identical for every layout;
    then, with half-precision compute on plain weights, the layers' linear layers accumulate their
@@ -42,6 +45,7 @@ from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, c
 from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
+from megatrain.parallel.expert_parallel import apply_expert_parallel
 from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
 from megatrain.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
@@ -117,6 +121,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
             enable_async_tensor_parallel(dims.submesh("tp"))
     if dims.cp > 1:
         apply_context_parallel(model, dims.submesh("cp"))
+    moe = apply_expert_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute)
     # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
     # fit DDP's reducer with several stages per rank. One process with --use-distributed-optimizer /
@@ -125,6 +130,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
     fsdp = (single or (distributed and dims.replicas > 1)) and uses_fsdp(cfg.data_parallel,
                                                                         dims.tp_enabled or dims.pp > 1)
+    # Mixture-of-experts: FSDP2 whenever there are several ranks (also a mesh of one data-parallel
+    # rank), so that the experts' gradients are reduced over the ranks holding the same experts.
+    expert_fsdp = moe and distributed
+    fsdp = fsdp or expert_fsdp
     whole_model_ok = whole_model_compile_allowed(tp=dims.tp, pp=dims.pp, cp=dims.cp, sharded_data_parallel=fsdp)
     compile_model = (cfg.compile_layers and compile_fn is None
                      and (cfg.compile_scope == "model"
@@ -147,7 +156,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and has_lm_head:
         model.loss_head = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
                                               compile=cfg.compile_layers and device.type == "cuda")
-    keep_unsharded = apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel) if fsdp else False
+    expert_mesh = dims.expert_mesh()["edp"] if expert_fsdp else None
+    keep_unsharded = apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel, expert_mesh) if fsdp else False
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     init_parameters(model, config, seed, family.initial_value)

@@ -41,6 +41,7 @@ from torch import nn
 
 from megatrain.models.common.objective import Objective, loss_means
 from megatrain.models.registry import ModelFamily, family_of_config
+from megatrain.parallel.expert_parallel import keep_router_state_through_metadata_inference
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatrain.parallel.parallelize import ParallelizeConfig
@@ -263,6 +264,8 @@ class PipelineParallel:
 
         stages = [pl.PipelineStage(part.model, s, self.cfg.num_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.stage_ids)]
+        for stage, module in zip(stages, self.stage_modules):
+            keep_router_state_through_metadata_inference(stage, module)
         cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe,
                "interleaved-1f1b": pl.ScheduleInterleaved1F1B,
                "interleaved-zero-bubble": getattr(pl, "ScheduleInterleavedZeroBubble", None)}[self.cfg.schedule]

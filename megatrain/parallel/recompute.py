@@ -11,6 +11,10 @@
 * ``--recompute-granularity selective``: only core attention (softmax(QK^T)V with its dropout,
   ``self_attention.core_attention``, and ``cross_attention.core_attention`` where a layer has
   one) is recomputed, Megatron's "selective" choice: cheap to redo, large to keep.
+* ``--moe-layer-recompute``: the mixture-of-experts layers' ``mlp`` (router, token dispatch, experts,
+  shared experts) is recomputed, Megatron's ``moe_layer_recompute`` (its ``--recompute-modules moe``);
+  it combines with ``selective`` (not with ``full``, which already recomputes whole layers). Under
+  expert parallelism the recomputation repeats the dispatch collectives, in the same order on every rank.
 
 Wrapping uses torch's ``checkpoint_wrapper``; the wrapper's ``_checkpoint_wrapped_module`` path
 part is dropped from parameter names by DCP and by ``canonical_parameter_name``. RNG state is
@@ -25,6 +29,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from megatrain.models.common.layer_stacks import layer_stacks
+from megatrain.parallel.expert_parallel import moe_layers
 
 
 @dataclass
@@ -32,10 +37,14 @@ class RecomputeConfig:
     granularity: str | None = None  # None, "full" or "selective"
     method: str | None = None  # "uniform" or "block" (full only)
     num_layers: int | None = None
+    moe_layer: bool = False  # --moe-layer-recompute: the MoE layers' mlp
 
     def __post_init__(self) -> None:
         if self.granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity must be full or selective, got {self.granularity!r}")
+        if self.moe_layer and self.granularity == "full":
+            raise ValueError("--moe-layer-recompute with --recompute-granularity full: full recomputation already "
+                             "recomputes whole layers; give one of them (as Megatron-LM refuses both)")
         if self.granularity == "full":
             self.method = self.method or "uniform"
             if self.method not in ("uniform", "block"):
@@ -58,6 +67,12 @@ def apply_activation_checkpointing(model: nn.Module, cfg: RecomputeConfig) -> li
     A model with several stacks of layers (an encoder-decoder) has them handled stack by stack: with
     ``--recompute-method block`` the first N layers of each stack, as Megatron's blocks do."""
     wrapped: list[str] = []
+    if cfg.moe_layer:
+        for prefix, layers in layer_stacks(model).items():
+            for key, layer in layers.items():
+                if any(m is getattr(layer, "mlp", None) for m in moe_layers(layer)):
+                    layer.mlp = _wrap(layer.mlp)
+                    wrapped.append(f"{prefix}.{key}.mlp")
     if cfg.granularity is None:
         return wrapped
     for prefix, layers in layer_stacks(model).items():

@@ -54,9 +54,9 @@ class MegatronArgumentParser(argparse.ArgumentParser):
 
 
 # The sections of --help, in order; each concern adds its flags to its sections (megatrain/flags.py).
-SECTIONS = ("network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
-            "mixed precision", "distributed", "logging", "validation", "data and dataloader", "tokenizer",
-            COMPAT_SECTION)
+SECTIONS = ("network size", "regularization", "training", "initialization", "mixture of experts", "learning rate",
+            "checkpointing", "mixed precision", "distributed", "logging", "validation", "data and dataloader",
+            "tokenizer", COMPAT_SECTION)
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> MegatronArgumentParser:
@@ -169,6 +169,11 @@ def _checked(build: Callable[..., T], *args: Any) -> T:
         _fail(str(e))
 
 
+# Model-config fields whose flag's attribute has another name (Megatron's: args.num_experts is the
+# config's num_moe_experts).
+CONFIG_FIELD_DESTS = {"num_moe_experts": "num_experts"}
+
+
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
     from megatrain.checkpoint import find_checkpoint, read_meta
@@ -187,13 +192,14 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     # Every model-config field a resume compares that is a flag's dest too (the checkpoint's family's
     # table); the padded vocabulary follows the tokenizer and resume_vocab_size, the GELU is taken below.
     checks = get_family(meta.get("family") or DEFAULT_FAMILY).config_checks
-    model_args = [name for name, check in checks.items()
-                  if check.how == "compare" and name != "vocab_size" and hasattr(args, name)]
+    model_args = [name for name, check in checks.items() if check.how == "compare" and name != "vocab_size"
+                  and hasattr(args, CONFIG_FIELD_DESTS.get(name, name))]
     taken = []
     for name in model_args:
-        if name in config and getattr(args, name, None) != config[name]:
-            taken.append(f"--{name.replace('_', '-')} {config[name]}")
-            setattr(args, name, config[name])
+        dest = CONFIG_FIELD_DESTS.get(name, name)
+        if name in config and getattr(args, dest, None) != config[name]:
+            taken.append(f"--{dest.replace('_', '-')} {config[name]}")
+            setattr(args, dest, config[name])
     args.group_query_attention = config.get("num_query_groups") != config.get("num_attention_heads")
     exact_gelu = checkpoint_gelu_approximation(config) == "none"  # a checkpoint from before the field: exact
     gelu_mlp_with_bias = config and not config.get("swiglu") and config.get("add_bias_linear", True)
@@ -420,6 +426,14 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         args.num_query_groups = args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    # Megatron's MoE spellings: --num-experts 0 is a dense model; one balancing type / coefficient
+    # given as a list of one is that value.
+    if getattr(args, "num_experts", None) == 0:
+        args.num_experts = None
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name, None)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, name, value[0])
     # The model's shape (head and query-group division, sizes, dropout, rotary dims): the family's
     # config checks it (by default GPT's: these are the GPT scripts' flags).
     # The padded vocabulary comes with the tokenizer, later; no check involves it, so 1 stands in.
@@ -448,6 +462,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
     tp, pp, cp = dims.tp, dims.pp, dims.cp
     args.data_parallel_size = dims.dp
     args.sequence_parallel = dims.sequence_parallel  # off without tensor parallelism
+    # --num-experts against --expert-model-parallel-size (the trainer checks the built model again)
+    _checked(dims.validate_experts, argparse.Namespace(
+        num_moe_experts=getattr(args, "num_experts", None),
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None)))
     if cp > 1:
         if args.seq_length % (2 * cp):
             _fail(f"--context-parallel-size {cp} cuts each sequence into {2 * cp} chunks: --seq-length "
@@ -503,7 +521,14 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
               "positions, which is not supported; use --position-embedding-type rope")
     from megatrain.parallel.parallelize import whole_model_compile_allowed
 
-    whole_model_ok = whole_model_compile_allowed(tp=tp, pp=pp, cp=cp, sharded_data_parallel=args.zero_stage > 0)
+    moe = getattr(args, "num_experts", None) is not None
+    if moe and tp > 1 and args.expert_tensor_parallel_size is None:
+        args.legacy_notes.append(f"note: --expert-tensor-parallel-size defaults to 1 here (Megatron-LM's default is "
+                                 f"the tensor-parallel size, {tp}): experts are not split over tensor-parallel "
+                                 "ranks; the numbers are the same")
+    # A distributed mixture-of-experts run shards its data parallelism with FSDP2 (the experts' own groups).
+    whole_model_ok = whole_model_compile_allowed(tp=tp, pp=pp, cp=cp,
+                                                 sharded_data_parallel=args.zero_stage > 0 or (moe and world_size > 1))
     if args.torch_compile_scope == "auto":
         # fp8 compiles per layer: its whole-model graph took 98 s to the first iteration on an H200
         args.torch_compile_scope = "model" if whole_model_ok and args.fp8_format is None else "layer"

@@ -25,8 +25,10 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--no-masked-softmax-fusion": "attention uses SDPA; softmax fusion is not a separate switch",
     "--no-bias-dropout-fusion": "fusion is left to torch.compile",
     "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
-    "--attention-backend": "attention runs through PyTorch SDPA, which picks the flash / cuDNN / memory-efficient "
-                           "kernel itself (a start-up probe warns when only the slow math fallback fits)",
+    "--attention-backend": "GPT and BERT attention runs through PyTorch SDPA, which picks the flash / cuDNN / "
+                           "memory-efficient kernel itself (a start-up probe warns when only the slow math fallback "
+                           "fits); T5 takes it: auto / flash / fused put the relative-position bias into "
+                           "FlexAttention on CUDA, unfused / local give SDPA the bias as an explicit mask",
     "--cross-entropy-loss-fusion": "the output layer's cross entropy is fused and chunked by "
                                    "--cross-entropy-chunk-size (on by default with CUDA)",
     "--cross-entropy-fusion-impl": "the output layer's cross entropy is fused and chunked by "
@@ -93,19 +95,27 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
                     "--keep-fp8-transpose-cache", "--enable-full-sharding-in-hsdp",
                     "--megatron-fsdp-enable-fine-grained-param-gather", "--megatron-fsdp-max-pool-double-buffer",
                     "--fsdp-db-use-persist-buf-on-alloc-fail", "--no-gradient-reduce-div-fusion")},
+    # Megatron's MoE kernel-fusion and overlap switches: the same numbers, left to PyTorch here.
+    "--moe-permute-fusion": "token permutation is plain PyTorch (torch.compile may fuse it)",
+    "--moe-router-fusion": "the router's top-k and scores are plain PyTorch (torch.compile may fuse them)",
+    "--moe-shared-expert-overlap": "the shared experts run after the routed ones, without a separate stream",
+    "--moe-use-legacy-grouped-gemm": "the experts' grouped matmul is chosen by --moe-grouped-gemm",
+    "--moe-router-padding-for-fp8": "expert inputs are not padded for fp8 (experts stay out of fp8 conversion)",
+    "--moe-router-padding-for-quantization": "expert inputs are not padded for fp8 (experts stay out of fp8 "
+                                             "conversion)",
 }
 
 # Megatron flags that megatrain knows but does not implement; they are refused with this reason.
 UNSUPPORTED_FLAGS: dict[str, str] = {
-    "--num-experts": "mixture-of-experts models are not supported yet",
-    "--moe-router-topk": "mixture-of-experts models are not supported yet",
-    "--expert-model-parallel-size": "mixture-of-experts models are not supported yet",
     "--use-cpu-initialization": None,
     "--spec": "custom layer specs are not supported; the model shape is given by flags",
     "--yaml-cfg": "use --config run.yaml",
     "--retro-project-dir": "RETRO is not supported",
     "--vision-backbone-type": "vision models are not supported",
     "--mtp-num-layers": "multi-token prediction is not supported yet",
+    "--moe-use-upcycling": "upcycling a dense checkpoint into a MoE model is not supported",
+    "--moe-router-topk-limited-devices": "deprecated in Megatron-LM: use --moe-router-num-groups (the expert-parallel "
+                                         "size) and --moe-router-group-topk",
     "--multi-latent-attention": "multi-latent attention is not supported yet",
     "--qk-layernorm": "qk-layernorm is not supported yet",
     "--rotary-interleaved": "interleaved rotary embeddings are not supported yet",
@@ -182,4 +192,8 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
                  "--no-gradient-reduce-div-fusion"):
         g.add_argument(flag, action="store_true", dest="compat_" + flag.lstrip("-").replace("-", "_"))
     g.add_argument("--suggested-communication-unit-size", type=int, default=None)
+    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap",
+                 "--moe-use-legacy-grouped-gemm", "--moe-router-padding-for-fp8",
+                 "--moe-router-padding-for-quantization"):
+        g.add_argument(flag, action="store_true", dest="compat_" + flag.lstrip("-").replace("-", "_"))
     g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])

@@ -58,7 +58,8 @@ def parallel_dims_from_args(args: argparse.Namespace) -> ParallelDims:
     """``--tensor/pipeline-model-parallel-size``, ``--context-parallel-size`` over the launcher's world."""
     return ParallelDims(world_size=args.world_size_actual, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, ep=args.expert_model_parallel_size,
+                        etp=args.expert_tensor_parallel_size, moe_dispatcher=args.moe_token_dispatcher_type)
 
 
 def pipeline_config_from_args(args: argparse.Namespace) -> PipelineConfig:
@@ -90,7 +91,8 @@ def _parallelize_config(args: argparse.Namespace, precision: Precision) -> Paral
         zero_stage=args.zero_stage, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size,
         param_dtype=torch.bfloat16 if args.bf16 else None, grad_reduce_in_bf16=args.grad_reduce_in_bf16)
-    recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                                moe_layer=args.moe_layer_recompute)
     return ParallelizeConfig(
         data_parallel=data_parallel, recompute=recompute, compile_layers=args.use_torch_compile,
         cross_entropy_chunk_size=args.cross_entropy_chunk_size, compute_dtype=precision.dtype,

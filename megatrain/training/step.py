@@ -206,6 +206,9 @@ class StepMixin:
             self.optimizer.zero_grad(set_to_none=True)
         fusion = self._grad_fusion()
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        moe = getattr(self, "moe_metrics", None)
+        if moe is not None:  # the balancing losses' gradients get the main loss's factor (constant in an iteration)
+            moe.set_loss_scale(self._micro_batch_weight(scale))
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))
@@ -220,6 +223,8 @@ class StepMixin:
                 total, tokens = self._micro_batches_backward(fusion, scale)
         if graphs is not None:
             graphs.end_iteration()
+        if moe is not None:  # expert biases, global_aux_loss counts, logged values: before the step
+            moe.after_backward(self.num_micro_batches)
         self.housekeeping.after_forward_backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         per_token_mean = None

@@ -21,6 +21,7 @@ from megatrain.checkpoint.save_lock import take_save_lock
 from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
+from megatrain.models.common.moe.metrics import MoEMetrics, MoEReport
 from megatrain.models.registry import DEFAULT_FAMILY, ModelFamily, get_family
 from megatrain.parallel.distributed import (destroy_distributed, get_rank, init_distributed,
                                             init_single_process_group)
@@ -44,6 +45,11 @@ from megatrain.training.run_config import RunConfig
 from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep
 
 __all__ = ["Trainer", "pretrain", "print_rank0", "print_rank_last", "StepResult", "ExitRequest"]
+
+
+# Arguments an HF import writes into a checkpoint's meta.json that later checkpoints of the same
+# weights keep (read by the export).
+PROVENANCE_ARGS = ("hf_vocab_size", "hf_architecture", "converted_from")
 
 
 class Trainer(StepMixin, EvaluationMixin):
@@ -111,6 +117,9 @@ class Trainer(StepMixin, EvaluationMixin):
         self.model = self.parallelized.model  # DDP wrapper or the (sharded) model itself
         self.module = self.parallelized.module  # the family's model, for its methods and state dicts
         self.grad_fusion = self.parallelized.grad_fusion
+        # MoE models: balancing-loss scale, expert-bias updates and logged values (None: dense, nothing to do)
+        self.moe_metrics = MoEMetrics.for_model(self.module, self.model_config, device=self.device,
+                                                per_token_loss=self.per_token_loss)
         self.optimizer = build_optimizer(self.module, self.run.optimizer)
         self.scheduler = LRScheduler(self.optimizer, self.run.lr_schedule)
         if args.fp16:
@@ -246,6 +255,11 @@ class Trainer(StepMixin, EvaluationMixin):
             raise SystemExit(f"error: --load {load}: {e}") from None
         if not (a.finetune or a.no_load_rng):
             self._rng_checkpoint = ckpt
+        # Where the weights came from travels on: a model trained on from a Hugging Face import exports
+        # back as its class, with its own vocabulary rows (not the padded embedding).
+        for key in PROVENANCE_ARGS:
+            if getattr(a, key, None) is None and (meta.get("args") or {}).get(key) is not None:
+                setattr(a, key, meta["args"][key])
         if not a.finetune:
             ts = meta["train_state"]
             self.state = TrainState(**ts)
@@ -290,7 +304,7 @@ class Trainer(StepMixin, EvaluationMixin):
             pp=self.dims.pp, dp=self.dims.dp, zero_stage=a.zero_stage, sequence_parallel=a.sequence_parallel,
             recompute_granularity=a.recompute_granularity, half_precision=self.precision.dtype != torch.float32,
             optimizer=a.optimizer, loss_chunked=bool(a.cross_entropy_chunk_size),
-            num_micro_batches=a.num_micro_batches, cp=self.dims.cp)
+            num_micro_batches=a.num_micro_batches, cp=self.dims.cp, expert_parallel_size=self.dims.ep)
 
     def train(self) -> TrainState:
         a = self.args
@@ -346,6 +360,9 @@ class Trainer(StepMixin, EvaluationMixin):
             save = bool(a.save and a.save_interval and it % a.save_interval == 0)
             if tensorboard or log or evaluate or save or it == train_iters:
                 self.settle()  # what follows reads this iteration's result or the schedule after it
+            moe_reports = self._read_moe(it, log) if self.moe_metrics is not None else {}
+            if "last" in moe_reports:
+                self._write_moe_tensorboard(it, moe_reports["last"])
             if tensorboard:
                 assert self.last_result is not None and self.last_result[0] == it
                 result = self.last_result[1]
@@ -358,7 +375,8 @@ class Trainer(StepMixin, EvaluationMixin):
                 # lines is the iterations' time (the last optimizer step, still running on the GPU,
                 # is counted in the next interval).
                 now = time.time()
-                self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters)
+                self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters,
+                          moe=moe_reports.get("interval"))
                 if self.device.type == "cuda" and self.state.iteration == a.log_interval:
                     peak = torch.cuda.max_memory_allocated(self.device) / 2**30
                     theory = f" (theoretical {estimate.total / 2**30:.2f} GiB)" if estimate is not None else ""
@@ -388,19 +406,48 @@ class Trainer(StepMixin, EvaluationMixin):
         """The global batch of the current iteration (below --global-batch-size during a ramp-up)."""
         return self.num_micro_batches * self.args.micro_batch_size * self.dp_size
 
-    def _log(self, stats: IntervalStats, seconds_per_iter: float, train_iters: int) -> None:
+    def _read_moe(self, iteration: int, log: bool) -> dict[str, MoEReport]:
+        """The MoE values the log line (``"interval"``) and TensorBoard (``"last"``: every
+        --tensorboard-log-interval iterations, Megatron writes them each iteration) show at this
+        iteration, reduced over the ranks: every rank reads (the same decision everywhere)."""
+        a = self.args
+        metrics_on = bool(a.tensorboard_dir or a.wandb_project)  # the same on every rank (the writer is not)
+        last = metrics_on and iteration % a.tensorboard_log_interval == 0
+        if not (last or log):
+            return {}
+        assert self.moe_metrics is not None
+        pp_group = self.pipeline.pp_group if self.pipeline is not None else None
+        dp_group = self.dims.submesh("dp").get_group() if self.dp_size > 1 else None
+        return self.moe_metrics.read(last=last, interval=log, pp_group=pp_group, dp_group=dp_group)
+
+    def _write_moe_tensorboard(self, iteration: int, report: MoEReport) -> None:
+        """Megatron's MoE scalars: each value by its name, and with --moe-per-layer-logging
+        ``moe/<name>_layer_<i>`` for every layer."""
+        if not self.writer.active:
+            return
+        for name, value in report.averages.items():
+            self.writer.add_scalar(name, value, iteration)
+        if getattr(self.args, "moe_per_layer_logging", False):
+            for name, values in report.per_layer.items():
+                for i, value in enumerate(values):
+                    self.writer.add_scalar(f"moe/{name}_layer_{i}", value, iteration)
+
+    def _log(self, stats: IntervalStats, seconds_per_iter: float, train_iters: int,
+             moe: MoEReport | None = None) -> None:
         a = self.args
         batch = self.current_global_batch_size
         tflops = self.flops_per_iteration * batch / a.global_batch_size / (seconds_per_iter * 1e12 * self.world_size)
         tokens_per_gpu = batch * a.seq_length / seconds_per_iter / self.world_size
         mem_gib = (torch.cuda.max_memory_allocated(self.device) / 2**30) if self.device.type == "cuda" else None
         mfu = tflops / self.peak_tflops if self.peak_tflops else None
+        losses = stats.mean_losses(self.objective.loss_names[:1] if self.per_token_loss else self.objective.loss_names)
+        if moe is not None:  # after the objective's losses, as Megatron's total_loss_dict
+            losses = {**losses, **moe.averages}
         line = format_train_log_line(
             iteration=self.state.iteration, train_iters=train_iters,
             consumed_samples=self.state.consumed_train_samples, elapsed_ms=seconds_per_iter * 1000.0,
             throughput_tflops=tflops, learning_rate=self.scheduler.current_lr(),
-            global_batch_size=batch, losses=stats.mean_losses(self.objective.loss_names[:1] if self.per_token_loss
-                                                              else self.objective.loss_names),
+            global_batch_size=batch, losses=losses,
             loss_scale=float(self.scaler.scale) if self.scaler is not None else 1.0,
             grad_norm=stats.last_grad_norm, skipped_iterations=stats.skipped, nan_iterations=stats.nan,
             tokens_per_sec_per_gpu=tokens_per_gpu,

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import cpu_env, run_cmd
+
+REPO = Path(__file__).resolve().parents[2]
 
 SHRUNK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
           "--max-position-embeddings", "64", "--ffn-hidden-size", "128", "--num-query-groups", "2",
@@ -67,3 +71,81 @@ def test_megatron_fsdp_example_flags_are_accepted():
     notes = "\n".join(args.legacy_notes)
     for flag in ("--use-megatron-fsdp", "--init-model-with-meta-device", "--use-nccl-ub", "--fsdp-double-buffer"):
         assert f"note: {flag} " in notes, flag
+
+
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh, every flag as it passes them, with
+# the sizes shrunk to 4 CPU processes (its PP=4 x EP=8 becomes PP=2 x EP=2, so data parallel 2); the
+# Llama-2 tokenizer and data files become --mock-data with the null tokenizer.
+MIXTRAL = ("--use-mcore-models --disable-bias-linear --init-method-std 0.01 --attention-dropout 0.0 "
+           "--hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu "
+           "--untie-embeddings-and-output-weights --group-query-attention --no-masked-softmax-fusion "
+           "--no-position-embedding --rotary-base 1000000 "
+           "--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+           "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce "
+           "--split 99990,8,2 --micro-batch-size 1 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 "
+           "--bf16 --tensor-model-parallel-size 1 --use-distributed-optimizer --sequence-parallel "
+           "--log-interval 1 --save-interval 10000 --no-load-optim --no-load-rng").split()
+MIXTRAL_SHRUNK = ["--seq-length", "64", "--max-position-embeddings", "64", "--num-layers", "4", "--hidden-size", "64",
+                  "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
+                  "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1.0e-4", "--train-iters", "8",
+                  "--lr-decay-iters", "8", "--lr-warmup-iters", "2", "--pipeline-model-parallel-size", "2",
+                  "--expert-model-parallel-size", "2", "--eval-interval", "8", "--eval-iters", "1",
+                  "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--device", "cpu",
+                  "--num-workers", "0"]
+
+
+@pytest.mark.slow
+def test_megatron_mixtral_example_flags_run_expert_parallel(tmp_path):
+    from megatrain.training.logging import parse_train_log_line
+    from tests.e2e.conftest import free_port
+
+    out = tmp_path / "run"
+    paths = ["--save", str(out / "ckpt"), "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb"),
+             "--data-cache-path", str(out / "cache")]
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                    str(free_port()), "pretrain_gpt.py", *MIXTRAL, *MIXTRAL_SHRUNK, *paths], env=cpu_env(),
+                   timeout=600)
+    log = proc.stdout
+    assert "world 4 = pp 2 x dp 2 x cp 1 x tp 1" in log and "experts: ep 2 x edp 1 (alltoall dispatcher)" in log
+    lines = [parse_train_log_line(l) for l in log.splitlines() if "] iteration " in l]
+    assert [d["iteration"] for d in lines] == list(range(1, 9))
+    losses = [d["lm loss"] for d in lines]
+    assert losses[-1] < losses[0] - 0.25, losses
+    balancing = [d["load_balancing_loss"] for d in lines]
+    assert all(0.5 < v < 4.0 for v in balancing), balancing  # about 1 when balanced (Megatron's normalisation)
+    assert "validation loss at iteration 8" in log
+    assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+
+
+def test_the_repository_mixtral_example_passes_megatrons_flags():
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh carries Megatron's flag set unchanged (the one
+    the run above trains with) and parses as the 32-GPU layout it names."""
+    import re
+
+    from megatrain.training.arguments import parse_args
+
+    script = (REPO / "examples" / "mixtral" / "train_mixtral_8x7b_distributed.sh").read_text()
+    body = script[script.index("MODEL_ARGS=("):script.index("if [ -n")]
+    words = [w for line in body.splitlines() if not line.strip().endswith("=(") and line.strip() != ")"
+             for w in line.split() if w != "\\"]
+    values = {"$PP": "4", "$EP": "8", "${TOKENIZER_MODEL}": "tok.model", "$DATA_PATH": "data/x_text_document",
+              "$CHECKPOINT_PATH": "ckpt", '"${CHECKPOINT_PATH}/tensorboard"': "ckpt/tensorboard"}
+    flags = [values.get(w, w) for w in words]
+    assert not [w for w in flags if "$" in w], flags
+    for i, flag in enumerate(MIXTRAL):
+        if flag.startswith("--"):
+            assert flag in flags, flag
+            nxt = MIXTRAL[i + 1] if i + 1 < len(MIXTRAL) else None
+            if nxt is not None and not nxt.startswith("--"):
+                assert flags[flags.index(flag) + 1] == nxt, flag
+    assert re.search(r"torchrun \$\{DISTRIBUTED_ARGS\[@\]\} pretrain_gpt.py", script)
+    env = {"WORLD_SIZE": "32"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        args = parse_args(flags)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert args.num_experts == 8 and args.moe_router_topk == 2 and args.moe_grouped_gemm
+    assert args.expert_model_parallel_size == 8 and args.pipeline_model_parallel_size == 4

@@ -25,6 +25,7 @@ class BertConfig(TransformerConfig):
     add_binary_head: bool = True
     num_tokentypes: int = 2
     causal_attention: ClassVar[bool] = False  # every position sees the whole sequence (its padding masked)
+    supports_moe: ClassVar[bool] = False  # --num-experts is refused (no MoE layers in BERT)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -4,8 +4,9 @@ embeddings, the transformer layer) read. A family's config subclasses it and add
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 
 @dataclass
@@ -52,6 +53,35 @@ class TransformerConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    # ---- mixture of experts (Megatron's names and defaults; num_moe_experts None: a dense model) ----
+    # Layer i's MLP is a MoELayer (megatrain.models.common.moe.layer) when is_moe_layer(i): every
+    # moe_layer_freq-th layer (int), or where the 0/1 list says 1. See docs of --num-experts & co.
+    num_moe_experts: int | None = None  # --num-experts
+    moe_ffn_hidden_size: int | None = None  # each expert's MLP width; filled with ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # or "sigmoid" / "sqrtsoftplus"
+    moe_router_pre_softmax: bool = False  # softmax (sigmoid) before the top-k, not after
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None  # group-limited routing: experts in this many groups,
+    moe_router_group_topk: int | None = None  # of which each token's top-k come from this many
+    moe_router_dtype: str | None = None  # "fp32" / "fp64": the router's logits and scores in that dtype
+    moe_input_jitter_eps: float | None = None  # training: router input times U(1-eps, 1+eps)
+    # aux_loss | seq_aux_loss | global_aux_loss | none; a list combines several (one coefficient each)
+    moe_router_load_balancing_type: Union[str, list[str]] = "aux_loss"
+    moe_aux_loss_coeff: Union[float, list[float]] = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # None: no token is dropped
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"  # or "position"
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: Union[int, list[int]] = 1
+    moe_grouped_gemm: bool = False  # one grouped matmul over the local experts (a kernel choice)
+    # Benchmarks only (Megatron's experimental flag): the router's logits replaced by random normal
+    # ones (the gradient passes straight through), so the experts get balanced loads.
+    moe_router_force_load_balancing: bool = False
     # Self-attention sees earlier positions only (decoders); False: every position of the sequence
     # (encoders), unless an explicit mask says otherwise. A property of the family, not a field.
     causal_attention: ClassVar[bool] = True
@@ -115,6 +145,142 @@ class TransformerConfig:
             self.window_size = window  # a list when read back from a checkpoint's meta.json
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
+        self._check_moe()
+
+    # ---- mixture of experts ------------------------------------------------------------------------
+    moe_balancing_types: ClassVar[tuple[str, ...]] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+    # Whether the family's model builds MoE layers (BERT and T5 do not).
+    supports_moe: ClassVar[bool] = True
+
+    def _check_moe(self) -> None:
+        """Megatron's checks of the MoE settings (TransformerConfig.__post_init__ and arguments.py)."""
+        if self.num_moe_experts is None:
+            if self.moe_ffn_hidden_size is not None:
+                raise ValueError("--moe-ffn-hidden-size is set but --num-experts is not (a dense model)")
+            return
+        if not self.supports_moe:
+            raise ValueError(f"--num-experts: the {type(self).__name__.removesuffix('Config')} family has no "
+                             "mixture-of-experts layers (MoE models are GPT-family models: pretrain_gpt.py)")
+        e = self.num_moe_experts
+        if isinstance(e, bool) or not isinstance(e, int) or e <= 0:
+            raise ValueError(f"--num-experts must be a positive integer, got {e!r}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_ffn_hidden_size <= 0:
+            raise ValueError(f"--moe-ffn-hidden-size must be positive, got {self.moe_ffn_hidden_size}")
+        k = self.moe_router_topk
+        if not 1 <= k <= e:
+            raise ValueError(f"--moe-router-topk must be between 1 and --num-experts ({e}), got {k}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"--moe-router-score-function must be softmax, sigmoid or sqrtsoftplus, "
+                             f"got {self.moe_router_score_function!r}")
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+            # a softmax over the one selected logit is 1 whatever the logit: no gradient reaches the router
+            raise ValueError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax "
+                             "(a softmax over one selected logit has no gradient), as in Megatron-LM")
+        if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
+            raise ValueError(f"--moe-router-topk-scaling-factor must be positive, "
+                             f"got {self.moe_router_topk_scaling_factor}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups is not None and groups <= 0:
+            raise ValueError(f"--moe-router-num-groups must be positive, got {groups}")
+        if group_topk is not None:
+            if groups is None:
+                raise ValueError("--moe-router-group-topk (group-limited routing) needs --moe-router-num-groups")
+            if e % groups:
+                raise ValueError(f"--num-experts ({e}) must be divisible by --moe-router-num-groups ({groups})")
+            if not 1 <= group_topk <= groups:
+                raise ValueError(f"--moe-router-group-topk must be between 1 and --moe-router-num-groups "
+                                 f"({groups}), got {group_topk}")
+            if k % group_topk or k // group_topk > e // groups:
+                raise ValueError(f"--moe-router-topk ({k}) must be a multiple of --moe-router-group-topk "
+                                 f"({group_topk}) and at most {group_topk} x the {e // groups} experts of a group "
+                                 "(each chosen group gives topk / group-topk experts)")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
+        if self.moe_input_jitter_eps is not None and not 0.0 <= self.moe_input_jitter_eps < 1.0:
+            raise ValueError(f"--moe-input-jitter-eps must be in [0, 1), got {self.moe_input_jitter_eps}")
+        self._check_balancing()
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
+            raise ValueError("--moe-router-enable-expert-bias (aux-loss-free balancing) needs "
+                             "--moe-router-score-function sigmoid or sqrtsoftplus, as in Megatron-LM")
+        if self.moe_expert_capacity_factor is not None:
+            if self.moe_expert_capacity_factor < 0:  # Megatron: a negative factor means dropless
+                self.moe_expert_capacity_factor = None
+            elif self.moe_expert_capacity_factor == 0:
+                raise ValueError("--moe-expert-capacity-factor must be positive (or negative / unset: no "
+                                 "token dropping), got 0")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"--moe-token-drop-policy must be probs or position, got {self.moe_token_drop_policy!r}")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared <= 0:
+            raise ValueError(f"--moe-shared-expert-intermediate-size must be positive, got {shared}")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        self.moe_layer_freq = check_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+
+    def _check_balancing(self) -> None:
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if isinstance(types, (list, tuple)) and len(types) == 1:
+            types = types[0]
+        if isinstance(coeffs, (list, tuple)) and len(coeffs) == 1:
+            coeffs = coeffs[0]
+        names = [types] if isinstance(types, str) else list(types)
+        for t in names:
+            if t in ("sinkhorn", "quantile_balancing"):
+                raise ValueError(f"--moe-router-load-balancing-type {t} is not supported (aux_loss, seq_aux_loss, "
+                                 "global_aux_loss, none, or --moe-router-enable-expert-bias for aux-loss-free "
+                                 "balancing)")
+            if t not in self.moe_balancing_types:
+                raise ValueError(f"--moe-router-load-balancing-type must be one of "
+                                 f"{', '.join(self.moe_balancing_types)}, got {t!r}")
+        if isinstance(types, str):
+            if not isinstance(coeffs, (int, float)) or isinstance(coeffs, bool):
+                raise ValueError(f"--moe-aux-loss-coeff: one coefficient for one --moe-router-load-balancing-type, "
+                                 f"got {coeffs!r}")
+            coeff_list = [float(coeffs)]
+        else:
+            if len(set(names)) != len(names):
+                raise ValueError(f"--moe-router-load-balancing-type names a type twice: {names}")
+            if not isinstance(coeffs, (list, tuple)) or len(coeffs) != len(names):
+                raise ValueError(f"--moe-aux-loss-coeff needs one coefficient per --moe-router-load-balancing-type "
+                                 f"({len(names)}), got {coeffs!r}")
+            coeff_list = [float(c) for c in coeffs]
+            types, coeffs = list(names), coeff_list
+        if any(c < 0 for c in coeff_list):
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {coeffs}")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            raise ValueError(f"--moe-z-loss-coeff must be >= 0, got {self.moe_z_loss_coeff}")
+        self.moe_router_load_balancing_type = types
+        self.moe_aux_loss_coeff = coeffs if isinstance(coeffs, list) else float(coeffs)
+
+    def aux_loss_coeff(self, balancing_type: str) -> float:
+        """The coefficient of one balancing loss (0.0 when that type is not chosen), as Megatron's
+        ``get_aux_loss_coeff``."""
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if isinstance(types, str):
+            return float(coeffs) if types == balancing_type else 0.0  # type: ignore[arg-type]
+        return float(coeffs[types.index(balancing_type)]) if balancing_type in types else 0.0  # type: ignore[index]
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (0-based) has a mixture-of-experts MLP."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """The model's number of MoE layers (all pipeline stages together)."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def moe_ffn(self) -> int:
+        """Each routed expert's MLP width (--moe-ffn-hidden-size, else --ffn-hidden-size)."""
+        assert self.ffn_hidden_size is not None
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
 
     @property
     def rotary_dim(self) -> int:
@@ -132,6 +298,121 @@ class TransformerConfig:
         """Query heads sharing one key/value head (n / g); the same on every tensor-parallel rank."""
         assert self.num_query_groups is not None
         return self.num_attention_heads // self.num_query_groups
+
+
+def check_moe_layer_freq(freq: Any, num_layers: int) -> int | list[int]:
+    """``freq`` (an int N >= 1, a 0/1 list of ``num_layers`` entries, or the flag's text) checked;
+    a list read back from JSON stays a list. ValueError naming --moe-layer-freq otherwise."""
+    if isinstance(freq, str):
+        freq = parse_moe_layer_freq(freq)
+    if isinstance(freq, tuple):
+        freq = list(freq)
+    if isinstance(freq, bool) or not isinstance(freq, (int, list)):
+        raise ValueError(f"--moe-layer-freq must be an integer or a list of 0/1, got {freq!r}")
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
+        return freq
+    if any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+        raise ValueError(f"--moe-layer-freq: a pattern holds 0 (dense layer) and 1 (MoE layer) only, got {freq}")
+    if len(freq) != num_layers:
+        raise ValueError(f"--moe-layer-freq: the pattern has {len(freq)} entries but --num-layers is {num_layers}")
+    return [int(v) for v in freq]
+
+
+_FREQ_TOKEN = re.compile(r"\s*(?:([0-9]+)|(.))", re.DOTALL)
+
+
+def parse_moe_layer_freq(text: str) -> int | list[int]:
+    """Megatron's --moe-layer-freq value without ``eval``: an integer N, or a list expression made of
+    ``[a, b, ...]`` (integers), ``(...)``, ``*`` by an integer (either side) and ``+`` (concatenation),
+    e.g. ``([0]*3+[1]*29)`` or ``([1]*3+[0])*2``. ValueError naming the flag for anything else."""
+    text = str(text).strip()
+    tokens: list[tuple[str, Any]] = []
+    pos = 0
+    while pos < len(text):
+        m = _FREQ_TOKEN.match(text, pos)
+        assert m is not None  # the text is stripped: something follows any spaces
+        if m.group(1) is not None:
+            tokens.append(("int", int(m.group(1))))
+        elif m.group(2) in "[](),*+":
+            tokens.append((m.group(2), None))
+        elif not m.group(2).isspace():
+            raise ValueError(f"--moe-layer-freq: unexpected {m.group(2)!r} in {text!r} (expected an integer or "
+                             "a list expression such as ([0]*3+[1]*29))")
+        pos = m.end()
+    if len(tokens) > 10000:
+        raise ValueError(f"--moe-layer-freq: expression too long ({len(text)} characters)")
+    at = 0
+
+    def fail(what: str) -> ValueError:
+        return ValueError(f"--moe-layer-freq: {what} in {text!r} (expected an integer or a list expression "
+                          "such as ([0]*3+[1]*29))")
+
+    def peek() -> str | None:
+        return tokens[at][0] if at < len(tokens) else None
+
+    def take(kind: str) -> Any:
+        nonlocal at
+        if peek() != kind:
+            raise fail(f"expected {kind!r}" if kind != "int" else "expected an integer")
+        at += 1
+        return tokens[at - 1][1]
+
+    def expr(depth: int) -> Any:  # term ('+' term)*
+        value = term(depth)
+        while peek() == "+":
+            take("+")
+            right = term(depth)
+            if isinstance(value, int) != isinstance(right, int):
+                raise fail("'+' between a list and an integer")
+            value = value + right
+        return value
+
+    def term(depth: int) -> Any:  # atom ('*' atom)*
+        value = atom(depth)
+        while peek() == "*":
+            take("*")
+            right = atom(depth)
+            if isinstance(value, list) and isinstance(right, list):
+                raise fail("a list times a list")
+            if isinstance(value, list) or isinstance(right, list):
+                count = right if isinstance(value, list) else value
+                if count > 100000 or len(value if isinstance(value, list) else right) * count > 100000:
+                    raise fail("a pattern longer than 100000 layers")
+            value = value * right
+        return value
+
+    def atom(depth: int) -> Any:
+        if depth > 50:
+            raise fail("nesting too deep")
+        kind = peek()
+        if kind == "int":
+            return take("int")
+        if kind == "(":
+            take("(")
+            value = expr(depth + 1)
+            take(")")
+            return value
+        if kind == "[":
+            take("[")
+            items: list[int] = []
+            while peek() != "]":
+                items.append(take("int"))
+                if peek() == ",":
+                    take(",")
+                elif peek() != "]":
+                    raise fail("expected ',' or ']'")
+            take("]")
+            return items
+        raise fail("unexpected end" if kind is None else f"unexpected {kind!r}")
+
+    if not tokens:
+        raise fail("empty value")
+    value = expr(0)
+    if at != len(tokens):
+        raise fail(f"unexpected {tokens[at][0]!r}")
+    return value
 
 
 def gelu_approximation_from_args(args: argparse.Namespace) -> str:
@@ -170,4 +451,41 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        **moe_fields_from_args(args),
+    )
+
+
+def moe_fields_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`TransformerConfig` from Megatron's flags (``--num-experts
+    0`` means none, as Megatron; a list of one balancing type / coefficient is that one)."""
+    def get(name: str, default: Any) -> Any:
+        return getattr(args, name, default)
+
+    experts = get("num_experts", None)
+    types = get("moe_router_load_balancing_type", "aux_loss")
+    coeffs = get("moe_aux_loss_coeff", 0.0)
+    return dict(
+        num_moe_experts=experts or None,
+        moe_ffn_hidden_size=get("moe_ffn_hidden_size", None),
+        moe_router_topk=get("moe_router_topk", 2),
+        moe_router_score_function=get("moe_router_score_function", "softmax"),
+        moe_router_pre_softmax=bool(get("moe_router_pre_softmax", False)),
+        moe_router_topk_scaling_factor=get("moe_router_topk_scaling_factor", None),
+        moe_router_num_groups=get("moe_router_num_groups", None),
+        moe_router_group_topk=get("moe_router_group_topk", None),
+        moe_router_dtype=get("moe_router_dtype", None),
+        moe_input_jitter_eps=get("moe_input_jitter_eps", None),
+        moe_router_load_balancing_type=types[0] if isinstance(types, list) and len(types) == 1 else types,
+        moe_aux_loss_coeff=coeffs[0] if isinstance(coeffs, list) and len(coeffs) == 1 else coeffs,
+        moe_z_loss_coeff=get("moe_z_loss_coeff", None),
+        moe_router_enable_expert_bias=bool(get("moe_router_enable_expert_bias", False)),
+        moe_router_bias_update_rate=get("moe_router_bias_update_rate", 1e-3),
+        moe_expert_capacity_factor=get("moe_expert_capacity_factor", None),
+        moe_pad_expert_input_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False)),
+        moe_token_drop_policy=get("moe_token_drop_policy", "probs"),
+        moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size", None),
+        moe_shared_expert_gate=bool(get("moe_shared_expert_gate", False)),
+        moe_layer_freq=get("moe_layer_freq", 1),
+        moe_grouped_gemm=bool(get("moe_grouped_gemm", False)),
+        moe_router_force_load_balancing=bool(get("moe_router_force_load_balancing", False)),
     )

@@ -78,4 +78,31 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
     "hidden_dropout": ConfigCheck("no", "--hidden-dropout"),
     "attention_dropout": ConfigCheck("no", "--attention-dropout"),
     "init_method_std": ConfigCheck("no", "--init-method-std"),  # initialisation only; the loaded weights replace it
+    # mixture of experts: the shape and the routing compare; the balancing losses are regularisation
+    "num_moe_experts": ConfigCheck("compare", "--num-experts", none_is_value=True, note="unset: a dense model"),
+    "moe_ffn_hidden_size": ConfigCheck("compare", "--moe-ffn-hidden-size"),
+    "moe_router_topk": ConfigCheck("compare", "--moe-router-topk"),
+    "moe_router_score_function": ConfigCheck("compare", "--moe-router-score-function"),
+    "moe_router_pre_softmax": ConfigCheck("compare", "--moe-router-pre-softmax"),
+    "moe_router_topk_scaling_factor": ConfigCheck("compare", "--moe-router-topk-scaling-factor", none_is_value=True),
+    "moe_router_num_groups": ConfigCheck("compare", "--moe-router-num-groups", none_is_value=True),
+    "moe_router_group_topk": ConfigCheck("compare", "--moe-router-group-topk", none_is_value=True),
+    "moe_router_dtype": ConfigCheck("no", "--moe-router-dtype"),  # precision of the routing
+    "moe_input_jitter_eps": ConfigCheck("no", "--moe-input-jitter-eps"),  # training noise
+    "moe_router_load_balancing_type": ConfigCheck("no", "--moe-router-load-balancing-type"),
+    "moe_aux_loss_coeff": ConfigCheck("no", "--moe-aux-loss-coeff"),
+    "moe_z_loss_coeff": ConfigCheck("no", "--moe-z-loss-coeff"),
+    # the expert bias is a buffer of the checkpoint and steers the routing
+    "moe_router_enable_expert_bias": ConfigCheck("compare", "--moe-router-enable-expert-bias"),
+    "moe_router_bias_update_rate": ConfigCheck("no", "--moe-router-bias-update-rate"),
+    "moe_expert_capacity_factor": ConfigCheck("warn", "--moe-expert-capacity-factor", values={
+        "None": "no token dropping"}, note="tokens beyond an expert's capacity are dropped"),
+    "moe_pad_expert_input_to_capacity": ConfigCheck("no", "--moe-pad-expert-input-to-capacity"),
+    "moe_token_drop_policy": ConfigCheck("warn", "--moe-token-drop-policy"),
+    "moe_shared_expert_intermediate_size": ConfigCheck("compare", "--moe-shared-expert-intermediate-size",
+                                                       none_is_value=True),
+    "moe_shared_expert_gate": ConfigCheck("compare", "--moe-shared-expert-gate"),
+    "moe_layer_freq": ConfigCheck("compare", "--moe-layer-freq"),
+    "moe_grouped_gemm": ConfigCheck("no", "--moe-grouped-gemm"),  # a kernel choice, the same numbers
+    "moe_router_force_load_balancing": ConfigCheck("no", "--moe-router-force-load-balancing"),  # a benchmark switch
 }

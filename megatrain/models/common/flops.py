@@ -10,6 +10,14 @@ Every matmul costs 2*m*k*n forward and twice that backward (gradients of input a
 hence the 6. The last term is attention: QK^T and attention x V over half of the s x s score
 matrix (Megatron counts causal attention; it uses the same formula for BERT, so bidirectional
 attention is counted at half its cost there, as in Megatron's logs).
+
+Mixture-of-experts models (Megatron's MoE terms): ``F*L`` becomes the dense layers' ``F`` plus, per MoE
+layer, ``topk`` routed experts of width ``moe_ffn_hidden_size`` and the shared experts' width ``S``:
+
+    F*L  ->  F*L_dense + (F_moe*topk + S)*L_moe
+
+(``L_moe`` from ``--moe-layer-freq``). Megatron counts neither the router's logits nor the token
+movement nor capacity padding; nor does this.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ def transformer_flops(cfg: TransformerConfig, batch_size: int, seq_length: int) 
     h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
     n, g, d, F = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
     E = 3 if cfg.swiglu else 2
-    per_token = 6 * h * E * F * L + 6 * L * (h * d * (n + 2 * g) + d * n * h) + 6 * h * V
+    moe_layers = cfg.num_moe_layers if getattr(cfg, "num_moe_experts", None) is not None else 0
+    mlp_width = F * (L - moe_layers)  # summed over the layers
+    if moe_layers:
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        mlp_width += (cfg.moe_ffn * cfg.moe_router_topk + shared) * moe_layers
+    per_token = 6 * h * E * mlp_width + 6 * L * (h * d * (n + 2 * g) + d * n * h) + 6 * h * V
     attention = 6 * B * s * s * L * n * d
     return float(B * s * per_token + attention)

@@ -45,6 +45,7 @@ def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerC
 
     Megatron's scheme: weights of the modules in ``std_weights`` ~ N(0, std); those in
     ``scaled_weights`` (the projections that add into the residual stream) ~ N(0, std / sqrt(2 L));
+    a parameter whose own name (not ``weight``) is in ``std_weights`` ~ N(0, std);
     biases 0; norm weights (modules whose name ends in ``layernorm``) 1, or 0 with
     ``--apply-layernorm-1p``, and their biases 0. Any other parameter is refused (ValueError), so
     a new module cannot silently start from garbage.
@@ -63,6 +64,8 @@ def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerC
     if leaf == "bias":
         return torch.zeros(shape, device="cpu")
     if leaf != "weight":
+        if leaf in std_weights:  # a parameter named for itself (a MoE layer's shared_experts.gate_weight)
+            return seeded_normal(canonical, shape, config.init_method_std, seed)
         raise ValueError(f"no initialisation rule for parameter {name!r}")
     if module in std_weights:
         std = config.init_method_std

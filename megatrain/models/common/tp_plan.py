@@ -23,6 +23,16 @@ With sequence parallelism the residual stream between blocks is sharded on the s
 1): norms run on ``Shard(1)`` (SequenceParallel), attention and MLP all-gather their input
 (PrepareModuleInput) and reduce-scatter their output (RowwiseParallel to Shard(1)). Cross-attention
 gathers its queries' input the same way; its context (the encoder output) comes whole and replicated.
+
+A mixture-of-experts layer's ``mlp`` (a ``MoELayer``) gets none of the dense MLP's styles: each rank
+routes the tokens it holds (under sequence parallelism its part of the sequence: ``mlp`` only takes
+its input as the local tensor, no gather), and the router and experts are laid out by
+:mod:`megatrain.parallel.expert_parallel` (router replicated, experts whole or sharded over ``ep``).
+Its shared experts are a dense MLP of their own: ``mlp.shared_experts.linear_fc1`` column parallel
+(gathering the sequence itself under sequence parallelism), ``linear_fc2`` row parallel back to the
+residual layout; with sequence parallelism and ``--moe-shared-expert-gate`` the gate weight becomes a
+replicated DTensor and the shared experts' input a ``Shard(1)`` DTensor (:class:`SharedExpertGateParallel`),
+so the gate's gradient sums every rank's part of the sequence.
 """
 
 from __future__ import annotations
@@ -32,13 +42,13 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 __all__ = ["TensorParallelPlan", "transformer_layer_plan", "layers_plan", "vocab_parallel_embedding_plan",
-           "lm_head_plan", "ShardParametersOnVocab"]
+           "lm_head_plan", "ShardParametersOnVocab", "SharedExpertGateParallel"]
 
 
 @dataclass
@@ -48,9 +58,11 @@ class TensorParallelPlan:
     vocab_parallel_head: bool = False  # the model's loss_head becomes the vocab-parallel cross entropy
 
 
-def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = False) -> dict[str, Any]:
+def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = False, *, moe: bool = False,
+                           shared_experts: bool = False, shared_expert_gate: bool = False) -> dict[str, Any]:
     """The plan of one transformer layer (with ``cross_attention``: a decoder layer that has one),
-    keyed by module path relative to the layer."""
+    keyed by module path relative to the layer. ``moe``: its ``mlp`` is a mixture-of-experts layer
+    (with ``shared_experts``, gated with ``shared_expert_gate``)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         "self_attention.linear_qkv": ColwiseParallel(),
@@ -62,10 +74,17 @@ def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = Fals
             "cross_attention.linear_kv": ColwiseParallel(),
             "cross_attention.linear_proj": RowwiseParallel(output_layouts=residual),
         })
-    plan.update({
-        "mlp.linear_fc1": ColwiseParallel(),
-        "mlp.linear_fc2": RowwiseParallel(output_layouts=residual),
-    })
+    if not moe:
+        plan.update({
+            "mlp.linear_fc1": ColwiseParallel(),
+            "mlp.linear_fc2": RowwiseParallel(output_layouts=residual),
+        })
+    elif shared_experts:
+        plan.update({
+            # the layer input (this rank's sequence part under SP) gathered by the column-parallel fc1
+            "mlp.shared_experts.linear_fc1": ColwiseParallel(input_layouts=residual),
+            "mlp.shared_experts.linear_fc2": RowwiseParallel(output_layouts=residual),
+        })
     if sequence_parallel:
         plan.update({
             "input_layernorm": SequenceParallel(),
@@ -74,9 +93,13 @@ def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = Fals
             "self_attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                                  desired_input_layouts=(Replicate(), None, None, None),
                                                  use_local_output=True),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            # a MoE layer routes this rank's tokens: its input stays the sequence part, as a local tensor
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Shard(1) if moe else Replicate(),),
                                       use_local_output=True),
         })
+        if moe and shared_experts and shared_expert_gate:
+            plan["mlp.shared_experts"] = SharedExpertGateParallel()
         if cross_attention:
             plan.update({
                 "pre_cross_attn_layernorm": SequenceParallel(),
@@ -96,7 +119,13 @@ def layers_plan(layers: nn.ModuleDict, config: Any, sequence_parallel: bool, pre
     plan = TensorParallelPlan()
     for key, layer in layers.items():
         cross = getattr(layer, "cross_attention", None) is not None
-        for path, style in transformer_layer_plan(sequence_parallel, cross).items():
+        mlp = getattr(layer, "mlp", None)
+        mlp = getattr(mlp, "_checkpoint_wrapped_module", mlp)
+        moe = type(mlp).__name__ == "MoELayer"
+        shared = getattr(mlp, "shared_experts", None) if moe else None
+        gate = shared is not None and getattr(shared, "gate_weight", None) is not None
+        for path, style in transformer_layer_plan(sequence_parallel, cross, moe=moe, shared_experts=shared is not None,
+                                                  shared_expert_gate=gate).items():
             plan.styles.append((f"{prefix}.{key}.{path}", style))
         if config.attention_dropout > 0:
             plan.rng_regions.append(f"{prefix}.{key}.self_attention.core_attention")
@@ -146,3 +175,27 @@ class ShardParametersOnVocab(ParallelStyle):
                 mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
         return distribute_module(module, device_mesh, partition)
+
+
+class SharedExpertGateParallel(ParallelStyle):
+    """A MoE layer's gated shared experts under sequence parallelism: ``gate_weight`` [1, h] becomes a
+    replicated DTensor and the module's input (this rank's part of the sequence) a ``Shard(1)``
+    DTensor, so ``sigmoid(x @ gate_weight^T)`` is computed on the rank's tokens and the gate's
+    gradient is the sum of every rank's part. The linear layers inside keep their own styles (fc1
+    gathers the DTensor input); the module returns a local tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module and isinstance(getattr(mod, "gate_weight", None), nn.Parameter):
+                gate = mod.gate_weight
+                if not isinstance(gate, DTensor):
+                    mod.register_parameter("gate_weight", nn.Parameter(
+                        distribute_tensor(gate, mesh, [Replicate()]), requires_grad=gate.requires_grad))
+
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+            return (x, *rest)
+
+        return distribute_module(module, device_mesh, partition, prepare_input)

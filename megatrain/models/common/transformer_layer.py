@@ -6,7 +6,10 @@ Module paths inside a layer are a contract with the parallel code (tensor-parall
 recomputation, context parallelism): ``input_layernorm``, ``self_attention.{linear_qkv,
 core_attention, linear_proj}`` (with ``--qk-layernorm`` also ``q_layernorm``, ``k_layernorm``), with cross-attention ``pre_cross_attn_layernorm`` and
 ``cross_attention.{linear_q, linear_kv, core_attention, linear_proj}`` (Megatron's names),
-``pre_mlp_layernorm``, ``mlp.{linear_fc1, linear_fc2}``, ``dropout``.
+``pre_mlp_layernorm``, ``mlp.{linear_fc1, linear_fc2}``, ``dropout``. In a mixture-of-experts layer
+(``config.is_moe_layer(layer_number)``, ``layer_number`` 0-based) ``mlp`` is a
+:class:`~megatrain.models.common.moe.layer.MoELayer` (``mlp.router``, ``mlp.experts.{linear_fc1,
+linear_fc2}``, ``mlp.shared_experts.{linear_fc1, linear_fc2, gate_weight}``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ class TransformerLayer(nn.Module):
         self.cross_attention: CrossAttention | None = (CrossAttention(config, layer_number) if cross_attention
                                                        else None)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(layer_number):
+            from megatrain.models.common.moe.layer import MoELayer  # only MoE models import it
+
+            self.mlp: nn.Module = MoELayer(config, layer_number)
+        else:
+            self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(

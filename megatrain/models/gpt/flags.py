@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 
 from megatrain.flags import flag_section
+from megatrain.models.common.config import parse_moe_layer_freq
 
-__all__ = ["add_gpt_flags"]
+__all__ = ["add_gpt_flags", "add_moe_flags"]
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -21,6 +22,80 @@ def _window(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two integers, e.g. 4095,0), got {text!r}") from None
     return left, right
+
+
+def _moe_layer_freq(text: str) -> int | list[int]:
+    """Megatron's --moe-layer-freq: N, or a list expression such as ([0]*3+[1]*29) (parsed, not eval'd)."""
+    try:
+        return parse_moe_layer_freq(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--moe-layer-freq: ")) from None
+
+
+def add_moe_flags(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's mixture-of-experts model flags (names, defaults and attribute names as its
+    ``TransformerConfig``-generated flags); `TransformerConfig` checks them. The expert-parallel
+    sizes and the token dispatcher are parallel settings (megatrain.parallel.flags)."""
+    g = flag_section(parser, "mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="routed experts per MoE layer (unset or 0: a dense model)")
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
+                   help="which layers are MoE layers: N (layers 0, N, 2N, ...) or a 0/1 pattern of --num-layers "
+                        "entries as a list expression, e.g. \"([0]*1+[1]*23)\" (1: MoE, 0: dense)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's MLP hidden size (default --ffn-hidden-size)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="hidden size of the shared expert MLP every token passes through (all shared experts "
+                        "together); unset: none")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared experts' output by sigmoid(x . w) (Qwen2-MoE)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid", "sqrtsoftplus"],
+                   help="router scores: softmax, sigmoid or sqrt(softplus) (the last two normalised over the "
+                        "chosen experts when topk > 1)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="apply the score function over all experts before choosing the top-k (by default, "
+                        "softmax scores are a softmax over the chosen logits)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiply the chosen experts' weights by this (DeepSeek's routed scaling factor)")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: the experts form this many equal groups ...")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="... of which each token's experts come from the best this many (a group's score: the "
+                        "sum of its top topk/group-topk scores)")
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="compute the router's logits, scores and expert weights in this dtype (default: the "
+                        "input's)")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
+                   help="balancing loss: aux_loss (Switch/GShard, per micro-batch), seq_aux_loss (per sequence, "
+                        "DeepSeek), global_aux_loss (over the global batch), none; several combine, each with its "
+                        "--moe-aux-loss-coeff (sinkhorn and quantile_balancing are refused)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="coefficient of the balancing loss (1e-2 is a usual start); one per balancing type")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="coefficient of the router z-loss, mean of logsumexp(logits)^2 (1e-3 is a usual start)")
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                   help="in training, multiply the router's input by uniform noise in [1-eps, 1+eps]")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for the "
+                        "choice only, moves by --moe-router-bias-update-rate after each step towards balance")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step of the expert bias update: bias += rate * sign(mean load - load)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="each expert takes at most factor x tokens x topk / experts tokens of a micro-batch, the "
+                        "rest are dropped (unset: no token is dropped)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="pad each expert's input to its capacity (with --moe-expert-capacity-factor)")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
+                   help="beyond capacity, drop the tokens of lowest routing weight (probs) or the last ones (position)")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="run the local experts as one grouped matmul (torch._grouped_mm where available)")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmarks only: random router logits (gradient passed straight through), so that "
+                        "every expert gets about the same load")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="also write each MoE layer's balancing loss and z-loss to TensorBoard (moe/<name>_layer_<i>)")
 
 
 def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,3 +148,4 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g = flag_section(parser, "initialization")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    add_moe_flags(parser)

@@ -1,5 +1,6 @@
 """FLOPs of one GPT training iteration: Megatron-LM's transformer formula
-(:mod:`megatrain.models.common.flops`), with causal attention counted over half the score matrix."""
+(:mod:`megatrain.models.common.flops`), with causal attention counted over half the score matrix;
+mixture-of-experts layers count their top-k routed experts and shared experts, as Megatron's."""
 
 from __future__ import annotations
 

@@ -24,6 +24,13 @@ copy and gradient (10 bytes each); the chunked loss (``--cross-entropy-chunk-siz
 vocab-parallel one under TP) keeps only the half-precision logits (2 bytes each). Replicated data parallelism (DDP) adds its gradient buckets
 (4 bytes per parameter). Under 1F1B pipeline parallelism the first stage holds the activations of
 up to P micro-batches at once.
+
+Mixture-of-experts layers (Megatron's ``report_theoretical_memory`` split): the routed experts are not
+split by tensor parallelism but over the ``expert_parallel_size`` ranks, and ZeRO shards their fp32
+state over the expert-data-parallel ranks (``dp x cp x tp / ep``); the router and the shared-expert
+gate are replicated; the shared experts are split by tensor parallelism like a dense MLP. The line
+also gives the active parameters (each token's top-k experts instead of all of them). Activations are
+counted as for the dense layers (as Megatron's activation formula does).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     ddp_buckets: float = 0.0
+    parameters_active: int | None = None  # mixture of experts: the parameters one token passes through
 
     @property
     def total(self) -> float:
@@ -53,48 +61,104 @@ class MemoryEstimate:
 
     def line(self) -> str:
         g = GIB
+        active = f"active {self.parameters_active:,}, " if self.parameters_active is not None else ""
         return (f"theoretical memory per GPU: parameters {self.parameters_total:,} "
-                f"(this rank {self.parameters_rank:,}) | weights+grads {self.weights_and_grads / g:.2f} GiB | "
+                f"({active}this rank {self.parameters_rank:,}) | weights+grads {self.weights_and_grads / g:.2f} GiB | "
                 f"optimizer {self.optimizer / g:.2f} GiB | half-precision weights {self.half_weights / g:.2f} GiB | "
                 f"activations {self.activations / g:.2f} GiB | logits {self.logits / g:.2f} GiB | "
                 + (f"DDP buckets {self.ddp_buckets / g:.2f} GiB | " if self.ddp_buckets else "")
                 + f"total {self.total / g:.2f} GiB")
 
 
-def parameter_counts(cfg: GPTConfig) -> tuple[int, int, int]:
-    """(transformer-layer parameters, embedding + output parameters, total) of the full model."""
+@dataclass(frozen=True)
+class LayerParameters:
+    """Parameters of one layer of each kind, by how the parallel layouts hold them."""
+
+    dense: int  # a dense layer (split by tensor parallelism)
+    moe_tp: int  # a MoE layer's attention, norms and shared experts (split by tensor parallelism)
+    moe_replicated: int  # its router and shared-expert gate
+    moe_experts: int  # its routed experts (split over the expert-parallel ranks)
+    moe_experts_active: int  # the top-k experts one token passes through
+
+
+def layer_parameters(cfg: GPTConfig) -> LayerParameters:
+    """One dense and one mixture-of-experts layer's parameters (the model's own modules)."""
     h, d, n, g, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
     assert d is not None and g is not None and f is not None
     bias = cfg.add_bias_linear
     qkv = h * (n + 2 * g) * d + ((n + 2 * g) * d if bias or cfg.add_qkv_bias else 0)
     proj = n * d * h + (h if bias else 0)
-    fc1_out = 2 * f if cfg.swiglu else f
-    mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
-    per_layer = qkv + qk_norms + proj + mlp + 2 * norm
+    common = qkv + qk_norms + proj + 2 * norm
+
+    def mlp(width: int, with_bias: bool) -> int:
+        fc1_out = 2 * width if cfg.swiglu else width
+        return h * fc1_out + (fc1_out if with_bias else 0) + width * h + (h if with_bias else 0)
+
+    dense = common + mlp(f, bias)
+    if cfg.num_moe_experts is None:
+        return LayerParameters(dense, 0, 0, 0, 0)
+    experts = mlp(cfg.moe_ffn, bias)
+    shared_width = cfg.moe_shared_expert_intermediate_size
+    shared = mlp(shared_width, False) if shared_width is not None else 0  # the shared experts have no biases
+    gate = h if shared_width is not None and cfg.moe_shared_expert_gate else 0
+    return LayerParameters(dense, common + shared, cfg.num_moe_experts * h + gate, cfg.num_moe_experts * experts,
+                           cfg.moe_router_topk * experts)
+
+
+def _embedding_parameters(cfg: GPTConfig) -> int:
+    h = cfg.hidden_size
     emb = cfg.vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":
         emb += cfg.max_position_embeddings * h
     out = 0 if not cfg.untie_embeddings_and_output_weights else cfg.vocab_size * h
-    extra = emb + out + norm  # final norm
-    return per_layer * cfg.num_layers, extra, per_layer * cfg.num_layers + extra
+    norm = 2 * h if cfg.normalization == "LayerNorm" else h
+    return emb + out + norm  # final norm
+
+
+def _layer_counts(cfg: GPTConfig) -> tuple[int, int]:
+    moe = cfg.num_moe_layers if cfg.num_moe_experts is not None else 0
+    return cfg.num_layers - moe, moe
+
+
+def parameter_counts(cfg: GPTConfig) -> tuple[int, int, int]:
+    """(transformer-layer parameters, embedding + output parameters, total) of the full model."""
+    p, (dense, moe) = layer_parameters(cfg), _layer_counts(cfg)
+    layers = p.dense * dense + (p.moe_tp + p.moe_replicated + p.moe_experts) * moe
+    extra = _embedding_parameters(cfg)
+    return layers, extra, layers + extra
+
+
+def active_parameter_count(cfg: GPTConfig) -> int:
+    """The parameters one token passes through (Megatron's "active parameters"): the total with each
+    MoE layer's routed experts counted ``topk`` times instead of ``E`` times."""
+    p, (_, moe) = layer_parameters(cfg), _layer_counts(cfg)
+    return parameter_counts(cfg)[2] - (p.moe_experts - p.moe_experts_active) * moe
 
 
 def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, tp: int = 1, pp: int = 1,
                     dp: int = 1, zero_stage: int = 0, sequence_parallel: bool = False,
                     recompute_granularity: str | None = None, half_precision: bool = True,
                     optimizer: str = "adam", loss_chunked: bool = False,
-                    num_micro_batches: int = 1, cp: int = 1) -> MemoryEstimate:
+                    num_micro_batches: int = 1, cp: int = 1, expert_parallel_size: int = 1) -> MemoryEstimate:
     """Estimate the memory of the rank holding the first pipeline stage (the embedding)."""
-    layers, extra, total = parameter_counts(cfg)
+    _, extra, total = parameter_counts(cfg)
+    p, (dense, moe) = layer_parameters(cfg), _layer_counts(cfg)
     layers_per_stage = cfg.num_layers // pp
-    rank_params = int(layers / cfg.num_layers * layers_per_stage / tp + extra / tp)
-    shard = dp * cp if zero_stage >= 1 else 1  # ZeRO shards over the data x context parallel ranks
+    stage = layers_per_stage / cfg.num_layers  # the stage's share of the layers (on average)
+    ep = max(expert_parallel_size, 1)
+    rank_dense = int(((p.dense * dense + p.moe_tp * moe) * stage + extra) / tp + p.moe_replicated * moe * stage)
+    rank_experts = int(p.moe_experts * moe * stage / ep)
+    rank_params = rank_dense + rank_experts
+    # ZeRO shards over the data x context parallel ranks; the experts over the expert-data-parallel ones
+    shard = dp * cp if zero_stage >= 1 else 1
+    expert_shard = max(dp * cp * tp // ep, 1) if zero_stage >= 1 else 1
+    sharded = rank_dense / shard + rank_experts / expert_shard
     seq_length = seq_length // cp  # context parallel: each rank holds 1/cp of every sequence
-    weights_and_grads = 8.0 * rank_params / shard
+    weights_and_grads = 8.0 * sharded
     opt_bytes = {"adam": 8.0, "sgd": 4.0}.get(optimizer, 8.0)
-    optimizer_mem = opt_bytes * rank_params / shard
+    optimizer_mem = opt_bytes * sharded
     gathered_bytes = 2.0 if half_precision else 4.0
     if zero_stage >= 3:
         gathered = gathered_bytes * rank_params / max(layers_per_stage, 1) * 2
@@ -120,5 +184,6 @@ def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, t
         logits = (2.0 if loss_chunked else 10.0) * s * b * cfg.vocab_size / tp
     ddp = dp * cp > 1 and zero_stage == 0 and tp == 1 and pp == 1
     ddp_buckets = 4.0 * rank_params if ddp else 0.0
+    active = active_parameter_count(cfg) if moe else None
     return MemoryEstimate(total, rank_params, weights_and_grads, optimizer_mem, gathered, activations, logits,
-                          ddp_buckets)
+                          ddp_buckets, active)

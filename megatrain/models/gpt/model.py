@@ -5,7 +5,9 @@ Module paths are a contract shared with the parallelism, checkpoint and conversi
     embedding.word_embeddings, embedding.position_embeddings (learned_absolute only)
     layers["0"...]: input_layernorm, self_attention.{linear_qkv, linear_proj, and with --qk-layernorm
                     q_layernorm, k_layernorm},
-                    pre_mlp_layernorm, mlp.{linear_fc1, linear_fc2}
+                    pre_mlp_layernorm, mlp.{linear_fc1, linear_fc2}; in a mixture-of-experts layer
+                    (--num-experts, --moe-layer-freq) mlp.{router, experts.{linear_fc1, linear_fc2},
+                    shared_experts.{linear_fc1, linear_fc2, gate_weight}} (models/common/moe/layer.py)
     final_layernorm, output_layer (only with untie_embeddings_and_output_weights)
 
 Activations are batch-first: hidden states are [b, s, h].
@@ -176,11 +178,16 @@ class GPTModel(nn.Module):
 
 # ---- deterministic initialisation ---------------------------------------------------------------
 
-_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer"})
+# Mixture-of-experts layers: the router's weight [E, h], the experts' linear_fc1 [E, 2F, h] (their
+# linear_fc2 [E, h, F] is a residual projection) and the shared experts' gate_weight [1, h], as Megatron's
+# init_method; each seeded by its full name, so the whole [E, ...] tensor is the same for any expert layout.
+_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer",
+                          "router", "gate_weight"})
 
 
 def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int) -> torch.Tensor:
     """The initial value of GPT parameter ``name`` (see :func:`megatron_initial_value`): linear
     layers and embeddings N(0, std), linear_proj and linear_fc2 N(0, std / sqrt(2 L)), biases 0,
-    norm weights 1 (0 with ``--apply-layernorm-1p``)."""
+    norm weights 1 (0 with ``--apply-layernorm-1p``); in MoE layers the router, the experts'
+    linear_fc1 and the shared-expert gate N(0, std), the experts' linear_fc2 N(0, std / sqrt(2 L))."""
     return megatron_initial_value(name, shape, config, seed, std_weights=_STD_WEIGHTS)
