@@ -57,6 +57,16 @@ SHAPES: dict[str, list[str]] = {
                   "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
                   "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 8 "
                   "--vocab-size 128255".split(),
+    # Mixtral-style mixture of experts that fits one GPU: LLaMA-1.2B's attention, 8 SwiGLU experts of
+    # 5632, top-2, Megatron's Mixtral example MoE flags (benchmarks/moe_speed.py compares it).
+    "mixtral-moe": "--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention "
+                   "--num-query-groups 8 --swiglu --ffn-hidden-size 5632 --position-embedding-type rope "
+                   "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
+                   "--rotary-base 1000000 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 5632 "
+                   "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm "
+                   "--moe-token-dispatcher-type alltoall "
+                   "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 2 "
+                   "--vocab-size 128255".split(),
 }
 
 COMMON = ("--tokenizer-type NullTokenizer --bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine "
