@@ -17,10 +17,11 @@ Rows (every row trains without dropout: the same work everywhere):
   with ``--split 100,0,0`` and no evaluation.
 * megatrain, Hugging Face T5 layout: the same run with ``--position-embedding-type relative
   --normalization RMSNorm --disable-bias-linear`` (what ``T5ForConditionalGeneration`` computes, exact
-  GELU; on CUDA its attention runs through FlexAttention, the relative position bias as a score_mod and
-  the padding as block masks, as ``--attention-backend auto`` picks there: each megatrain row's notes
-  give pretrain_t5.py's start-up line on the attention path; the extra row ``hf-layout-sdpa`` runs it
-  with SDPA and the [b, heads, s, s] bias masks instead, ``--attention-backend unfused``) and
+  GELU; its attention runs through SDPA with the relative position bias and the padding as one
+  [b, heads, s, s] float mask, as ``--attention-backend auto`` picks: each megatrain row's notes give
+  pretrain_t5.py's start-up line on the attention path; the extra row ``hf-layout-flex`` runs it
+  through FlexAttention instead, ``--attention-backend flex``: the bias as a score_mod, the padding as
+  block masks) and
   ``--untie-embeddings-and-output-weights`` (T5 v1.1's untied head) where the installed transformers
   can untie T5's ``lm_head``. transformers 5.x (5.24 checked) always ties it to ``shared``
   and reads ``tie_word_embeddings=False`` only as "do not scale the decoder output", so with it both
@@ -44,7 +45,7 @@ Entry point for a device call (all rows on one GPU, inside one 10-minute call):
 ``python benchmarks/t5_speed.py --output $OUT/t5_speed.md`` (defaults ``--iters 12 --warmup 5``; every
 row's process has its own ``--timeout``, 180 s, and every row prints a JSON line as it finishes, so a
 call cut short still shows the rows done). ``--rows`` picks rows (``transformers-eager`` and
-``hf-layout-sdpa`` add one each).
+``hf-layout-flex`` add one each).
 """
 
 from __future__ import annotations
@@ -275,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=int, default=180, help="seconds for each row's process")
     ap.add_argument("--rows", default="example,hf-layout,transformers",
                     help="comma list of: example, hf-layout (megatrain rows), transformers (--attn), "
-                         "transformers-eager (an extra row with eager attention), hf-layout-sdpa (an extra "
-                         "megatrain HF-layout row with SDPA attention instead of FlexAttention)")
+                         "transformers-eager (an extra row with eager attention), hf-layout-flex (an extra "
+                         "megatrain HF-layout row with FlexAttention instead of SDPA)")
     ap.add_argument("--attn", default="best", choices=["best", "sdpa", "eager", "flex_attention"],
                     help="transformers' attn_implementation (best: SDPA if T5 offers it, else eager)")
     ap.add_argument("--output", default=None, help="also write the table to this file")
@@ -318,10 +319,10 @@ def main(argv: list[str] | None = None) -> None:
             "hf-layout": ("megatrain pretrain_t5.py, HF T5 layout (relative, RMSNorm, no biases, "
                           + ("untied)" if untied else "tied as this transformers' T5 always is)"),
                           HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
-            # not a default row: the same HF layout with SDPA's explicit [b, heads, s, s] bias masks
-            "hf-layout-sdpa": ("megatrain pretrain_t5.py, HF T5 layout, SDPA attention (--attention-backend unfused)",
+            # not a default row: the same HF layout through FlexAttention (the bias as a score_mod)
+            "hf-layout-flex": ("megatrain pretrain_t5.py, HF T5 layout, FlexAttention (--attention-backend flex)",
                                HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])
-                               + ["--attention-backend", "unfused"]),
+                               + ["--attention-backend", "flex"]),
         }
         for key in [r for r in wanted if r in megatrain_rows]:
             name, flags = megatrain_rows[key]

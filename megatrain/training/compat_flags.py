@@ -27,8 +27,8 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--DDP-impl": "data parallelism is chosen by --use-distributed-optimizer / --zero-stage",
     "--attention-backend": "GPT and BERT attention runs through PyTorch SDPA, which picks the flash / cuDNN / "
                            "memory-efficient kernel itself (a start-up probe warns when only the slow math fallback "
-                           "fits); T5 takes it: auto / flash / fused put the relative-position bias into "
-                           "FlexAttention on CUDA, unfused / local give SDPA the bias as an explicit mask",
+                           "fits); megatrain's own value flex trains T5 through FlexAttention (the relative-position "
+                           "bias as a score_mod; measured slower than SDPA on an H200, so not the default)",
     "--cross-entropy-loss-fusion": "the output layer's cross entropy is fused and chunked by "
                                    "--cross-entropy-chunk-size (on by default with CUDA)",
     "--cross-entropy-fusion-impl": "the output layer's cross entropy is fused and chunked by "
@@ -157,7 +157,7 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"])
     g.add_argument("--DDP-impl", default=None, choices=["local", "torch"])
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"])
+    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local", "flex"])
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
     g.add_argument("--cross-entropy-fusion-impl", default=None, choices=["native", "te"])
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true")
