@@ -92,7 +92,7 @@ class ParallelDims:
                 raise ValueError(
                     f"--expert-tensor-parallel-size {self.etp}: splitting experts over tensor-parallel ranks is "
                     "not supported; use --expert-tensor-parallel-size 1 (each expert whole on its rank; the "
-                    "numbers are the same)")
+                    "numbers are the same; the tensor-parallel size itself is also accepted and runs as 1)")
         if ep > 1 and self.tp > 1 and not self.sequence_parallel:
             raise ValueError(
                 f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {self.tp} needs "

@@ -41,8 +41,8 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
                    help="split each mixture-of-experts layer's experts over this many ranks of a pipeline stage "
                         "(folded over the data x context x tensor parallel ranks)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="1 only: experts are not split over tensor-parallel ranks (Megatron's default, the "
-                        "tensor-parallel size, gives the same numbers)")
+                   help="1, or the tensor-parallel size (runs as 1): experts are not split over tensor-parallel "
+                        "ranks (Megatron's default, the tensor-parallel size, gives the same numbers)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"],
                    help="how tokens reach their experts' ranks: all-gather then reduce-scatter over the expert "
                         "ranks, or all-to-all of the routed tokens (flex is refused)")

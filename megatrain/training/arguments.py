@@ -458,6 +458,13 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
 
     # The sizes, their product against the world size and the data-parallel rest: ParallelDims checks them.
     args.world_size_actual = world_size
+    etp, tp_flag = args.expert_tensor_parallel_size, args.tensor_model_parallel_size
+    if getattr(args, "num_experts", None) is not None and etp is not None and etp > 1 and etp == tp_flag:
+        # Megatron's default written out: the same numbers with whole experts on each rank.
+        args.legacy_notes.append(f"note: --expert-tensor-parallel-size {etp} (the tensor-parallel size) runs as 1: "
+                                 "each expert stays whole on its rank instead of split over the tensor-parallel "
+                                 "ranks; the numbers are the same, each rank holds its experts' full weights")
+        args.expert_tensor_parallel_size = 1
     dims = _checked(parallel_dims_from_args, args)
     tp, pp, cp = dims.tp, dims.pp, dims.cp
     args.data_parallel_size = dims.dp
@@ -526,6 +533,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         args.legacy_notes.append(f"note: --expert-tensor-parallel-size defaults to 1 here (Megatron-LM's default is "
                                  f"the tensor-parallel size, {tp}): experts are not split over tensor-parallel "
                                  "ranks; the numbers are the same")
+
     # A distributed mixture-of-experts run shards its data parallelism with FSDP2 (the experts' own groups).
     whole_model_ok = whole_model_compile_allowed(tp=tp, pp=pp, cp=cp,
                                                  sharded_data_parallel=args.zero_stage > 0 or (moe and world_size > 1))

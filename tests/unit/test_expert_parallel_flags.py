@@ -34,6 +34,10 @@ def test_expert_tensor_parallel_default_is_noted_under_tensor_parallelism():
     a = parse("--tensor-model-parallel-size", "2", "--sequence-parallel")
     assert any("--expert-tensor-parallel-size defaults to 1" in n for n in a.legacy_notes)
     assert parse("--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1").legacy_notes == []
+    # Megatron's default written out (ETP = TP) runs as 1, with a note
+    a = parse("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2")
+    assert a.expert_tensor_parallel_size == 1
+    assert any("--expert-tensor-parallel-size 2 (the tensor-parallel size) runs as 1" in n for n in a.legacy_notes)
 
 
 @pytest.mark.parametrize("extra, world, message", [
@@ -42,7 +46,7 @@ def test_expert_tensor_parallel_default_is_noted_under_tensor_parallelism():
      r"--expert-model-parallel-size \(4\) must divide .*--pipeline-model-parallel-size \(2\) = 2"),
     (["--expert-model-parallel-size", "8", "--num-experts", "12"], 8,
      r"--num-experts \(12\) must be divisible by --expert-model-parallel-size \(8\)"),
-    (["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 4,
+    (["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel"], 4,
      "--expert-tensor-parallel-size 2: splitting experts"),
     (["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 4,
      "--expert-model-parallel-size 2 with --tensor-model-parallel-size 2 needs --sequence-parallel"),
