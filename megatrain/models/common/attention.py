@@ -27,7 +27,7 @@ from torch import nn
 from megatrain.models.common.config import TransformerConfig
 from megatrain.models.common.flex_attention import FlexAttentionMask, flex_attention_forward
 from megatrain.models.common.norms import build_norm
-from megatrain.models.common.rope import RotaryEmbedding, apply_rotary
+from megatrain.models.common.rope import RotaryEmbedding, apply_rotary, rope_scaling_of
 
 
 class KVCache:
@@ -107,7 +107,8 @@ class SelfAttention(nn.Module):
         # and recompute it (selective activation recomputation) by module path.
         self.core_attention = CoreAttention(config, causal=causal, window=config.window_size)
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_base) if config.position_embedding_type == "rope"
+            RotaryEmbedding(config.rotary_dim, config.rotary_base, rope_scaling_of(config))
+            if config.position_embedding_type == "rope"
             else None
         )
 

@@ -28,6 +28,15 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"  # or "rope" (T5 adds "relative")
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # fraction of each head's dims that rotate (the rest pass through)
+    # Llama 3.x RoPE scaling (Megatron's --use-rope-scaling, --rope-scaling-factor): the inverse
+    # frequencies of the long wavelengths are divided by the factor, a band between them mixed
+    # (megatrain.models.common.rope.llama3_scaled_inv_freq). Megatron fixes the other three at 1, 4 and
+    # 8192; they are fields (megatrain's flags) because Hugging Face configs may carry other values.
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False  # norm weights stored zero-centred: the scale is 1 + weight
@@ -133,6 +142,7 @@ class TransformerConfig:
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(f"rotary embeddings need an even number of rotated dims: --kv-channels "
                              f"({self.kv_channels}) x --rotary-percent ({self.rotary_percent}) = {self.rotary_dim}")
+        self._check_rope_scaling()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
@@ -146,6 +156,23 @@ class TransformerConfig:
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
         self._check_moe()
+
+    def _check_rope_scaling(self) -> None:
+        if not self.use_rope_scaling:
+            return
+        if self.position_embedding_type != "rope":
+            raise ValueError(f"--use-rope-scaling scales rotary embeddings: it needs --position-embedding-type rope, "
+                             f"got {self.position_embedding_type!r}")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if not self.rope_scaling_factor > 0:
+            raise ValueError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
+        if not 0 < low < high:
+            raise ValueError(f"--rope-scaling-low-freq-factor ({low}) must be positive and below "
+                             f"--rope-scaling-high-freq-factor ({high})")
+        context = self.rope_scaling_original_max_position_embeddings
+        if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+            raise ValueError(f"--rope-scaling-original-max-position-embeddings must be a positive integer, "
+                             f"got {context!r}")
 
     # ---- mixture of experts ------------------------------------------------------------------------
     moe_balancing_types: ClassVar[tuple[str, ...]] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -437,6 +464,12 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        rope_scaling_low_freq_factor=getattr(args, "rope_scaling_low_freq_factor", 1.0),
+        rope_scaling_high_freq_factor=getattr(args, "rope_scaling_high_freq_factor", 4.0),
+        rope_scaling_original_max_position_embeddings=getattr(args, "rope_scaling_original_max_position_embeddings",
+                                                              8192),
         apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
         normalization=args.normalization,
         norm_epsilon=args.norm_epsilon,

@@ -42,6 +42,7 @@ class ConfigCheck:
 
 _ROPE = ("position_embedding_type", "rope")
 _LEARNED = ("position_embedding_type", "learned_absolute")  # with RoPE there is no position table
+_ROPE_SCALING = ("use_rope_scaling", True)  # which needs RoPE
 
 # The checks of every TransformerConfig field (a family's table starts from it and adds its own).
 TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
@@ -59,6 +60,12 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
     "position_embedding_type": ConfigCheck("compare", "--position-embedding-type"),
     "rotary_base": ConfigCheck("compare", "--rotary-base", when=_ROPE),
     "rotary_percent": ConfigCheck("compare", "--rotary-percent", when=_ROPE),
+    "use_rope_scaling": ConfigCheck("compare", "--use-rope-scaling", when=_ROPE, note="Llama 3.x RoPE scaling"),
+    "rope_scaling_factor": ConfigCheck("compare", "--rope-scaling-factor", when=_ROPE_SCALING),
+    "rope_scaling_low_freq_factor": ConfigCheck("compare", "--rope-scaling-low-freq-factor", when=_ROPE_SCALING),
+    "rope_scaling_high_freq_factor": ConfigCheck("compare", "--rope-scaling-high-freq-factor", when=_ROPE_SCALING),
+    "rope_scaling_original_max_position_embeddings": ConfigCheck(
+        "compare", "--rope-scaling-original-max-position-embeddings", when=_ROPE_SCALING),
     "normalization": ConfigCheck("compare", "--normalization"),
     "norm_epsilon": ConfigCheck("compare", "--norm-epsilon"),
     "apply_layernorm_1p": ConfigCheck("compare", "--apply-layernorm-1p",

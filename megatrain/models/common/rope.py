@@ -11,33 +11,92 @@ and evaluated them once per element of every head (about 30 ms of a LLaMA 1.2B s
 a whole-model compile did the same with shared tables. So the tables come from a custom operator
 (``megatrain::rotary_cos_sin``), which the compiler runs as one opaque kernel: its output is a
 stored tensor that the rotations only read.
+
+Llama 3.x RoPE scaling (Megatron's ``--use-rope-scaling``, Hugging Face's ``rope_type: "llama3"``)
+changes the inverse frequencies once, before any angle is formed (:func:`llama3_scaled_inv_freq`);
+the positions stay as they are.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 from torch import nn
 
+# (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of Llama 3.x scaling
+RopeScaling = tuple[float, float, float, float]
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each [*position_ids.shape, head_dim], in float32."""
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+
+def rope_scaling_of(config) -> RopeScaling | None:
+    """The Llama 3.x scaling parameters of a config with ``--use-rope-scaling``, else None."""
+    if not getattr(config, "use_rope_scaling", False):
+        return None
+    return (float(config.rope_scaling_factor), float(config.rope_scaling_low_freq_factor),
+            float(config.rope_scaling_high_freq_factor), float(config.rope_scaling_original_max_position_embeddings))
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                           original_max_position_embeddings: float) -> torch.Tensor:
+    """Llama 3.x's adjustment of RoPE inverse frequencies (Megatron's ``_apply_scaling``).
+
+    With L the original context length, a dimension pair whose wavelength 2 pi / f is longer than
+    L / low_freq_factor (fewer than low_freq_factor turns over the original context) is slowed down by
+    ``factor``; one shorter than L / high_freq_factor keeps its frequency; in between, the frequency
+    is the mix (1 - t) f / factor + t f, with t = (L / wavelength - low) / (high - low) going from 0 to 1
+    across the band.
+    """
+    context = original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = context / low_freq_factor  # longer than this: divided by factor
+    high_freq_wavelength = context / high_freq_factor  # shorter than this: unchanged
+    slowed = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    t = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mixed = (1 - t) * slowed / factor + t * slowed
+    in_band = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(in_band, mixed, slowed)
+
+
+def rotary_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The inverse frequencies base ** (-2i / head_dim) of the head_dim / 2 dimension pairs, float32,
+    adjusted by Llama 3.x ``scaling`` when given."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (base**exponent)  # [d/2]
+    if scaling is not None:
+        inv_freq = llama3_scaled_inv_freq(inv_freq, *scaling)
+    return inv_freq
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float,
+                   scaling: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each [*position_ids.shape, head_dim], in float32.
+
+    ``scaling``: Llama 3.x's (factor, low_freq_factor, high_freq_factor, original context), or None."""
+    llama3 = None if scaling is None else (scaling[0], scaling[1], scaling[2], scaling[3])
+    inv_freq = rotary_inv_freq(head_dim, base, llama3, device=position_ids.device)
     angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., d/2]
     angles = torch.cat((angles, angles), dim=-1)  # [..., d]: both halves of a pair share an angle
     return angles.cos(), angles.sin()
 
 
 @torch.library.custom_op("megatrain::rotary_cos_sin", mutates_args=())
-def _rotary_cos_sin_op(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rotary_cos_sin(position_ids, head_dim, base)
+def _rotary_cos_sin_op(position_ids: torch.Tensor, head_dim: int, base: float,
+                       scaling: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rotary_cos_sin(position_ids, head_dim, base, scaling)
     return cos.contiguous(), sin.contiguous()
 
 
 @_rotary_cos_sin_op.register_fake
-def _(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(position_ids: torch.Tensor, head_dim: int, base: float,
+      scaling: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (*position_ids.shape, head_dim)
     return (position_ids.new_empty(shape, dtype=torch.float32), position_ids.new_empty(shape, dtype=torch.float32))
+
+
+def _scaling_arg(scaling: RopeScaling | None) -> list[float] | None:
+    return list(scaling) if scaling is not None else None
 
 
 def rotary_tables(config, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -47,7 +106,8 @@ def rotary_tables(config, position_ids: torch.Tensor) -> tuple[torch.Tensor, tor
     of fusing the cos/sin evaluation into every layer's rotation kernels."""
     if config.position_embedding_type != "rope":
         return None
-    return _rotary_cos_sin_op(position_ids, config.rotary_dim, float(config.rotary_base))
+    return _rotary_cos_sin_op(position_ids, config.rotary_dim, float(config.rotary_base),
+                              _scaling_arg(rope_scaling_of(config)))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,16 +131,19 @@ def apply_rotary(x_bnsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
-    """Parameter-free module that turns position ids into (cos, sin) for one head dim."""
+    """Parameter-free module that turns position ids into (cos, sin) for one head dim (with Llama 3.x
+    ``scaling`` of the frequencies when given)."""
 
-    def __init__(self, head_dim: int, base: float) -> None:
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         assert head_dim % 2 == 0, "rotary embeddings need an even head dim"
         self.head_dim = head_dim
         self.base = base
+        self.scaling = scaling
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotary_cos_sin_op(position_ids, self.head_dim, float(self.base))
+        return _rotary_cos_sin_op(position_ids, self.head_dim, float(self.base), _scaling_arg(self.scaling))
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
+        return f"head_dim={self.head_dim}, base={self.base}" + (f", llama3 scaling={self.scaling}"
+                                                                if self.scaling is not None else "")

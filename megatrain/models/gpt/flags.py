@@ -117,6 +117,21 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dims that RoPE rotates (the rest pass through)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE scaling: the long-wavelength inverse frequencies divided by "
+                        "--rope-scaling-factor, a band between long and short ones interpolated (Hugging Face's "
+                        "rope_type llama3)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the Llama 3.x RoPE scaling factor (with --use-rope-scaling)")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="megatrain extension: Llama 3.x scaling's low_freq_factor (wavelengths above original "
+                        "context / this are divided by the factor); Megatron-LM fixes it at 1")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="megatrain extension: Llama 3.x scaling's high_freq_factor (wavelengths below original "
+                        "context / this stay); Megatron-LM fixes it at 4")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="megatrain extension: the context length the Llama 3.x scaling refers to (Hugging Face's "
+                        "original_max_position_embeddings); Megatron-LM fixes it at 8192")
     g.add_argument("--fp32-residual-connection", action="store_true",
                    help="keep the residual stream between layers in float32 under bf16/fp16 (default: in the "
                         "half-precision dtype, as Megatron-LM)")

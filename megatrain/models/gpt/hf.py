@@ -16,6 +16,9 @@ Layouts that differ:
   --add-qkv-bias``); Qwen3 adds ``q_norm``/``k_norm`` (our ``self_attention.q_layernorm`` /
   ``k_layernorm``, ``--qk-layernorm``) and a free head dim (``head_dim``, ``--kv-channels``).
 
+Llama 3.x RoPE scaling (``rope_type: "llama3"`` in ``rope_scaling`` / ``rope_parameters``) is
+``--use-rope-scaling`` and its factors, for LlamaForCausalLM only; other scaling types are refused.
+
 A model that neither class represents exactly is refused with :class:`UnsupportedModelError`.
 """
 
@@ -75,6 +78,15 @@ def hf_architecture(cfg: GPTConfig) -> str:
         "RMSNorm (--normalization RMSNorm)": cfg.normalization == "RMSNorm",
         "a SwiGLU MLP (--swiglu)": cfg.swiglu,
     }
+    arch = _hf_architecture(cfg, gpt2_needs, llama_needs)
+    if cfg.use_rope_scaling and arch != LLAMA:
+        raise UnsupportedModelError(f"--use-rope-scaling (Llama 3.x RoPE scaling) exports as {LLAMA} only; this "
+                                    f"model would be {arch}")
+    return arch
+
+
+def _hf_architecture(cfg: GPTConfig, gpt2_needs: dict[str, bool], llama_needs: dict[str, bool]) -> str:
+    """The class the model's shape asks for (before the RoPE-scaling rule of :func:`hf_architecture`)."""
     if is_moe(cfg):
         llama_missing = [k for k, ok in llama_needs.items() if not ok]
         if llama_missing:
@@ -115,7 +127,8 @@ def exports_as(cfg: GPTConfig, architecture: str) -> bool:
         chosen = hf_architecture(cfg)
     except UnsupportedModelError:
         return False
-    return architecture == chosen or (architecture == MISTRAL and chosen == LLAMA and not cfg.add_bias_linear)
+    return architecture == chosen or (architecture == MISTRAL and chosen == LLAMA and not cfg.add_bias_linear
+                                      and not cfg.use_rope_scaling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +180,7 @@ def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype:
             "max_position_embeddings": cfg.max_position_embeddings,
             "hidden_act": "silu",
             "rms_norm_eps": cfg.norm_epsilon,
-            "rope_theta": cfg.rotary_base,
-            "rope_scaling": None,
+            **_hf_rope_entries(cfg),
             "attention_dropout": cfg.attention_dropout,
         }
         window = _sliding_window(cfg)
@@ -205,20 +217,86 @@ def _architecture_of(hf: Mapping[str, Any]) -> str:
         f"architecture {archs or model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _rope_theta(hf: Mapping[str, Any], default: float = 10000.0) -> float:
-    """rope_theta from a LLaMA config (transformers 4 top-level key or 5's ``rope_parameters``)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for source in (scaling, params):
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")  # transformers needs each of them
+
+
+def _rope_of_hf(hf: Mapping[str, Any], arch: str, default_theta: float = 10000.0) -> dict[str, Any]:
+    """The RoPE fields of GPTConfig (rotary_base, Llama 3.x scaling) from a LLaMA-like config.json.
+
+    transformers reads ``rope_scaling`` when it is given (transformers 4's key, which 5 still takes)
+    and otherwise ``rope_parameters`` (what transformers 5 writes); ``rope_theta`` inside it, else at
+    the top level. Llama 3.x scaling (``rope_type: "llama3"``) is LlamaForCausalLM's; every other
+    scaling type is refused, in either key."""
+    sources = {key: hf.get(key) or {} for key in ("rope_scaling", "rope_parameters")}
+    for key, source in sources.items():
+        if not isinstance(source, Mapping):
+            raise UnsupportedModelError(f"config.json field {key}: expected an object, got {source!r}")
         kind = source.get("rope_type", source.get("type", "default"))
-        if kind not in (None, "default"):
+        if kind not in (None, "default", "llama3"):
             raise UnsupportedModelError(
-                f"rope scaling {kind!r} is not implemented in megatrain; refusing to convert (the model would "
-                "behave differently on long contexts)")
+                f"config.json field {key}: rope scaling {kind!r} is not implemented in megatrain (llama3 is); "
+                "refusing to convert (the model would behave differently on long contexts)")
         if source.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    theta = params.get("rope_theta", hf.get("rope_theta", default))
-    return float(theta)
+            raise UnsupportedModelError(f"config.json field {key}: partial rotary embeddings "
+                                        "(partial_rotary_factor != 1) are not supported")
+    key = "rope_scaling" if sources["rope_scaling"] else "rope_parameters"
+    source = sources[key]
+    fields: dict[str, Any] = {"rotary_base": float(source.get("rope_theta", hf.get("rope_theta", default_theta)))}
+    if source.get("rope_type", source.get("type", "default")) != "llama3":
+        return fields
+    if arch != LLAMA:
+        raise UnsupportedModelError(f"config.json field {key}: rope scaling 'llama3' is supported for {LLAMA} "
+                                    f"only, not {arch}")
+    missing = [name for name in _LLAMA3_FIELDS if source.get(name) is None]
+    if missing:
+        raise UnsupportedModelError(f"config.json field {key}: rope scaling 'llama3' needs {', '.join(missing)} "
+                                    "(transformers cannot build the model without them)")
+    values = {name: source[name] for name in _LLAMA3_FIELDS}
+    # transformers' default for the original context: the model's max_position_embeddings
+    context = source.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    for name, value in {**values, "original_max_position_embeddings": context}.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UnsupportedModelError(f"config.json field {key}: {name} must be a number, got {value!r}")
+    if context != int(context):
+        raise UnsupportedModelError(f"config.json field {key}: original_max_position_embeddings must be an "
+                                    f"integer, got {context!r}")
+    return {**fields, "use_rope_scaling": True, "rope_scaling_factor": float(values["factor"]),
+            "rope_scaling_low_freq_factor": float(values["low_freq_factor"]),
+            "rope_scaling_high_freq_factor": float(values["high_freq_factor"]),
+            "rope_scaling_original_max_position_embeddings": int(context)}
+
+
+def _hf_rope_entries(cfg: GPTConfig) -> dict[str, Any]:
+    """config.json's RoPE entries: ``rope_theta`` and ``rope_scaling`` (what transformers 4 reads and
+    Meta's Llama 3.x files carry; transformers 5 reads them too) and, with Llama 3.x scaling,
+    ``rope_parameters`` as transformers 5 writes it (the same values, ``rope_theta`` inside)."""
+    if not cfg.use_rope_scaling:
+        return {"rope_theta": cfg.rotary_base, "rope_scaling": None}
+    scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+               "low_freq_factor": cfg.rope_scaling_low_freq_factor,
+               "high_freq_factor": cfg.rope_scaling_high_freq_factor,
+               "original_max_position_embeddings": cfg.rope_scaling_original_max_position_embeddings}
+    return {"rope_theta": cfg.rotary_base, "rope_scaling": scaling,
+            "rope_parameters": {**scaling, "rope_theta": cfg.rotary_base}}
+
+
+def rope_scaling_flags(cfg: Any) -> list[str]:
+    """The training flags of ``cfg``'s Llama 3.x RoPE scaling (none without it); the megatrain ones
+    only where they differ from Megatron-LM's fixed values."""
+    if not getattr(cfg, "use_rope_scaling", False):
+        return []
+    flags = ["--use-rope-scaling", "--rope-scaling-factor", repr(cfg.rope_scaling_factor)]
+    megatron_values = (("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))
+    for name, megatron in megatron_values:
+        value = getattr(cfg, "rope_scaling_" + name)
+        if value != megatron:
+            flags += ["--rope-scaling-" + name.replace("_", "-"), repr(value)]
+    return flags
+
+
+def _pretrain_flags(cfg: Any) -> list[str]:
+    """The GPT family's flags beyond the shared transformer shape: RoPE scaling, then MoE."""
+    return rope_scaling_flags(cfg) + moe_pretrain_flags(cfg)
 
 
 # Hugging Face's names of the two GELUs (the tanh approximation has three, all the same function).
@@ -291,7 +369,8 @@ def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfi
         vocab_size=vocab_size, max_position_embeddings=max_positions,
         ffn_hidden_size=int(hf["intermediate_size"]), kv_channels=int(head_dim),
         num_query_groups=int(hf.get("num_key_value_heads") or heads), position_embedding_type="rope",
-        rotary_base=_rope_theta(hf, defaults.get("rope_theta", 10000.0)), normalization="RMSNorm",
+        **_rope_of_hf(hf, arch if moe_arch is None else moe_arch, defaults.get("rope_theta", 10000.0)),
+        normalization="RMSNorm",
         norm_epsilon=float(hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
         swiglu=True, add_bias_linear=add_bias_linear, add_qkv_bias=add_qkv_bias, qk_layernorm=qk_layernorm,
         window_size=window_size,
@@ -512,4 +591,4 @@ def _accepts(hf: Mapping[str, Any]) -> bool:
 
 ADAPTER = HFAdapter(architectures=SUPPORTED_ARCHITECTURES, accepts=_accepts, architecture=hf_architecture,
                     config_dict=hf_config_dict, exports_as=exports_as, to_hf_state_dict=to_hf_state_dict, config_from_hf=gpt_config_from_hf,
-                    from_hf_state_dict=from_hf_state_dict, family_flags=moe_pretrain_flags)
+                    from_hf_state_dict=from_hf_state_dict, family_flags=_pretrain_flags)
