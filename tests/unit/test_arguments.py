@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.training.arguments import build_parser, parse_args, validate_args
+from megatrain.training.arguments import UNSUPPORTED_FLAGS, build_parser, parse_args, validate_args
 from megatrain.models.gpt.config import gpt_config_from_args as model_config_from_args
 from megatrain.training.builders import padded_vocab_size
 
@@ -134,6 +134,12 @@ def test_every_flag_has_help_or_is_legacy():
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     assert len(flags) == len(set(flags))
     assert "--tensor-model-parallel-size" in flags and "--data-path" in flags and "--tokenizer-type" in flags
+
+
+def test_no_refused_flag_is_a_flag_of_the_parser():
+    """A flag listed as refused but parsed would show in the flag table as both supported and refused."""
+    options = {o for action in build_parser()._actions for o in action.option_strings}
+    assert sorted(set(UNSUPPORTED_FLAGS) & options) == []
 
 
 def test_flag_table_doc_is_current():
