@@ -5,6 +5,10 @@ files ``AutoTokenizer.from_pretrained`` reads: ``tokenizer.json`` (+ ``vocab.jso
 for GPT-2 BPE), ``tokenizer.model`` for SentencePiece, or a WordPiece ``vocab.txt`` for BERT, plus
 ``tokenizer_config.json`` and ``special_tokens_map.json``. Import: the tokenizer files of a Hugging
 Face folder are copied into the checkpoint and described with the matching megatrain flags.
+A ``tokenizer.json`` tokenizer travels with its chat template files both ways (``chat_template.jinja``,
+``additional_chat_templates/``, ``chat_template.json``; the template inside ``tokenizer_config.json``
+travels with that file); the import refuses a template that does not compile or that the sandbox
+refuses.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatrain.atomic_io import atomic_path, atomic_write_json
-from megatrain.data.tokenizers import GPT2_EOD, _load_gpt2_files, build_tokenizer
+from megatrain.data.tokenizers import GPT2_EOD, HuggingFaceTokenizer, _load_gpt2_files, build_tokenizer
+from megatrain.data.tokenizers.huggingface import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILES
 from megatrain.json_input import parse_json
 
 WORDPIECE_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
@@ -107,6 +112,7 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
             if os.path.isfile(os.path.join(folder, name)):
                 atomic_copy(os.path.join(folder, name), os.path.join(out_dir, name))
                 files.append(name)
+        files += _copy_chat_templates(tokenizer, folder, out_dir)
         special = {k: v for k, v in (("bos_token", _token_text(tokenizer, tokenizer.bos)),
                                      ("eos_token", _token_text(tokenizer, tokenizer.eod)),
                                      ("pad_token", _token_text(tokenizer, tokenizer.pad))) if v is not None}
@@ -273,7 +279,8 @@ def _find_hf_tokenizer(hf_dir: str, architecture: str) -> _Found | None:
                       wordpiece.tokens)
     if has("tokenizer.json"):
         return _Found({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "."},
-                      ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+                      ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *CHAT_TEMPLATE_FILES,
+                       *_extra_chat_templates(hf_dir)])
     if has("tokenizer.model"):
         kind = "Llama2Tokenizer" if architecture == "LlamaForCausalLM" else "GPTSentencePieceTokenizer"
         return _Found({"tokenizer_type": kind, "tokenizer_model": "tokenizer.model"},
@@ -287,6 +294,7 @@ def _place(found: _Found, hf_dir: str, out_dir: str) -> dict[str, Any]:
     out_dir = os.path.abspath(out_dir)
     for name in found.files:
         if os.path.isfile(os.path.join(hf_dir, name)):
+            os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
             atomic_copy(os.path.join(hf_dir, name), os.path.join(out_dir, name))
     if found.vocab_txt is not None:
         with atomic_path(os.path.join(out_dir, "vocab.txt")) as tmp:
@@ -339,4 +347,44 @@ def import_hf_tokenizer(hf_dir: str, out_dir: str, architecture: str) -> dict[st
     SentencePiece type. An empty dict means no tokenizer was found.
     """
     found = _find_hf_tokenizer(hf_dir, architecture)
-    return {} if found is None else _place(found, hf_dir, out_dir)
+    if found is None:
+        return {}
+    if found.tok_args["tokenizer_type"] == "HuggingFaceTokenizer":
+        check_chat_templates(HuggingFaceTokenizer(hf_dir))  # before anything is written
+    return _place(found, hf_dir, out_dir)
+
+
+def check_chat_templates(tokenizer: Any) -> None:
+    """Refuse a tokenizer whose chat template does not compile or that the sandbox refuses (it reaches
+    for Python internals): one ValueError line; warn about one that fails on a plain conversation."""
+    for line in tokenizer.check_chat_templates():
+        warnings.warn(line)
+
+
+def _extra_chat_templates(folder: str) -> list[str]:
+    """``additional_chat_templates/NAME.jinja`` files of a folder (names relative to it)."""
+    extra = os.path.join(folder, CHAT_TEMPLATE_DIR)
+    if not os.path.isdir(extra):
+        return []
+    return [f"{CHAT_TEMPLATE_DIR}/{n}" for n in sorted(os.listdir(extra))
+            if n.endswith(".jinja") and os.path.isfile(os.path.join(extra, n))]
+
+
+def _copy_chat_templates(tokenizer: Any, folder: str, out_dir: str) -> list[str]:
+    """Copy a HuggingFaceTokenizer's chat template files into an export. A template that only a
+    processor's ``chat_template.json`` holds is also written as ``chat_template.jinja``, the file
+    ``AutoTokenizer`` reads, so that it renders the conversations megatrain rendered."""
+    files = []
+    for name in (*CHAT_TEMPLATE_FILES, *_extra_chat_templates(folder)):
+        if os.path.isfile(os.path.join(folder, name)):
+            os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+            atomic_copy(os.path.join(folder, name), os.path.join(out_dir, name))
+            files.append(name)
+    source = getattr(tokenizer, "chat_template_source", None)
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None and source is not None and os.path.basename(source) == "chat_template.json":
+        with atomic_path(os.path.join(out_dir, "chat_template.jinja")) as tmp:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(template)
+        files.append("chat_template.jinja")
+    return files

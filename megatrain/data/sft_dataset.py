@@ -12,6 +12,11 @@ trained on. Chat messages use this template (``CHAT_TEMPLATE``), each piece toke
 
 The role headers and every non-assistant message carry no loss; an assistant message's content and
 its closing newline do, and so does the final EOD when the last message is the assistant's.
+A ``HuggingFaceTokenizer`` whose folder has a chat template (``chat_template.jinja`` or
+``tokenizer_config.json`` ``chat_template``) renders chats with that template instead, in jinja2's
+sandbox, to the ids of transformers' ``apply_chat_template(messages)`` (no EOD appended: the template
+ends the turn); the loss covers each assistant turn as the template writes it (see
+``megatrain/data/tokenizers/chat_template.py``).
 
 A sample is a dict of int64 arrays [seq_length + 1]: ``tokens`` (token ids), ``targets`` (``1`` where
 the token is a training target), ``segments`` (the example's number, 1, 2, ... ; 0 for padding). ``--sft-pack``
@@ -97,6 +102,14 @@ def tokenize_example(obj: dict[str, Any], tokenizer: Any, config: SFTConfig) -> 
     if tokenizer.eod is None:
         raise ValueError("fine-tuning needs a tokenizer with an end-of-document token (EOD)")
     pieces: list[tuple[str, bool]]
+    if (config.messages_key in obj and getattr(tokenizer, "name", None) == "HuggingFaceTokenizer"
+            and getattr(tokenizer, "chat_template", None) is not None):
+        # The model's own template (--tokenizer-type HuggingFaceTokenizer; SFTTokenizer has its prompt
+        # formats): transformers' apply_chat_template ids, the loss on what the assistant wrote.
+        tokens, targets = tokenizer.chat_with_targets(obj[config.messages_key])
+        if targets:
+            targets[0] = False  # the first token is never predicted
+        return SFTExample(list(tokens), list(targets))
     if config.messages_key in obj:
         pieces = []
         for m in obj[config.messages_key]:
