@@ -71,6 +71,16 @@ class CausalLMBatch(Batch):
 
     sequence_fields: ClassVar[tuple[str, ...]] = ("tokens", "labels", "loss_mask", "position_ids")
 
+    @classmethod
+    def cat(cls, batches: list["CausalLMBatch"]) -> "CausalLMBatch":
+        """As :meth:`Batch.cat`; when only some micro-batches have an attention mask (fine-tuning: rows
+        packing several examples), the others get their causal one, so that no mask is lost."""
+        masked = [b.attention_mask is not None for b in batches]
+        if any(masked) and not all(masked):
+            batches = [b if b.attention_mask is not None else replace(b, attention_mask=_causal_mask(b.tokens))
+                       for b in batches]
+        return super().cat(batches)
+
     def context_parallel_part(self, index: torch.Tensor) -> "CausalLMBatch":
         if self.attention_mask is not None:
             raise ValueError("--context-parallel-size > 1 does not support explicit attention masks "
@@ -124,6 +134,13 @@ def to_device(samples: Any, device: torch.device) -> Any:
     if isinstance(samples, dict):
         return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in samples.items()}
     return samples.to(device, non_blocking=True)
+
+
+def _causal_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """The plain causal attention mask of ``tokens`` [b, s]: bool [b, 1, s, s] (True = may attend)."""
+    b, s = tokens.shape
+    arange = torch.arange(s, device=tokens.device)
+    return (arange[:, None] >= arange[None, :]).expand(b, 1, s, s)
 
 
 def _segment_starts(is_eod: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,10 @@ def add_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="stop attention across end-of-document tokens")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="do not compute the loss on end-of-document tokens")
+    g.add_argument("--sft", action="store_true",
+                   help="Megatron SFT training: --data-path names jsonl files of {\"messages\": [...]} "
+                        "conversations, one packed sample per line, the loss on the assistant's tokens; needs "
+                        "--tokenizer-type SFTTokenizer (finetune_gpt.py: accepted, fine-tuning is implied)")
     return parser
 
 

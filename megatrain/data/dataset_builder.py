@@ -237,9 +237,9 @@ def per_dataset_sizes(weights: Sequence[float], sizes: Sequence[Optional[int]], 
 # ----------------------------------------------------------------------------- building splits
 
 def _splits_of_prefix(prefix: str, flag: str, matrix, sizes, split_str, make: MakeDataset,
-                      numel: Callable[[object], int]):
+                      numel: Callable[[object], int], open_dataset: Callable[[str, str], object] = open_indexed):
     """The dataset per split (or None) of one prefix."""
-    indexed = open_indexed(prefix, flag)
+    indexed = open_dataset(prefix, flag)
     count = int(numel(indexed))
     ranges = split_ranges(count, matrix)
     out = []
@@ -261,7 +261,7 @@ def _splits_of_prefix(prefix: str, flag: str, matrix, sizes, split_str, make: Ma
 
 
 def _build_blend(cfg: DataConfig, prefixes, weights, flag, matrix, sizes, split_str,
-                 make: MakeDataset, numel):
+                 make: MakeDataset, numel, open_dataset: Callable[[str, str], object] = open_indexed):
     """Blended dataset per split for several prefixes (Megatron's builder rules)."""
     from megatrain.data.blended_dataset import BlendedDataset, normalize_weights
 
@@ -271,7 +271,7 @@ def _build_blend(cfg: DataConfig, prefixes, weights, flag, matrix, sizes, split_
         buffers = per_dataset_sizes(weights, sizes, cfg.mid_level_dataset_surplus)
     else:
         buffers = [[None] * 3 for _ in prefixes]
-    per_prefix = [_splits_of_prefix(p, flag, matrix, buffers[k], split_str, make, numel)
+    per_prefix = [_splits_of_prefix(p, flag, matrix, buffers[k], split_str, make, numel, open_dataset)
                   for k, p in enumerate(prefixes)]
     out = []
     for i in range(3):
@@ -293,12 +293,14 @@ def _build_blend(cfg: DataConfig, prefixes, weights, flag, matrix, sizes, split_
 
 
 def build_split_datasets(cfg: DataConfig, num_samples: Sequence[Optional[int]], make: MakeDataset,
-                         numel: Callable[[object], int] = len):
+                         numel: Callable[[object], int] = len,
+                         open_dataset: Callable[[str, str], object] = open_indexed):
     """``(train, valid, test)`` (each may be None) from the data flags of ``cfg``.
 
     ``num_samples``: the samples each split must provide. ``make`` builds one family's dataset
     of a prefix's split, ``numel`` counts what ``--split`` divides (see the module docstring).
-    ``--mock-data`` is the caller's business.
+    ``open_dataset(path, flag)`` opens what a path names (default: the ``.bin/.idx`` prefix;
+    ``--sft``: a jsonl file). ``--mock-data`` is the caller's business.
     """
     sizes = list(num_samples)
     if cfg.data_path:
@@ -308,9 +310,9 @@ def build_split_datasets(cfg: DataConfig, num_samples: Sequence[Optional[int]], 
         matrix = split_matrix_from_vector(parse_split(cfg.split))
         if len(prefixes) == 1 and weights is None:
             return tuple(_splits_of_prefix(prefixes[0], "--data-path", matrix, sizes, cfg.split,
-                                           make, numel))
+                                           make, numel, open_dataset))
         return tuple(_build_blend(cfg, prefixes, weights, "--data-path", matrix, sizes, cfg.split,
-                                  make, numel))
+                                  make, numel, open_dataset))
     if cfg.has_per_split_paths:
         out = []
         for i, (flag, values) in enumerate((("--train-data-path", cfg.train_data_path),
@@ -326,10 +328,11 @@ def build_split_datasets(cfg: DataConfig, num_samples: Sequence[Optional[int]], 
             spoof = [0, 0, 0]
             spoof[i] = sizes[i]
             if len(prefixes) == 1:
-                out.append(_splits_of_prefix(prefixes[0], flag, matrix, spoof, None, make, numel)[i])
+                out.append(_splits_of_prefix(prefixes[0], flag, matrix, spoof, None, make, numel,
+                                             open_dataset)[i])
             else:
                 out.append(_build_blend(cfg, prefixes, weights, flag, matrix, spoof, None, make,
-                                        numel)[i])
+                                        numel, open_dataset)[i])
         return tuple(out)
     raise ValueError("no data: give --data-path, --train-data-path/--valid-data-path/--test-data-path "
                      "or --mock-data")

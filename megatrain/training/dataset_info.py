@@ -336,6 +336,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.micro_batch_size is None and getattr(args, "batch_size", None):
         args.micro_batch_size = args.batch_size
     family = model_family(args, argv)
+    if getattr(args, "sft", False):
+        raise SystemExit("error: dataset_info.py reads .bin/.idx datasets; --sft conversations (jsonl) are not "
+                         "supported here (a bad line is named when pretrain_gpt.py --sft starts)")
     try:
         dataset_info(args, family=family)
         if args.dump_samples:

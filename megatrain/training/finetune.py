@@ -1,10 +1,14 @@
-"""Supervised fine-tuning (`finetune_gpt.py`, `megatrain finetune`): the pre-training loop on jsonl
-prompt/response or chat examples, with the loss on response tokens only.
+"""Supervised fine-tuning (`finetune_gpt.py`, `megatrain finetune`, and Megatron's `pretrain_gpt.py --sft`):
+the pre-training loop on jsonl prompt/response or chat examples, with the loss on response tokens only.
 
 Takes every pretrain_gpt.py flag; ``--data-path`` (or ``--train-data-path``/``--valid-data-path``) names
 jsonl files of ``{"prompt", "response"}`` or ``{"messages": [...]}`` examples (see
 megatrain/data/sft_dataset.py and docs/finetune.md). Start from a pre-trained or imported checkpoint
 with ``--load CKPT --finetune``.
+
+With ``--tokenizer-type SFTTokenizer`` (required by ``pretrain_gpt.py --sft``) the files are Megatron's
+SFT conversations instead, one packed sample per line, rendered by ``--sft-tokenizer-prompt-format``
+(megatrain/data/sft_conversations.py); the batches are the same kind.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import argparse
 from typing import Any
 
 from megatrain.data.batch import CausalLMBatch
+from megatrain.data.sft_conversations import build_conversation_datasets
 from megatrain.data.sft_dataset import SFTConfig, build_sft_datasets, sft_batch
+from megatrain.data.tokenizers.sft import SFTTokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.gpt.objective import CausalLMObjective
 from megatrain.parallel.distributed import setup_env_from_slurm
@@ -25,7 +31,6 @@ from megatrain.training.trainer import Trainer, pretrain
 def build_parser() -> argparse.ArgumentParser:
     p = build_pretrain_parser(prog="finetune_gpt.py")
     g = p.add_argument_group("fine-tuning")
-    g.add_argument("--sft", action="store_true", help="accepted for Megatron-LM scripts; fine-tuning is implied")
     g.add_argument("--sft-pack", action="store_true",
                    help="pack several examples into each --seq-length sample (default: one example per "
                         "sample, padded)")
@@ -53,6 +58,8 @@ class SFTTrainer(Trainer):
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
         a = self.args
+        if isinstance(self.tokenizer, SFTTokenizer):  # Megatron's SFT conversations
+            return build_conversation_datasets(self.run.data, self.tokenizer, a.seq_length, num_samples)
         config = SFTConfig(a.seq_length, pack=a.sft_pack, prompt_key=a.sft_prompt_key,
                            response_key=a.sft_response_key, messages_key=a.sft_messages_key)
         per_split = None
@@ -62,8 +69,33 @@ class SFTTrainer(Trainer):
                                   per_split_paths=per_split)
 
 
+def check_sft_args(args: argparse.Namespace, script: str) -> None:
+    """The flags of a run on Megatron's SFT conversations (``--sft`` of ``pretrain_gpt.py``, or
+    ``finetune_gpt.py`` with ``--tokenizer-type SFTTokenizer``): what Megatron's SFT dataset refuses
+    or ignores is refused with the flag named."""
+    if args.tokenizer_type != "SFTTokenizer":
+        raise SystemExit(f"error: {script} --sft reads Megatron's SFT conversations, which need --tokenizer-type "
+                         "SFTTokenizer (--tokenizer-model DIR, --sft-tokenizer-prompt-format FORMAT); for "
+                         "prompt/response or chat jsonl with another tokenizer use finetune_gpt.py")
+    refused = [(args.mock_data, "--mock-data (the conversations come from --data-path jsonl files)"),
+               (args.reset_position_ids, "--reset-position-ids (positions restart at every conversation)"),
+               (args.reset_attention_mask, "--reset-attention-mask (attention stays inside every conversation)"),
+               (args.context_parallel_size > 1, "--context-parallel-size > 1 (a conversation's attention mask "
+                                                "cannot be split over context-parallel ranks here)"),
+               (getattr(args, "sft_pack", False), "--sft-pack (every line is packed into one sample)")]
+    for key in ("prompt", "response", "messages"):
+        given = getattr(args, f"sft_{key}_key", key)
+        refused.append((given != key, f"--sft-{key}-key {given} (the conversations are under \"messages\")"))
+    given = [why for bad, why in refused if bad]
+    if given:
+        what = "--sft" if args.sft else "--tokenizer-type SFTTokenizer (Megatron's SFT conversations)"
+        raise SystemExit(f"error: {what} cannot be used with {given[0]}")
+
+
 @user_errors_exit
 def main(argv: list[str] | None = None) -> None:
     setup_env_from_slurm()
     args = parse_args(argv, parser=build_parser())
+    if args.tokenizer_type == "SFTTokenizer":
+        check_sft_args(args, "finetune_gpt.py")
     pretrain(args, trainer_class=SFTTrainer)

@@ -10,6 +10,7 @@ from megatrain.errors import user_errors_exit
 from megatrain.models.registry import DEFAULT_FAMILY, get_family
 from megatrain.parallel.distributed import setup_env_from_slurm
 from megatrain.training.arguments import build_parser, parse_args, validate_args
+from megatrain.training.finetune import SFTTrainer, check_sft_args
 from megatrain.training.trainer import pretrain
 
 __all__ = ["main", "main_bert", "main_t5", "family_parser", "parse_family_args"]
@@ -33,6 +34,9 @@ def parse_family_args(family: str, argv: Sequence[str] | None = None, *, prog: s
     (``prepare_args``), then the general checks (with the family's config), then the family's own."""
     fam = get_family(family)
     args = parse_args(argv, parser=family_parser(family, prog), validate=False)
+    if getattr(args, "sft", False):
+        raise SystemExit(f"error: --sft trains GPT models on chat conversations: use pretrain_gpt.py, not "
+                         f"{prog or f'pretrain_{family}.py'}")
     if not validate:
         return args
     try:
@@ -51,7 +55,12 @@ def _run(family: str, argv: list[str] | None, prog: str | None) -> None:
     # and the flags are checked against that world size.
     setup_env_from_slurm()
     if family == DEFAULT_FAMILY:
-        pretrain(parse_args(argv))
+        args = parse_args(argv)
+        if args.sft:  # Megatron's SFT conversations (pretrain_gpt.py's dataset switch)
+            check_sft_args(args, "pretrain_gpt.py")
+            pretrain(args, trainer_class=SFTTrainer)
+        else:
+            pretrain(args)
     else:
         pretrain(parse_family_args(family, argv, prog=prog), family=family)
 

@@ -39,7 +39,7 @@ def _choices(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_parser_choice_has_a_builder(name):
     choices = _choices(_parsers()[name])
     assert choices == list(TOKENIZER_TYPES) == list(TOKENIZER_BUILDERS)
-    assert len(set(choices)) == len(choices) == 9
+    assert len(set(choices)) == len(choices) == 10
 
 
 def test_parser_rejects_a_type_outside_the_registry(capsys):
@@ -113,6 +113,8 @@ FILES = {
     "HuggingFaceTokenizer": _hf_files,
     "TikTokenizer": _tiktoken_files,
     "NullTokenizer": lambda d: {"vocab_size": 50},  # needs no file
+    # a tokenizer.json with a prompt format whose pad token (<unk>) it has
+    "SFTTokenizer": lambda d: {**_hf_files(d), "sft_tokenizer_prompt_format": "identity"},
 }
 
 

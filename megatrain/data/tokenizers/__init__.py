@@ -16,11 +16,14 @@ Types and what they need:
 ``TikTokenizer``                  ``--tokenizer-model`` ranks file, ``--tiktoken-pattern v1|v2``
 ``BertWordPieceLowerCase/Case``   ``--vocab-file`` vocab.txt
 ``NullTokenizer``                 ``--vocab-size N``: text is space-separated ids, eod = N
+``SFTTokenizer``                  ``--tokenizer-model`` as HuggingFaceTokenizer, and
+                                  ``--sft-tokenizer-prompt-format`` for ``--sft`` conversations
 ================================  ===========================================================
 
 One module per kind: ``gpt2_bpe`` (GPT-2 BPE), ``huggingface`` (tokenizer.json),
 ``sentence_piece`` (the three SentencePiece types), ``tiktokenizer`` (TikTokenizer),
-``wordpiece`` (both BERT types), ``null`` (NullTokenizer).
+``wordpiece`` (both BERT types), ``null`` (NullTokenizer), ``sft`` (SFTTokenizer: Megatron's
+prompt formats and loss targets of conversations).
 
 How the GPT-2 BPE picks its engine (tiktoken or Hugging Face ``tokenizers``, the same ids) and
 how very long pieces are encoded is told in ``gpt2_bpe``.
@@ -49,6 +52,7 @@ from megatrain.data.tokenizers.sentence_piece import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatrain.data.tokenizers.sft import SFTTokenizer
 from megatrain.data.tokenizers.tiktokenizer import (
     TIKTOKEN_DEFAULT_SPECIAL_TOKENS,
     TIKTOKEN_PATTERN_V1,
@@ -76,6 +80,7 @@ __all__ = [
     "MegatrainTokenizer",
     "NullTokenizer",
     "SentencePieceTokenizer",
+    "SFTTokenizer",
     "TikTokenizer",
     "TokenizerConfig",
     "add_tokenizer_args",

@@ -28,6 +28,8 @@ class TokenizerConfig:
     tiktoken_special_tokens: list[str] | None = None
     #: GPT2BPETokenizer only: "auto" (tiktoken when exact, else HF), "tiktoken" or "hf".
     bpe_backend: str = "auto"
+    #: SFTTokenizer only: how conversations render (None: Megatron's default, nemotron-h-aligned).
+    sft_tokenizer_prompt_format: str | None = None
 
     @classmethod
     def from_namespace(cls, ns: Any) -> "TokenizerConfig":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from megatrain.data.tokenizers import gpt2_bpe, huggingface, null, sentence_piece, tiktokenizer, wordpiece
+from megatrain.data.tokenizers import gpt2_bpe, huggingface, null, sentence_piece, sft, tiktokenizer, wordpiece
 from megatrain.data.tokenizers.base import MegatrainTokenizer, TokenizerConfig
 from megatrain.flags import flag_section
 
@@ -28,6 +28,7 @@ TOKENIZER_BUILDERS: dict[str, Callable[[TokenizerConfig], MegatrainTokenizer]] =
     "HuggingFaceTokenizer": huggingface.build_huggingface,
     "TikTokenizer": tiktokenizer.build_tiktokenizer,
     "NullTokenizer": null.build_null,
+    "SFTTokenizer": sft.build_sft,
 }
 
 TOKENIZER_TYPES = tuple(TOKENIZER_BUILDERS)
@@ -69,4 +70,8 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="Number of special tokens in the tiktoken tokenizer.")
     group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
                        help="List of tiktoken special tokens, needs to include <unk>, <s> and </s>.")
+    group.add_argument("--sft-tokenizer-prompt-format", type=str, default=sft.DEFAULT_PROMPT_FORMAT,
+                       help="SFTTokenizer: how --sft conversations render and which tokens are trained on "
+                            "(Megatron's formats): " + ", ".join(sft.PROMPT_FORMATS) + " (the tokenizer's own "
+                            "chat template, every token trained on)")
     return parser
