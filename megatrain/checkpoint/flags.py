@@ -24,7 +24,13 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     g = flag_section(parser, "checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None, help="directory to load a checkpoint from")
+    g.add_argument("--load", default=None,
+                   help="directory to load a checkpoint from; a Hugging Face model folder (config.json and weights; "
+                        "explicitly: hf:DIR) starts from its weights at iteration 0, its config.json giving the model "
+                        "flags (docs/convert.md)")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="start from this checkpoint (or Hugging Face folder) as --load DIR --finetune when --load "
+                        "holds no checkpoint; --load wins when it does (resuming the run)")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
@@ -36,6 +42,9 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model configuration (every value a resume compares: layers, sizes, heads, "
                         "positions, norms, ...) from the --load checkpoint instead of the flags")
+    g.add_argument("--save-hf", action="store_true",
+                   help="megatrain extension: with every checkpoint also write a Hugging Face copy into its "
+                        "iter_XXXXXXX/hf/ folder (rank 0, once the checkpoint is complete, in a separate process)")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background; the loop waits only for a copy to host memory")
     g.add_argument("--keep-last-checkpoints", type=_at_least_one, default=None, metavar="K",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatrain.convert.hf_start import resolve_load
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.inference.loading import fill_tokenizer_args, load_model
@@ -16,7 +17,9 @@ from megatrain.training.builders import choose_device
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run_text_generation_server.py", allow_abbrev=False,
                                 description="Serve a megatrain checkpoint: PUT /api and POST /v1/completions.")
-    p.add_argument("--load", required=True, help="checkpoint directory (a --save directory or one iter_ folder)")
+    p.add_argument("--load", required=True,
+                   help="checkpoint directory (a --save directory or one iter_ folder), or a Hugging Face model "
+                        "folder (hf:DIR, or DIR holding config.json)")
     p.add_argument("--ckpt-step", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=5000)
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: --request-body-timeout must be a positive number of seconds")
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must be in 0..65535, got {args.port}")
+    resolve_load(args)  # a Hugging Face folder: its converted checkpoint
     model, meta = load_model(args.load, choose_device(args.device), args.ckpt_step)
     model.to(model_dtype(args))
     tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))

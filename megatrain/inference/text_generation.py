@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatrain.atomic_io import atomic_write_json
+from megatrain.convert.hf_start import resolve_load
 from megatrain.data.jsonl import iter_jsonl
 from megatrain.data.tokenizers import add_tokenizer_args, build_tokenizer
 from megatrain.errors import user_errors_exit
@@ -106,7 +107,9 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="generate.py", allow_abbrev=False,
                                 description="Generate text from a megatrain checkpoint.")
-    p.add_argument("--load", required=True, help="checkpoint directory (a --save directory or one iter_ folder)")
+    p.add_argument("--load", required=True,
+                   help="checkpoint directory (a --save directory or one iter_ folder), or a Hugging Face model "
+                        "folder (hf:DIR, or DIR holding config.json)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--input-file", default=None, help='jsonl file of {"prompt": ...} objects')
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.micro_batch_size is not None and args.micro_batch_size <= 0:
         raise SystemExit("error: --micro-batch-size must be positive")
     prompts = read_prompts(args)
+    resolve_load(args, args.tensor_model_parallel_size)  # a Hugging Face folder: its converted checkpoint
     hint = masked_lm_hint(args.load, args.ckpt_step)  # a BERT checkpoint: fill-mask, not generation
     if hint:
         raise SystemExit(f"error: {hint}")

@@ -138,15 +138,21 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
     """Parse ``argv`` (default ``sys.argv[1:]``), apply ``--config``, note legacy flags, validate."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = parser or build_parser()
+    from_config: dict[str, Any] = {}
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
         first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         first.add_argument("--config")
         known, _ = first.parse_known_args(argv)
         if known.config:
-            parser.set_defaults(**_config_defaults(parser, known.config))
+            from_config = _config_defaults(parser, known.config)
+            parser.set_defaults(**from_config)
     args = parser.parse_args(argv)
     args.legacy_notes = [f"note: {flag} {note}" for flag, note in LEGACY_FLAG_NOTES.items()
                          if any(a == flag or a.startswith(flag + "=") for a in argv)]
+    # A Hugging Face folder to start from (--load hf:DIR): its config.json gives the model flags not given.
+    from megatrain.convert.hf_start import apply_model_flags
+
+    _checked(apply_model_flags, args, argv, parser, from_config)
     if getattr(args, "use_checkpoint_args", False):
         _apply_checkpoint_args(args)
     if validate:
@@ -439,7 +445,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
     # The padded vocabulary comes with the tokenizer, later; no check involves it, so 1 stands in.
     if config_from_args is None:
         from megatrain.models.gpt.config import gpt_config_from_args as config_from_args
-    _checked(config_from_args, args, 1)
+    model_config = _checked(config_from_args, args, 1)
+    if getattr(args, "hf_start", None):  # the flags given must build the Hugging Face folder's model
+        from megatrain.convert.hf_start import check_model_flags
+
+        _checked(check_model_flags, args, model_config)
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _fail(f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
               f"({args.max_position_embeddings})")

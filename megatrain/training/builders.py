@@ -4,17 +4,13 @@ config comes from the model family: ``ModelFamily.config_from_args``)."""
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 import torch
 
+from megatrain.models.common.vocab import padded_vocab_size
 
-
-def padded_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel_size: int = 1) -> int:
-    """Megatron's vocabulary padding: round up to a multiple of divisible_by * TP."""
-    multiple = make_vocab_size_divisible_by * tensor_parallel_size
-    return int(math.ceil(orig_vocab_size / multiple) * multiple)
+__all__ = ["Precision", "choose_device", "padded_vocab_size"]
 
 
 @dataclass

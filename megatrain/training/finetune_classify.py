@@ -424,9 +424,6 @@ def build_parser(prog: str = "finetune.py", checkpoint_meta: dict[str, Any] | No
                      "tasks/ Classification); given a GPT checkpoint, finetune.py runs finetune_gpt.py's "
                      "supervised fine-tuning instead.")
     g = p.add_argument_group("fine-tuning")
-    g.add_argument("--pretrained-checkpoint", default=None,
-                   help="start from this checkpoint's model weights (as --load DIR --finetune); --load wins when "
-                        "it holds a checkpoint (resuming the fine-tuning run)")
     g.add_argument("--train-data", nargs="+", dest="train_data_path", default=None,
                    help='jsonl files of {"text", "text_pair" (optional), "label"} training examples')
     g.add_argument("--valid-data", nargs="*", dest="valid_data_path", default=None,

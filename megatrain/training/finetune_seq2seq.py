@@ -79,9 +79,6 @@ def build_parser(checkpoint_meta: dict[str, Any] | None = None) -> argparse.Argu
     p.description = ("Fine-tune a T5 checkpoint on jsonl input/target examples (teacher forcing, the loss on the "
                      "target tokens).")
     g = p.add_argument_group("fine-tuning")
-    g.add_argument("--pretrained-checkpoint", default=None,
-                   help="start from this checkpoint's model weights (as --load DIR --finetune); --load wins when "
-                        "it holds a checkpoint (resuming the fine-tuning run)")
     g.add_argument("--train-data", nargs="+", dest="train_data_path", default=None,
                    help='jsonl files of {"input", "target"} training examples')
     g.add_argument("--valid-data", nargs="*", dest="valid_data_path", default=None,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.save_lock import take_save_lock
+from megatrain.convert import hf_start
 from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
@@ -68,6 +69,7 @@ class Trainer(StepMixin, EvaluationMixin):
         self.per_token_loss = args.calculate_per_token_loss
         self.rampup: BatchRampup | None = None
         self.num_micro_batches = args.num_micro_batches  # of the current iteration (--rampup-batch-size)
+        hf_start.prepare_start(args)  # a Hugging Face folder to start from: rank 0 converts it, the others wait
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
         if self.world_size != args.world_size_actual:
             raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "
@@ -94,7 +96,16 @@ class Trainer(StepMixin, EvaluationMixin):
         self._found_checkpoint = checkpointing.find_checkpoint(
             args.load, args.ckpt_step, verify=not args.no_verify_checkpoint_checksums) \
             if args.load else None
-        if args.load and self._found_checkpoint is None and args.exit_on_missing_checkpoint:
+        load = args.load
+        if self._found_checkpoint is None and args.pretrained_checkpoint:  # Megatron: as --load DIR --finetune
+            load, args.finetune = args.pretrained_checkpoint, True
+            self._found_checkpoint = checkpointing.find_checkpoint(
+                load, verify=not args.no_verify_checkpoint_checksums)
+            if self._found_checkpoint is None:
+                raise SystemExit(f"error: --pretrained-checkpoint {load}: no checkpoint found")
+            print_rank0(f" note: starting from --pretrained-checkpoint {self._found_checkpoint}"
+                        + (f" (--load {args.load} holds no checkpoint)" if args.load else ""))
+        elif args.load and self._found_checkpoint is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"error: --load {args.load}: no complete checkpoint found "
                              "(--exit-on-missing-checkpoint)")
         if self._found_checkpoint:  # a checkpoint saved under another TP size may be padded differently
@@ -104,6 +115,8 @@ class Trainer(StepMixin, EvaluationMixin):
             self.model_config = self.family.config_from_args(args, self.vocab_size)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+        if args.save_hf:
+            hf_start.check_save_hf(args, self.family, self.model_config)
         self.objective = self.build_objective()
         if self.per_token_loss and len(self.objective.loss_names) > 1:
             raise SystemExit(f"error: --calculate-per-token-loss averages one loss over the global batch's loss "
@@ -143,9 +156,10 @@ class Trainer(StepMixin, EvaluationMixin):
                                                        keep_last=args.keep_last_checkpoints,
                                                        verbose=get_rank() == 0)
         self.cuda_graphs = self._build_cuda_graphs()
+        self.hf_copies = hf_start.HFCopies(args.save_hf, get_rank())
         self._rng_checkpoint: str | None = None
-        if args.load:
-            self._load(args.load)
+        if load:
+            self._load(load)
         self._build_data()
         if self._rng_checkpoint:  # last: building the data iterators draws from the RNG
             checkpointing.restore_rng(self._rng_checkpoint)
@@ -287,6 +301,10 @@ class Trainer(StepMixin, EvaluationMixin):
         report = self.checkpointer.save(a.save, self.state, self.module, self.optimizer, extra, a,
                                         self.model_config, save_optim=not a.no_save_optim,
                                         save_rng=not a.no_save_rng)
+        if a.save_hf:  # from the complete checkpoint: a background save first finishes
+            if report.asynchronous:
+                self.checkpointer.wait()
+            self.hf_copies.start(report.path)
         if report.asynchronous:
             print_rank0(f" saving checkpoint at iteration {self.state.iteration:7d} to {report.path} in the "
                         f"background (training loop blocked {report.blocked_s * 1000:.1f} ms)")
@@ -464,6 +482,7 @@ class Trainer(StepMixin, EvaluationMixin):
         try:
             self.housekeeping.close()
             self.checkpointer.close()
+            self.hf_copies.close()
             self.writer.close()
         finally:
             if self._save_lock is not None:
