@@ -9,7 +9,9 @@ position embeddings see the true positions.
 Attention gathers the keys and values of the whole sequence from the ``cp`` group before the
 softmax (an all-gather whose backward is a reduce-scatter, through PyTorch's functional
 collectives), puts them back in sequence order, and masks causally by global position; queries
-stay local. Everything else in a layer works on local tokens only. It is installed as a forward
+stay local. A sliding window (``--window-size``) is applied in global positions too: the hook hands
+``core_attention`` its queries' positions, against which it lays the window over the whole
+sequence's keys. Everything else in a layer works on local tokens only. It is installed as a forward
 pre-hook on each layer's ``core_attention``, so the model code is unchanged.
 
 The context-parallel ranks of one data-parallel rank read the same samples; gradients are
@@ -61,10 +63,11 @@ class _SequenceGather:
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
         self.group = cp_mesh.get_group()
-        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def _layout(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(order: gathered rank-major position -> sequence order, causal mask [1, 1, local, full])."""
+    def _layout(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order: gathered rank-major position -> sequence order, causal mask [1, 1, local, full],
+        this rank's global positions [local])."""
         key = (local_len, device)
         if key not in self._cache:
             full = local_len * self.cp
@@ -72,25 +75,23 @@ class _SequenceGather:
             order = torch.argsort(gathered)
             mine = chunk_positions(full, self.cp, self.rank, device)
             mask = torch.arange(full, device=device)[None, :] <= mine[:, None]
-            self._cache[key] = (order, mask[None, None])
+            self._cache[key] = (order, mask[None, None], mine)
         return self._cache[key]
 
-    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         q, k, v, attention_mask, past = args
         if attention_mask is not None or past:
             raise ValueError("context parallelism runs causal attention over whole sequences only "
                              "(no explicit masks, no KV cache)")
-        order, mask = self._layout(k.shape[2], k.device)
+        order, mask, mine = self._layout(k.shape[2], k.device)
         k = _gather_autograd(k.contiguous(), 2, self.group).index_select(2, order)
         v = _gather_autograd(v.contiguous(), 2, self.group).index_select(2, order)
-        return q, k, v, mask, 0
+        return (q, k, v, mask, 0), {**kwargs, "query_positions": mine}
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Install the key/value gather on every transformer layer's ``core_attention`` (in place)."""
-    if getattr(getattr(model, "config", None), "window_size", None) is not None:
-        raise ValueError("--window-size with --context-parallel-size > 1 is not supported yet")
     hook = _SequenceGather(cp_mesh)
     for layer in transformer_layers(model):
-        layer.self_attention.core_attention.register_forward_pre_hook(hook)
+        layer.self_attention.core_attention.register_forward_pre_hook(hook, with_kwargs=True)
     return model

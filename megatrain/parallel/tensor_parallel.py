@@ -47,10 +47,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     tokens at a time when that is > 0, see ``--cross-entropy-chunk-size``); ``model(...)`` without
     labels returns the logits as a DTensor sharded on the vocabulary (``.full_tensor()`` gathers them).
     """
-    if tp_mesh.size() > 1 and getattr(model.config, "qk_layernorm", False):
-        # The q/k norm weights would be replicated while each rank sees only its heads: their gradients
-        # need a tensor-parallel all-reduce (Megatron's finalize_model_grads) that is not implemented.
-        raise ValueError("--qk-layernorm with --tensor-model-parallel-size > 1 is not supported yet")
     if plan is None:
         plan = family_of_config(model.config).tensor_parallel_plan(model, sequence_parallel=sequence_parallel)
     if rng is None:

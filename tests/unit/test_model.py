@@ -587,17 +587,19 @@ def test_bad_rotary_percent(fields, message):
         llama_config(**fields)
 
 
-def test_parallel_layouts_not_implemented_for_the_new_attention_options_say_so():
-    """--qk-layernorm under tensor parallelism (its replicated norm weights would need their gradients
-    all-reduced over the ranks' heads) and --window-size under context parallelism are refused."""
-    from megatrain.parallel.context_parallel import apply_context_parallel
-    from megatrain.parallel.tensor_parallel import apply_tensor_parallel
+@pytest.mark.parametrize("window", [(2, 0), (5, -1)])
+def test_sliding_window_by_query_positions_matches_the_whole_sequence(window):
+    """The context-parallel path: a rank's queries (the load-balanced chunks, out of order against
+    the keys) with their global ``query_positions`` and the causal mask by global position give the
+    whole sequence's rows of windowed attention."""
+    from megatrain.models.common.attention import CoreAttention
+    from megatrain.parallel.context_parallel import chunk_positions
 
-    class TwoRanks:
-        def size(self) -> int:
-            return 2
-
-    with pytest.raises(ValueError, match="--qk-layernorm with --tensor-model-parallel-size > 1"):
-        apply_tensor_parallel(GPTModel(llama_config(qk_layernorm=True)), TwoRanks())
-    with pytest.raises(ValueError, match="--window-size with --context-parallel-size > 1"):
-        apply_context_parallel(GPTModel(llama_config(window_size=(3, 0))), TwoRanks())
+    core = CoreAttention(llama_config(window_size=window))
+    q, k, v = torch.randn(2, 6, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    whole = core(q, k, v, None, 0)
+    for rank in range(2):
+        mine = chunk_positions(16, 2, rank)
+        causal = (torch.arange(16)[None, :] <= mine[:, None])[None, None]
+        part = core(q[:, :, mine], k, v, causal, 0, query_positions=mine)
+        torch.testing.assert_close(part, whole[:, :, mine])

@@ -164,7 +164,9 @@ class CoreAttention(nn.Module):
     a mask, queries see earlier keys only (default: the config's ``causal_attention``); a mask given
     is the whole rule. ``window`` (LEFT, RIGHT), --window-size: query i (counted from the first
     cached key) also sees only keys i - LEFT ... i + RIGHT (-1: unbounded), as an SDPA boolean mask
-    (or -inf in a float mask) on top of the causal rule or of the mask given. A
+    (or -inf in a float mask) on top of the causal rule or of the mask given; ``query_positions``
+    [s] (keyword) are the queries' positions among the keys when they are not ``past ... past + s - 1``
+    (context parallelism: a rank's sequence chunks against the whole sequence's keys). A
     :class:`FlexAttentionMask` runs FlexAttention instead of SDPA (no window, no cached keys, no
     attention dropout).
     """
@@ -177,13 +179,14 @@ class CoreAttention(nn.Module):
         self.causal = config.causal_attention if causal is None else causal
         self.window = None if window is None or tuple(window) == (-1, -1) else tuple(window)
 
-    def window_mask(self, s: int, total: int, past: int, device: torch.device, causal: bool) -> torch.Tensor:
-        """bool [s, total]: True where query past + i may see key j under the window (and causality)."""
+    def window_mask(self, positions: torch.Tensor, total: int, causal: bool) -> torch.Tensor:
+        """bool [s, total]: True where the query at position ``positions[i]`` may see key j under the
+        window (and causality)."""
         assert self.window is not None
-        i = torch.arange(past, past + s, device=device)[:, None]
-        j = torch.arange(total, device=device)[None, :]
+        i = positions[:, None]
+        j = torch.arange(total, device=positions.device)[None, :]
         left, right = self.window
-        allowed = torch.ones(s, total, dtype=torch.bool, device=device)
+        allowed = torch.ones(positions.shape[0], total, dtype=torch.bool, device=positions.device)
         if left >= 0:
             allowed &= j >= i - left
         if right >= 0:
@@ -199,12 +202,16 @@ class CoreAttention(nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | FlexAttentionMask | None,
         past: int,
+        *,
+        query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if isinstance(attention_mask, FlexAttentionMask):
             return self._flex(q, k, v, attention_mask, past)
         s = q.shape[2]
         if self.window is not None:
-            window = self.window_mask(s, k.shape[2], past, q.device, causal=self.causal and attention_mask is None)
+            if query_positions is None:
+                query_positions = torch.arange(past, past + s, device=q.device)
+            window = self.window_mask(query_positions, k.shape[2], causal=self.causal and attention_mask is None)
             if attention_mask is None:
                 attention_mask = window
             elif attention_mask.dtype == torch.bool:

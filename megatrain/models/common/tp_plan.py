@@ -11,6 +11,8 @@ vocab-parallel cross entropy. ``megatrain.parallel.tensor_parallel.apply_tensor_
 self_attention.linear_qkv              column parallel; the grouped [g, n/g + 2, d] row layout
                                        makes Shard(0) give every rank whole query groups (GQA too)
 self_attention.linear_proj             row parallel
+self_attention.q_/k_layernorm          (--qk-layernorm) weights replicated, input the rank's heads
+                                       (:class:`HeadShardedNorm`): their gradients sum over ranks
 cross_attention.linear_q, linear_kv    column parallel (a decoder layer of an encoder-decoder);
                                        the [n, 2, d] key/value rows keep whole heads per rank
 cross_attention.linear_proj            row parallel
@@ -33,6 +35,10 @@ Its shared experts are a dense MLP of their own: ``mlp.shared_experts.linear_fc1
 residual layout; with sequence parallelism and ``--moe-shared-expert-gate`` the gate weight becomes a
 replicated DTensor and the shared experts' input a ``Shard(1)`` DTensor (:class:`SharedExpertGateParallel`),
 so the gate's gradient sums every rank's part of the sequence.
+
+With ``--qk-layernorm`` the per-head query and key norms (width ``d``, shared by all heads) see only
+the rank's heads: :class:`HeadShardedNorm` makes their weights replicated DTensors and their input a
+DTensor sharded on the head dim, so each weight's gradient is the sum of every rank's heads' parts.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 __all__ = ["TensorParallelPlan", "transformer_layer_plan", "layers_plan", "vocab_parallel_embedding_plan",
-           "lm_head_plan", "ShardParametersOnVocab", "SharedExpertGateParallel"]
+           "lm_head_plan", "ShardParametersOnVocab", "SharedExpertGateParallel", "HeadShardedNorm"]
 
 
 @dataclass
@@ -59,15 +65,19 @@ class TensorParallelPlan:
 
 
 def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = False, *, moe: bool = False,
-                           shared_experts: bool = False, shared_expert_gate: bool = False) -> dict[str, Any]:
+                           shared_experts: bool = False, shared_expert_gate: bool = False,
+                           qk_layernorm: bool = False) -> dict[str, Any]:
     """The plan of one transformer layer (with ``cross_attention``: a decoder layer that has one),
     keyed by module path relative to the layer. ``moe``: its ``mlp`` is a mixture-of-experts layer
-    (with ``shared_experts``, gated with ``shared_expert_gate``)."""
+    (with ``shared_experts``, gated with ``shared_expert_gate``); ``qk_layernorm``: its self-attention
+    has per-head query and key norms."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         "self_attention.linear_qkv": ColwiseParallel(),
         "self_attention.linear_proj": RowwiseParallel(output_layouts=residual),
     }
+    if qk_layernorm:
+        plan.update({"self_attention.q_layernorm": HeadShardedNorm(), "self_attention.k_layernorm": HeadShardedNorm()})
     if cross_attention:
         plan.update({
             "cross_attention.linear_q": ColwiseParallel(),
@@ -124,8 +134,9 @@ def layers_plan(layers: nn.ModuleDict, config: Any, sequence_parallel: bool, pre
         moe = type(mlp).__name__ == "MoELayer"
         shared = getattr(mlp, "shared_experts", None) if moe else None
         gate = shared is not None and getattr(shared, "gate_weight", None) is not None
+        qk_norm = getattr(getattr(layer, "self_attention", None), "q_layernorm", None) is not None
         for path, style in transformer_layer_plan(sequence_parallel, cross, moe=moe, shared_experts=shared is not None,
-                                                  shared_expert_gate=gate).items():
+                                                  shared_expert_gate=gate, qk_layernorm=qk_norm).items():
             plan.styles.append((f"{prefix}.{key}.{path}", style))
         if config.attention_dropout > 0:
             plan.rng_regions.append(f"{prefix}.{key}.self_attention.core_attention")
@@ -199,3 +210,29 @@ class SharedExpertGateParallel(ParallelStyle):
             return (x, *rest)
 
         return distribute_module(module, device_mesh, partition, prepare_input)
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A per-head norm (``--qk-layernorm``: width ``d``, one weight for every head) whose input
+    [b, heads, s, d] holds only this rank's heads: its parameters become replicated DTensors and its
+    input a DTensor sharded on the head dim (dim 1), so the norm runs on the local heads and each
+    parameter's gradient is the sum of every rank's part (a partial sum, all-reduced). Returns the
+    local tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    mod.register_parameter(param_name, nn.Parameter(
+                        distribute_tensor(param, mesh, [Replicate()]), requires_grad=param.requires_grad))
+
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+            return (x, *rest)
+
+        def prepare_output(mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
