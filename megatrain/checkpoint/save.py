@@ -261,8 +261,14 @@ class Checkpointer:
 
     def save(self, save: str, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
              extra_state: dict[str, Any], args: argparse.Namespace, model_config: Any, *,
-             save_optim: bool = True, save_rng: bool = True) -> SaveReport:
+             save_optim: bool = True, save_rng: bool = True, model_state: dict[str, Any] | None = None,
+             planner: Any = None) -> SaveReport:
+        """``model_state`` / ``planner`` (synchronous saves without an optimizer only): the model's
+        state dict as given (meta tensors, say) and a DCP SavePlanner whose ``resolve_data`` makes each
+        tensor as it is written, so a converter never holds the whole model (the HF import)."""
         t0 = time.perf_counter()
+        if (model_state is not None or planner is not None) and (self.async_save or (save_optim and optimizer)):
+            raise ValueError("model_state / planner: synchronous saves without optimizer state only")
         self.wait()
         final = checkpoint_dir(save, state.iteration)
         tmp = final + ".tmp"
@@ -285,7 +291,7 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)
             to_save = {"model": model_sd, "optimizer": optim_sd}
         else:
-            to_save = {"model": get_state_dict(model, [])[0]}
+            to_save = {"model": get_state_dict(model, [])[0] if model_state is None else model_state}
         meta = None
         if me == 0:
             meta = build_meta(state, model_config, args, extra_state, has_optimizer=with_optim,
@@ -295,7 +301,11 @@ class Checkpointer:
         if not self.async_save:
             def write() -> None:
                 with single_process_quiet():
-                    dcp.save(to_save, checkpoint_id=tmp)
+                    if planner is None:
+                        dcp.save(to_save, checkpoint_id=tmp)
+                    else:  # serial writes in state-dict order (per_thread_copy_ahead=0: no read-ahead)
+                        dcp.save(to_save, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0),
+                                 planner=planner)
             _write_and_finish(pending, write)
             return SaveReport(final, time.perf_counter() - t0, False)
         pending.group = self._async_group()
@@ -355,7 +365,9 @@ class Checkpointer:
 
 def save_checkpoint(save: str, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     extra_state: dict[str, Any], args: argparse.Namespace, model_config: Any, *,
-                    save_optim: bool = True, save_rng: bool = True, keep_last: int | None = None) -> str:
+                    save_optim: bool = True, save_rng: bool = True, keep_last: int | None = None,
+                    model_state: dict[str, Any] | None = None, planner: Any = None) -> str:
     """Write ``SAVE/iter_XXXXXXX`` (synchronously, crash-safe) and update the tracker; returns the directory."""
     return Checkpointer(keep_last=keep_last).save(save, state, model, optimizer, extra_state, args, model_config,
-                                                  save_optim=save_optim, save_rng=save_rng).path
+                                                  save_optim=save_optim, save_rng=save_rng, model_state=model_state,
+                                                  planner=planner).path

@@ -1,7 +1,8 @@
 """`tools/convert_checkpoint_to_hf.py`: a megatrain checkpoint -> a Hugging Face model folder.
 
-The checkpoint is loaded whole into one process (DCP reshards whatever layout saved it: TP, FSDP,
-DDP), mapped to the Hugging Face class its family's adapter chooses (GPT: GPT2LMHeadModel or
+The checkpoint is read into one process (DCP reshards whatever layout saved it: TP, FSDP, DDP) one
+layer at a time (`CheckpointTensors`, `StreamingConversion`: about one layer plus the shard being
+written in host memory), mapped to the Hugging Face class its family's adapter chooses (GPT: GPT2LMHeadModel or
 LlamaForCausalLM; BERT: MegatronBertForPreTraining or MegatronBertForMaskedLM; T5:
 T5ForConditionalGeneration) and written as
 ``config.json``, ``generation_config.json`` (generative families), ``model.safetensors`` (or shards
@@ -14,11 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from megatrain.atomic_io import atomic_path, atomic_write_json
+from megatrain.convert.streaming import StreamingConversion
 from megatrain.convert.tokenizer_files import SpecialTokens, open_tokenizer, write_hf_tokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.common.init import canonical_parameter_name
@@ -72,13 +74,55 @@ def load_full_state_dict(ckpt: str, cfg: Any, family: ModelFamily | None = None)
     return {canonical_parameter_name(k): v.detach() for k, v in model.state_dict().items()}
 
 
+class CheckpointTensors:
+    """The model tensors of a checkpoint, read one at a time with canonical names (DCP reads only the
+    bytes of the tensor asked for, from any saved layout), for exporting without the whole model in
+    memory. Checked as `load_checkpoint` checks a whole load: shapes against the checkpoint's own
+    model config, and no NaN/Inf."""
+
+    def __init__(self, ckpt: str, cfg: Any, family: ModelFamily | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from megatrain.checkpoint.load import compare_model, model_shapes
+        from megatrain.checkpoint.safe_pickle import read_dcp_metadata
+
+        with torch.device("meta"):
+            model = (family or family_of_config(cfg)).build_model(cfg)
+        model_sd = get_state_dict(model, [])[0]
+        self._ckpt, self._metadata = ckpt, read_dcp_metadata(ckpt)
+        diff = compare_model(model_shapes(self._metadata), model_sd)
+        if any(diff.values()):
+            lines = ([f"shape differs: {x}" for x in diff["shape"]]
+                     + [f"not in the checkpoint: {k}" for k in diff["missing"]]
+                     + [f"in the checkpoint but not in the model: {k}" for k in diff["unexpected"]])
+            raise checkpointing.CheckpointError(f"checkpoint {ckpt} does not match its own model config: "
+                                                + "; ".join(lines[:8]))
+        self._fqn = {canonical_parameter_name(k): k for k in model_sd}
+        self.shapes = {canonical_parameter_name(k): (v.shape, v.dtype) for k, v in model_sd.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        from megatrain.checkpoint.dcp_reader import load_dcp
+        from megatrain.checkpoint.load import _refuse_non_finite
+        from megatrain.checkpoint.ranks import single_process_quiet
+
+        shape, dtype = self.shapes[name]
+        sd = {"model": {self._fqn[name]: torch.empty(shape, dtype=dtype)}}
+        with single_process_quiet():
+            load_dcp(sd, self._ckpt, self._metadata, allow_partial_load=True)
+        _refuse_non_finite(self._ckpt, sd, False)
+        return sd["model"][self._fqn[name]]
+
+
 def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int,
-                      progress: bool = True, dtype: torch.dtype | None = None) -> list[str]:
+                      progress: bool = True, dtype: torch.dtype | None = None,
+                      fetch: Callable[[str], torch.Tensor] | None = None) -> list[str]:
     """``model.safetensors``, or shards + ``model.safetensors.index.json`` above ``max_shard_bytes``.
 
     ``tensors`` may be views of the model's tensors (a layer's experts sliced out of one stacked
     tensor): each shard is copied into standalone tensors (of ``dtype``, if given) only as it is
-    written, so no second copy of the whole model is ever held.
+    written, so no second copy of the whole model is ever held. With ``fetch``, ``tensors`` only
+    gives names, shapes and dtypes (meta tensors) and ``fetch(name)`` each tensor as its shard is
+    written (a streamed export: one shard in memory).
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -102,7 +146,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_
     try:
         for fname, shard in zip(names, shards):
             with atomic_path(os.path.join(out_dir, fname)) as tmp:
-                save_file({k: v.to(dtype=dtype or v.dtype, memory_format=torch.contiguous_format, copy=True)
+                save_file({k: (v if fetch is None else fetch(k)).to(dtype=dtype or v.dtype,
+                                                                  memory_format=torch.contiguous_format, copy=True)
                            for k, v in shard.items()}, tmp, metadata={"format": "pt"})
             bar.update(sum(size_of(t) for t in shard.values()))
     finally:
@@ -162,17 +207,21 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
 
     print(f" exporting {ckpt} ({architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) to {output_path}",
           flush=True)
-    state = load_full_state_dict(ckpt, cfg, family)
-    # The adapter may still refuse the weights themselves (T5's non-zero tied output bias): the output
-    # directory is made only once there is something to write into it.
-    hf_state = hf.to_hf_state_dict(state, cfg, architecture, vocab_size=rows)  # views: copied shard by shard
+    # Streamed: each layer is read, mapped and copied into the shard being written in turn. The adapter
+    # may still refuse the weights themselves (T5's non-zero tied output bias): that is seen here, and
+    # the output directory is made only once there is something to write into it.
+    tensors = CheckpointTensors(ckpt, cfg, family)
+    conversion = StreamingConversion(tensors.shapes, tensors.read,
+                                     lambda sd: hf.to_hf_state_dict(sd, cfg, architecture, vocab_size=rows))
+    hf_state = conversion.outputs  # meta tensors: names, shapes, dtypes; the values come through fetch
     os.makedirs(output_path, exist_ok=True)
 
     special = (write_hf_tokenizer(tok_args, output_path, cfg.max_position_embeddings, tokenizer=tokenizer,
                                   vocab_rows=rows, extra_config=hf.tokenizer_config)
                if tokenizer is not None else SpecialTokens())
 
-    names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress, dtype=DTYPES[dtype])
+    names = write_safetensors(hf_state, output_path, max_shard_bytes, progress=progress, dtype=DTYPES[dtype],
+                              fetch=conversion.get)
     ids: dict[str, int | None] = {"bos_token_id": special.bos_token_id, "eos_token_id": special.eos_token_id,
                                   "pad_token_id": special.pad_token_id}
     if hf.special_token_ids is not None and tokenizer is not None:  # the family's own rule (T5's decoder start)
