@@ -117,7 +117,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--moe-router-topk-limited-devices": "deprecated in Megatron-LM: use --moe-router-num-groups (the expert-parallel "
                                          "size) and --moe-router-group-topk",
     "--multi-latent-attention": "multi-latent attention is not supported yet",
-    "--rotary-interleaved": "interleaved rotary embeddings are not supported yet",
     "--use-rotary-position-embeddings": None,
     "--squared-relu": "squared-ReLU activation is not supported yet",
     "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",

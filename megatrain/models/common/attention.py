@@ -107,7 +107,8 @@ class SelfAttention(nn.Module):
         # and recompute it (selective activation recomputation) by module path.
         self.core_attention = CoreAttention(config, causal=causal, window=config.window_size)
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_base, rope_scaling_of(config))
+            RotaryEmbedding(config.rotary_dim, config.rotary_base, rope_scaling_of(config),
+                            interleaved=bool(getattr(config, "rotary_interleaved", False)))
             if config.position_embedding_type == "rope"
             else None
         )
@@ -148,7 +149,9 @@ class SelfAttention(nn.Module):
                     position_ids = torch.arange(past, past + s, device=x_bsh.device).unsqueeze(0)
                 rotary = self.rotary(position_ids)
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the first rotary_dim dims
+            interleaved = self.rotary.interleaved
+            # the first rotary_dim dims
+            q, k = apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
 
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)  # now [b, groups, past + s, d]

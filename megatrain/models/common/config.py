@@ -28,6 +28,8 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"  # or "rope" (T5 adds "relative")
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # fraction of each head's dims that rotate (the rest pass through)
+    # --rotary-interleaved: RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (x_i, x_{i+r/2})
+    rotary_interleaved: bool = False
     # Llama 3.x RoPE scaling (Megatron's --use-rope-scaling, --rope-scaling-factor): the inverse
     # frequencies of the long wavelengths are divided by the factor, a band between them mixed
     # (megatrain.models.common.rope.llama3_scaled_inv_freq). Megatron fixes the other three at 1, 4 and
@@ -142,6 +144,9 @@ class TransformerConfig:
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(f"rotary embeddings need an even number of rotated dims: --kv-channels "
                              f"({self.kv_channels}) x --rotary-percent ({self.rotary_percent}) = {self.rotary_dim}")
+        if self.rotary_interleaved and self.position_embedding_type != "rope":
+            raise ValueError(f"--rotary-interleaved lays out rotary embeddings: it needs --position-embedding-type "
+                             f"rope, got {self.position_embedding_type}")
         self._check_rope_scaling()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -464,6 +469,7 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
         use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         rope_scaling_low_freq_factor=getattr(args, "rope_scaling_low_freq_factor", 1.0),

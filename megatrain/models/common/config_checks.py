@@ -60,6 +60,8 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
     "position_embedding_type": ConfigCheck("compare", "--position-embedding-type"),
     "rotary_base": ConfigCheck("compare", "--rotary-base", when=_ROPE),
     "rotary_percent": ConfigCheck("compare", "--rotary-percent", when=_ROPE),
+    "rotary_interleaved": ConfigCheck("compare", "--rotary-interleaved", when=_ROPE,
+                                      note="which dims RoPE pairs: another layout of the q/k weights"),
     "use_rope_scaling": ConfigCheck("compare", "--use-rope-scaling", when=_ROPE, note="Llama 3.x RoPE scaling"),
     "rope_scaling_factor": ConfigCheck("compare", "--rope-scaling-factor", when=_ROPE_SCALING),
     "rope_scaling_low_freq_factor": ConfigCheck("compare", "--rope-scaling-low-freq-factor", when=_ROPE_SCALING),

@@ -15,6 +15,10 @@ stored tensor that the rotations only read.
 Llama 3.x RoPE scaling (Megatron's ``--use-rope-scaling``, Hugging Face's ``rope_type: "llama3"``)
 changes the inverse frequencies once, before any angle is formed (:func:`llama3_scaled_inv_freq`);
 the positions stay as they are.
+
+Interleaved RoPE (Megatron's ``--rotary-interleaved``) pairs adjacent dims instead: (x0, x1), (x2, x3),
+..., pair i rotated by the same angle ``position * base ** (-2i / d)``; the tables then repeat each
+angle twice in place ([a0, a0, a1, a1, ...]) instead of laying out two copies ([a0, a1, ..., a0, a1, ...]).
 """
 
 from __future__ import annotations
@@ -70,27 +74,33 @@ def rotary_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = No
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float,
-                   scaling: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scaling: Optional[list[float]] = None,
+                   interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each [*position_ids.shape, head_dim], in float32.
 
-    ``scaling``: Llama 3.x's (factor, low_freq_factor, high_freq_factor, original context), or None."""
+    ``scaling``: Llama 3.x's (factor, low_freq_factor, high_freq_factor, original context), or None.
+    ``interleaved``: the layout of ``--rotary-interleaved`` (each angle repeated in place)."""
     llama3 = None if scaling is None else (scaling[0], scaling[1], scaling[2], scaling[3])
     inv_freq = rotary_inv_freq(head_dim, base, llama3, device=position_ids.device)
     angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., d/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [..., d]: both halves of a pair share an angle
+    if interleaved:  # [..., d]: dims 2i and 2i + 1 of a pair share angle i
+        angles = torch.repeat_interleave(angles, 2, dim=-1)
+    else:
+        angles = torch.cat((angles, angles), dim=-1)  # [..., d]: both halves of a pair share an angle
     return angles.cos(), angles.sin()
 
 
 @torch.library.custom_op("megatrain::rotary_cos_sin", mutates_args=())
 def _rotary_cos_sin_op(position_ids: torch.Tensor, head_dim: int, base: float,
-                       scaling: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rotary_cos_sin(position_ids, head_dim, base, scaling)
+                       scaling: Optional[list[float]] = None,
+                       interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rotary_cos_sin(position_ids, head_dim, base, scaling, interleaved)
     return cos.contiguous(), sin.contiguous()
 
 
 @_rotary_cos_sin_op.register_fake
 def _(position_ids: torch.Tensor, head_dim: int, base: float,
-      scaling: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+      scaling: Optional[list[float]] = None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (*position_ids.shape, head_dim)
     return (position_ids.new_empty(shape, dtype=torch.float32), position_ids.new_empty(shape, dtype=torch.float32))
 
@@ -107,7 +117,7 @@ def rotary_tables(config, position_ids: torch.Tensor) -> tuple[torch.Tensor, tor
     if config.position_embedding_type != "rope":
         return None
     return _rotary_cos_sin_op(position_ids, config.rotary_dim, float(config.rotary_base),
-                              _scaling_arg(rope_scaling_of(config)))
+                              _scaling_arg(rope_scaling_of(config)), bool(getattr(config, "rotary_interleaved", False)))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,34 +126,48 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x_bnsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor) -> torch.Tensor:
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...] over the last dim (adjacent pairs)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-odd, even), dim=-1).flatten(-2)
+
+
+def apply_rotary(x_bnsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
     """Rotate queries or keys [b, heads, s, d] by cos/sin [b or 1, s, r] (broadcast over heads).
 
     With r < d (``--rotary-percent`` below 1) only the first r dims rotate; the rest pass through.
+    ``interleaved`` (``--rotary-interleaved``, tables from ``rotary_cos_sin(..., interleaved=True)``):
+    the pairs are adjacent dims (2i, 2i + 1) of those r instead of (i, i + r/2).
     """
     cos = cos_bsd.unsqueeze(1).to(x_bnsd.dtype)
     sin = sin_bsd.unsqueeze(1).to(x_bnsd.dtype)
+    rotate = rotate_interleaved if interleaved else rotate_half
     r = cos.shape[-1]
     if r < x_bnsd.shape[-1]:
         rot, rest = x_bnsd[..., :r], x_bnsd[..., r:]
-        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
-    return x_bnsd * cos + rotate_half(x_bnsd) * sin
+        return torch.cat((rot * cos + rotate(rot) * sin, rest), dim=-1)
+    return x_bnsd * cos + rotate(x_bnsd) * sin
 
 
 class RotaryEmbedding(nn.Module):
     """Parameter-free module that turns position ids into (cos, sin) for one head dim (with Llama 3.x
     ``scaling`` of the frequencies when given)."""
 
-    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None) -> None:
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None,
+                 interleaved: bool = False) -> None:
         super().__init__()
         assert head_dim % 2 == 0, "rotary embeddings need an even head dim"
         self.head_dim = head_dim
         self.base = base
         self.scaling = scaling
+        self.interleaved = interleaved
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotary_cos_sin_op(position_ids, self.head_dim, float(self.base), _scaling_arg(self.scaling))
+        return _rotary_cos_sin_op(position_ids, self.head_dim, float(self.base), _scaling_arg(self.scaling),
+                                  self.interleaved)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}" + (f", llama3 scaling={self.scaling}"
-                                                                if self.scaling is not None else "")
+        return (f"head_dim={self.head_dim}, base={self.base}"
+                + (f", llama3 scaling={self.scaling}" if self.scaling is not None else "")
+                + (", interleaved" if self.interleaved else ""))

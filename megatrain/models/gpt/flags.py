@@ -117,6 +117,9 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dims that RoPE rotates (the rest pass through)")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates adjacent dim pairs (x0, x1), (x2, x3), ... instead of the two halves of the "
+                        "rotated dims (Hugging Face's LLaMA layout, the default)")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.x RoPE scaling: the long-wavelength inverse frequencies divided by "
                         "--rope-scaling-factor, a band between long and short ones interpolated (Hugging Face's "

@@ -19,6 +19,10 @@ Layouts that differ:
 Llama 3.x RoPE scaling (``rope_type: "llama3"`` in ``rope_scaling`` / ``rope_parameters``) is
 ``--use-rope-scaling`` and its factors, for LlamaForCausalLM only; other scaling types are refused.
 
+Hugging Face's RoPE pairs the two halves of a head (dims i and i + d/2). A ``--rotary-interleaved``
+model (pairs 2i, 2i + 1) exports with the query and key rows of each head (and the q/k norm weights)
+reordered, even dims first: the same attention scores under the half layout. Imports are half layout.
+
 A model that neither class represents exactly is refused with :class:`UnsupportedModelError`.
 """
 
@@ -415,6 +419,22 @@ def _window_size_of_hf(hf: Mapping[str, Any], arch: str) -> tuple[int, int] | No
 # ---------------------------------------------------------------------------------------------
 # state dicts
 # ---------------------------------------------------------------------------------------------
+def _halves_order(head_dim: int) -> torch.Tensor:
+    """Dims of a head in the order that turns ``--rotary-interleaved`` pairs (2i, 2i + 1) into Hugging
+    Face's half-layout pairs (i, i + d/2): the even dims, then the odd ones."""
+    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+
+def _to_half_layout(t: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """Query or key rows (weight [heads * d, h], bias [heads * d] or a norm weight [d]) of an interleaved
+    RoPE model reordered within each head, so that half-layout RoPE computes the same attention scores."""
+    if not cfg.rotary_interleaved:
+        return t
+    d = cfg.kv_channels
+    assert d is not None
+    return t.reshape(-1, d, *t.shape[1:])[:, _halves_order(d)].reshape(t.shape)
+
+
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architecture: str,
                      vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """Our state dict (canonical names, full tensors) -> Hugging Face names and layouts.
@@ -463,6 +483,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
             out[q + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
             out[q + "post_attention_layernorm.weight"] = sd[p + "pre_mlp_layernorm.weight"]
             wq, wk, wv = qkv_split(sd[p + "self_attention.linear_qkv.weight"], cfg)
+            wq, wk = _to_half_layout(wq, cfg), _to_half_layout(wk, cfg)  # --rotary-interleaved
             out[q + "self_attn.q_proj.weight"], out[q + "self_attn.k_proj.weight"] = wq, wk
             out[q + "self_attn.v_proj.weight"] = wv
             out[q + "self_attn.o_proj.weight"] = sd[p + "self_attention.linear_proj.weight"]
@@ -473,10 +494,11 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
                 out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
                 out[q + "mlp.down_proj.weight"] = sd[p + "mlp.linear_fc2.weight"]
             if cfg.qk_layernorm:
-                out[q + "self_attn.q_norm.weight"] = sd[p + "self_attention.q_layernorm.weight"]
-                out[q + "self_attn.k_norm.weight"] = sd[p + "self_attention.k_layernorm.weight"]
+                out[q + "self_attn.q_norm.weight"] = _to_half_layout(sd[p + "self_attention.q_layernorm.weight"], cfg)
+                out[q + "self_attn.k_norm.weight"] = _to_half_layout(sd[p + "self_attention.k_layernorm.weight"], cfg)
             if cfg.add_bias_linear or cfg.add_qkv_bias:
                 bq, bk, bv = qkv_split(sd[p + "self_attention.linear_qkv.bias"], cfg)
+                bq, bk = _to_half_layout(bq, cfg), _to_half_layout(bk, cfg)
                 out[q + "self_attn.q_proj.bias"], out[q + "self_attn.k_proj.bias"] = bq, bk
                 out[q + "self_attn.v_proj.bias"] = bv
             if cfg.add_bias_linear:
