@@ -90,12 +90,10 @@ class T5Config(TransformerConfig):
                 raise ValueError(f"FlexAttention has no attention dropout (--attention-dropout "
                                  f"{self.attention_dropout}); use --attention-dropout 0 or SDPA attention")
 
-    def uses_flex_attention(self, device_type: str, training: bool = True) -> bool:
+    def uses_flex_attention(self) -> bool:
         """Whether the model's full forward (``encode`` and ``decode``; incremental decoding always
-        uses SDPA) runs its attention through FlexAttention on ``device_type`` ("cuda", "cpu"):
-        :func:`uses_flex_attention` of this config's fields."""
-        return uses_flex_attention(self.attention_backend, self.position_embedding_type, self.attention_dropout,
-                                   self.window_size, device_type, training)
+        uses SDPA) runs its attention through FlexAttention: :func:`uses_flex_attention`."""
+        return uses_flex_attention(self.attention_backend)
 
     @property
     def decoder_layers(self) -> int:
@@ -103,22 +101,19 @@ class T5Config(TransformerConfig):
         return self.decoder_num_layers
 
 
-def uses_flex_attention(backend: str, position_embedding_type: str, attention_dropout: float,
-                        window_size: tuple[int, int] | None, device_type: str, training: bool = True) -> bool:
+def uses_flex_attention(backend: str) -> bool:
     """Whether T5's attention runs through FlexAttention: with "flex" only. "auto" is SDPA for every
     layout: measured on one H200 (2026-12-03, T5-base in the HF layout, bf16, whole-model compile;
     benchmarks/RESULTS.md) FlexAttention with the relative bias as a score_mod, whose backward adds
     the bias gradient into the [heads, distances] table, took 94.0 ms per step against SDPA's 89.4 ms
-    with the bias as a float mask. The other arguments are the layout the choice is made for."""
-    del position_embedding_type, attention_dropout, window_size, device_type, training
+    with the bias as a float mask."""
     return backend == "flex"
 
 
-def attention_description(backend: str, position_embedding_type: str, attention_dropout: float,
-                          window_size: tuple[int, int] | None, device_type: str) -> str:
+def attention_description(backend: str, position_embedding_type: str, device_type: str) -> str:
     """One line saying how training's attention runs (the note ``pretrain_t5.py`` prints)."""
     relative = position_embedding_type == "relative"
-    if uses_flex_attention(backend, position_embedding_type, attention_dropout, window_size, device_type):
+    if uses_flex_attention(backend):
         how = ("FlexAttention (torch.compile'd flex_attention; "
                + ("the relative position bias as a score_mod over a [heads, distances] table, " if relative else "")
                + "padding and causality as block masks)")

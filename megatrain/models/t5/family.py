@@ -100,7 +100,6 @@ def check_t5_args(args: argparse.Namespace) -> None:
     # How attention will run (FlexAttention or SDPA), printed with the other notes at start-up.
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     note = attention_description(attention_backend_from_args(args), args.position_embedding_type,
-                                 getattr(args, "attention_dropout", 0.1), getattr(args, "window_size", None),
                                  str(device).split(":")[0])
     if isinstance(getattr(args, "legacy_notes", None), list):
         args.legacy_notes.append(f"note: {note}")

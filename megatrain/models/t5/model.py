@@ -183,10 +183,10 @@ class T5Model(nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         return self_attention_mask(padding_mask, s, causal=causal, bias=bias_table(s, s, tokens.device), dtype=dtype)
 
-    def uses_flex_attention(self, device: torch.device) -> bool:
-        """Whether ``encode`` and ``decode`` run attention through FlexAttention now (the config's
-        ``attention_backend``, the device, training or not)."""
-        return self.config.uses_flex_attention(device.type, self.training)
+    def uses_flex_attention(self) -> bool:
+        """Whether ``encode`` and ``decode`` run attention through FlexAttention (the config's
+        ``attention_backend``)."""
+        return self.config.uses_flex_attention()
 
     def _flex_mask(self, bias_table: RelativePositionBias | None, padding_mask: torch.Tensor | None,
                    tokens: torch.Tensor, causal: bool) -> FlexAttentionMask | None:
@@ -207,7 +207,7 @@ class T5Model(nn.Module):
         """Encoder token ids [b, s_enc] -> the encoder output [b, s_enc, h] (after its final norm)."""
         position_ids = self._positions(encoder_tokens)
         hidden = self.embed(encoder_tokens, position_ids)
-        if self.uses_flex_attention(encoder_tokens.device):
+        if self.uses_flex_attention():
             mask = self._flex_mask(self.encoder_relative_pos_emb, encoder_padding_mask, encoder_tokens, causal=False)
         else:
             mask = self._mask(self.encoder_relative_pos_emb, encoder_padding_mask, encoder_tokens, causal=False)
@@ -221,7 +221,7 @@ class T5Model(nn.Module):
         hidden = self.embed(decoder_tokens, position_ids)
         mask: torch.Tensor | FlexAttentionMask | None
         context_mask: torch.Tensor | FlexAttentionMask | None
-        if self.uses_flex_attention(decoder_tokens.device):
+        if self.uses_flex_attention():
             mask = self._flex_mask(self.decoder_relative_pos_emb, decoder_padding_mask, decoder_tokens, causal=True)
             context_mask = None if encoder_padding_mask is None else flex_mask(
                 encoder_padding_mask != 0, decoder_tokens.shape[1], encoder_output.shape[1], causal=False,
