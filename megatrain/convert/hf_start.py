@@ -350,8 +350,9 @@ def converted_checkpoint(hf_dir: str, *, make_vocab_size_divisible_by: int = 128
 def _convert(hf_dir: str, final: str, divisible_by: int, tp: int) -> None:
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # an interrupted conversion's (the lock is ours)
-    if os.path.isdir(final):  # incomplete under the final name: not written by this module
-        shutil.rmtree(final)
+    if os.path.exists(final):  # incomplete under the final name: not written by this module, so not ours to delete
+        raise SystemExit(f"error: {final} exists but holds no complete megatrain checkpoint; move it away (or set "
+                         f"{CACHE_ENV} to another cache directory) to convert {hf_dir} there")
     print(f" converting the Hugging Face folder {hf_dir} into {final} (once; reused while the folder is "
           "unchanged)", flush=True)
     printed = io.StringIO()
