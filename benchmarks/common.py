@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_worker_result(result: dict[str, Any]) -> None:
+    """A worker process's answer: one line the parent picks out of its output."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_worker(cmd: list[str], cwd: Path, name: str, timeout: int) -> dict[str, Any]:
+    """Run a benchmark row in its own process (``cmd``, which ends with :func:`print_worker_result`);
+    its result, or ``{"row": name, "error": ...}`` when it fails or runs past ``timeout`` seconds."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": name, "error": f"timed out after {timeout} s (--timeout)"}
+    result = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    if proc.returncode or not result:
+        return {"row": name, "error": (proc.stdout + proc.stderr)[-2000:] or f"exit {proc.returncode}"}
+    return json.loads(result[-1][len(RESULT_PREFIX):])
 
 
 def cpu_model() -> str:

@@ -15,8 +15,6 @@ transformers' experts implementation: ``grouped_mm`` where the installed version
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import timed_hf_steps  # noqa: E402
+from common import print_worker_result, run_worker, timed_hf_steps  # noqa: E402
 from throughput import environment, measure_matmul_peak, run_one  # noqa: E402
 
 # The mixtral-moe shape of throughput.py, as transformers' MixtralConfig.
@@ -67,14 +65,7 @@ def hf_worker(iters: int, warmup: int, layers: int) -> dict:
 def run_hf(iters: int, warmup: int, layers: int, timeout: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", "--iters", str(iters),
            "--warmup", str(warmup), "--layers", str(layers)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"row": "transformers MixtralForCausalLM", "error": f"timed out after {timeout} s"}
-    result = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not result:
-        return {"row": "transformers MixtralForCausalLM", "error": (proc.stdout + proc.stderr)[-1500:]}
-    return json.loads(result[-1][len("RESULT "):])
+    return run_worker(cmd, REPO, "transformers MixtralForCausalLM", timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.hf_worker:
-        print("RESULT " + json.dumps(hf_worker(a.iters, a.warmup, a.layers)), flush=True)
+        print_worker_result(hf_worker(a.iters, a.warmup, a.layers))
         return
     import torch
 

@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import timed_hf_steps  # noqa: E402
+from common import print_worker_result, run_worker, timed_hf_steps  # noqa: E402
 from throughput import measure_matmul_peak  # noqa: E402
 
 # encoder layers, decoder layers, hidden, heads, kv-channels, ffn, encoder seq, decoder seq, micro-batch
@@ -232,14 +232,7 @@ def run_transformers(shape: str, iters: int, warmup: int, device: str, vocab: in
            "--warmup", str(warmup), "--device", device, "--vocab", str(vocab), "--attn", attn]
     cmd += ["--untied"] if untied else []
     name = f"transformers T5ForConditionalGeneration ({attn})"
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"row": name, "error": f"timed out after {timeout} s (--timeout)"}
-    result = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not result:
-        return {"row": name, "error": (proc.stdout + proc.stderr)[-2000:] or f"exit {proc.returncode}"}
-    return json.loads(result[-1][len("RESULT "):])
+    return run_worker(cmd, REPO, name, timeout)
 
 
 def versions() -> str:
@@ -290,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--warmup ({a.warmup}) must be below --iters ({a.iters})")
     if a.hf_worker:
         result = hf_worker(a.shape, a.iters, a.warmup, a.device, a.vocab, a.attn, a.untied)
-        print("RESULT " + json.dumps(result), flush=True)
+        print_worker_result(result)
         return
     import torch
 
