@@ -110,8 +110,12 @@ def init_single_process_group(device: torch.device) -> None:
         dist.init_process_group(backend=backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(synchronize: bool = False) -> None:
     """Destroy every process group while the interpreter is still fully alive.
+
+    ``synchronize`` (a run that ended normally on every rank): a barrier first, so that no rank
+    closes its connections while another still tears down its own (the peers then see their sockets
+    close in the middle of the destruction). Never after a failure: the other ranks may be gone.
 
     Process groups that only unreachable objects still hold (a model's hooks, a mesh) would
     otherwise be freed by the garbage collection inside interpreter shutdown; gloo's worker
@@ -119,6 +123,8 @@ def destroy_distributed() -> None:
     "terminate called without an active exception". Collecting here frees them in time.
     """
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
     gc.collect()
 

@@ -497,6 +497,7 @@ def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer,
     for note in args.legacy_notes:
         print_rank0(note)
     trainer = trainer_class(args, family=family)
+    finished = False
     try:
         if not args.skip_train:
             trainer.train()
@@ -509,9 +510,10 @@ def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer,
             test_iter = iter(build_pretraining_data_loader(trainer.test_ds, 0, args.micro_batch_size,
                                                            trainer.dp_rank, trainer.dp_size, 0))
             trainer.evaluate_and_print(f"iteration {it} on test set", test_iter, it)
+        finished = True
     finally:
         trainer.close()
         state = trainer.state
         del trainer  # the model and its process groups must be unreachable before they are destroyed
-        destroy_distributed()
+        destroy_distributed(synchronize=finished)
     return state
