@@ -22,7 +22,9 @@ import torch
 from megatrain.atomic_io import atomic_path, atomic_write_json
 from megatrain.convert.streaming import StreamingConversion
 from megatrain.convert.tokenizer_files import SpecialTokens, open_tokenizer, write_hf_tokenizer
+from megatrain.data.tokenizers.huggingface import GENERATION_CONFIG
 from megatrain.errors import user_errors_exit
+from megatrain.json_input import parse_json
 from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.registry import ModelFamily, family_of_config, get_family
 from megatrain import checkpoint as checkpointing
@@ -233,6 +235,13 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
         for key in ("pad_token_id", "decoder_start_token_id"):
             if config.get(key) is not None:
                 generation[key] = config[key]
+        end_ids = list(getattr(tokenizer, "end_ids", None) or [])
+        if len(end_ids) > 1 and end_ids[0] == generation["eos_token_id"]:
+            generation["eos_token_id"] = end_ids  # a chat model's end-of-turn ids, as its folder had them
+        if GENERATION_CONFIG in special.files:  # the imported folder's own defaults, our ids over them
+            with open(os.path.join(output_path, GENERATION_CONFIG), "rb") as f:
+                theirs = parse_json(f.read())
+            generation = {**(theirs if isinstance(theirs, dict) else {}), **generation}
         atomic_write_json(os.path.join(output_path, "generation_config.json"), generation, indent=2, sort_keys=True)
     n_params = sum(t.numel() for t in hf_state.values())
     print(f" wrote {architecture} ({n_params:,} parameters, {dtype}) as {', '.join(names)}"

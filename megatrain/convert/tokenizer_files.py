@@ -23,7 +23,7 @@ from typing import Any
 
 from megatrain.atomic_io import atomic_path, atomic_write_json
 from megatrain.data.tokenizers import GPT2_EOD, HuggingFaceTokenizer, _load_gpt2_files, build_tokenizer
-from megatrain.data.tokenizers.huggingface import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILES
+from megatrain.data.tokenizers.huggingface import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILES, GENERATION_CONFIG
 from megatrain.json_input import parse_json
 
 WORDPIECE_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
@@ -113,6 +113,9 @@ def write_hf_tokenizer(tok_args: dict[str, Any], out_dir: str, model_max_length:
                 atomic_copy(os.path.join(folder, name), os.path.join(out_dir, name))
                 files.append(name)
         files += _copy_chat_templates(tokenizer, folder, out_dir)
+        if os.path.isfile(os.path.join(folder, GENERATION_CONFIG)):  # its end ids (several for chat models)
+            atomic_copy(os.path.join(folder, GENERATION_CONFIG), os.path.join(out_dir, GENERATION_CONFIG))
+            files.append(GENERATION_CONFIG)
         special = {k: v for k, v in (("bos_token", _token_text(tokenizer, tokenizer.bos)),
                                      ("eos_token", _token_text(tokenizer, tokenizer.eod)),
                                      ("pad_token", _token_text(tokenizer, tokenizer.pad))) if v is not None}
@@ -280,7 +283,7 @@ def _find_hf_tokenizer(hf_dir: str, architecture: str) -> _Found | None:
     if has("tokenizer.json"):
         return _Found({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "."},
                       ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *CHAT_TEMPLATE_FILES,
-                       *_extra_chat_templates(hf_dir)])
+                       *_extra_chat_templates(hf_dir), GENERATION_CONFIG])
     if has("tokenizer.model"):
         kind = "Llama2Tokenizer" if architecture == "LlamaForCausalLM" else "GPTSentencePieceTokenizer"
         return _Found({"tokenizer_type": kind, "tokenizer_model": "tokenizer.model"},

@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,13 @@ class Completion:
     finish_reason: str  # "stop" (EOD or a stop string) or "length"
 
 
+def end_ids(tokenizer: Any) -> list[int]:
+    """The ids that end a generation: the tokenizer's eod, and a Hugging Face folder's other eos ids
+    (generation_config.json)."""
+    ids = getattr(tokenizer, "end_ids", None)
+    return list(ids) if ids is not None else ([tokenizer.eod] if tokenizer.eod is not None else [])
+
+
 def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingParams,
              micro_batch_size: int | None = None, prompt_ids: list[list[int]] | None = None,
              on_tokens: Callable[[int, list[int | None]], None] | None = None) -> list[Completion]:
@@ -70,8 +77,11 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
     seq2seq = is_encoder_decoder(model)  # T5: the prompts are encoder inputs, the completions decoder outputs
     if prompt_ids is None:
         prompt_ids = [tokenize_with_sentinels(tokenizer, p) if seq2seq else tokenizer.tokenize(p) for p in prompts]
-    stop_seqs = [ids for ids in (tokenizer.tokenize(s) for s in params.stop) if ids] or None
-    eod = (end_token(tokenizer) if seq2seq else tokenizer.eod) if params.stop_on_eod else None
+    stop_seqs = [ids for ids in (tokenizer.tokenize(s) for s in params.stop) if ids]
+    ends = (([end_token(tokenizer)] if seq2seq else end_ids(tokenizer)) if params.stop_on_eod else [])
+    ends = [e for e in ends if e is not None]
+    eod = ends[0] if ends else None
+    stop_seqs = [*stop_seqs, *([e] for e in ends[1:])] or None  # a chat model's other end ids
     size = micro_batch_size or len(prompts) or 1
     out: list[Completion] = []
     for start in range(0, len(prompts), size):
@@ -93,7 +103,7 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
         for prompt, ids, new in zip(prompts[start:start + size], chunk, generated):
             text = tokenizer.detokenize(new) if new else ""
             reason = "length"
-            if eod is not None and new and new[-1] == eod:
+            if new and new[-1] in ends:
                 reason = "stop"
                 text = tokenizer.detokenize(new[:-1]) if len(new) > 1 else ""
             cuts = [text.index(s) for s in params.stop if s and s in text]

@@ -114,3 +114,42 @@ def test_import_train_under_tp2_equals_one_process_then_export(arch, tmp_path):
         expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
                                    eos_token_id=None)[0, 5:].tolist()
     assert generate(ours, [prompt[0].tolist()], 6)[0] == expected
+
+
+def test_several_end_ids_travel_and_stop_generation(tmp_path):
+    """A chat model's generation_config.json lists more end ids than the tokenizer's eos (Llama 3
+    Instruct's [<|end_of_text|>, <|eom_id|>, <|eot_id|>]): generation stops at any of them, and the
+    export writes the list back."""
+    import json
+
+    from megatrain.convert.export_hf import export_checkpoint
+    from megatrain.convert.import_hf import import_hf_model
+    from megatrain.data.tokenizers import HuggingFaceTokenizer
+    from megatrain.inference.loading import load_model
+    from megatrain.inference.text_generation import SamplingParams, complete
+
+    def run(ckpt: Path, stop: bool):
+        import_hf_model(str(folder), str(ckpt))
+        model, meta = load_model(str(ckpt), torch.device("cpu"))
+        tokenizer = HuggingFaceTokenizer(meta["args"]["tokenizer_model"])
+        params = SamplingParams(tokens_to_generate=12, greedy=True, stop_on_eod=stop)
+        return tokenizer, complete(model, tokenizer, ["the cat"], params)[0]
+
+    folder = _hf_folder(tmp_path / "hf", "llama3")
+    _, free = run(tmp_path / "free", stop=False)
+    end = next(t for t in free.tokens[3:] if t != 2 and t not in free.tokens[:3])  # a token it reaches later
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, end],
+                                                               "temperature": 0.6}))
+    tokenizer, stopped = run(tmp_path / "ckpt", stop=True)
+    assert tokenizer.end_ids == [2, end]
+    first = next(i for i, t in enumerate(free.tokens) if t in (2, end))
+    assert stopped.tokens == free.tokens[:first + 1] and stopped.finish_reason == "stop"
+
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    written = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert written["eos_token_id"] == [2, end] and written["temperature"] == 0.6
+    assert transformers.GenerationConfig.from_pretrained(str(tmp_path / "out")).eos_token_id == [2, end]
+
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 999]}))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        HuggingFaceTokenizer(str(folder))

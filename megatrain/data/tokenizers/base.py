@@ -94,6 +94,11 @@ class MegatrainTokenizer(ABC):
     def eos(self) -> int | None:
         return self.eod
 
+    @property
+    def end_ids(self) -> list[int]:
+        """Ids that end a generation (eod; a Hugging Face folder's may list more)."""
+        return [self.eod] if self.eod is not None else []
+
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``."""

@@ -41,6 +41,9 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 #: Files of a tokenizer folder that hold chat templates (``additional_chat_templates/`` is a folder).
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# A model folder's generation defaults; its eos_token_id (one id or a list: a chat model's end-of-turn
+# ids beside the end of text) is where generation stops.
+GENERATION_CONFIG = "generation_config.json"
 
 
 def _content(value: Any) -> str | None:
@@ -92,6 +95,7 @@ class HuggingFaceTokenizer(MegatrainTokenizer):
         self._bos = self._special_id(self._named.get("bos_token"), _BOS_GUESSES)
         self._pad = self._special_id(self._named.get("pad_token"), _PAD_GUESSES)
         self.chat_templates, self.chat_template_source = self._find_chat_templates(folder, self.config)
+        self._end_ids = self._generation_end_ids(os.path.join(folder, GENERATION_CONFIG))
 
     # ---- files ---------------------------------------------------------------------------------
     @staticmethod
@@ -202,7 +206,23 @@ class HuggingFaceTokenizer(MegatrainTokenizer):
                 return self._vocab[g]
         return None
 
+    def _generation_end_ids(self, path: str) -> list[int]:
+        """eos_token_id of generation_config.json (an id or a list of ids), each within the vocabulary."""
+        value = self._read_json(path).get("eos_token_id")
+        ids = value if isinstance(value, list) else [value] if value is not None else []
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"{path}: eos_token_id {value!r} is not a token id (or a list of them) of the "
+                                 f"{self.vocab_size}-token vocabulary")
+        return ids
+
     # ---- the tokenizer interface ---------------------------------------------------------------
+    @property
+    def end_ids(self) -> list[int]:
+        """Ids that end a generation: eod, then the folder's generation_config.json eos ids."""
+        head = [self._eod] if self._eod is not None else []
+        return head + [i for i in self._end_ids if i not in head]
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
