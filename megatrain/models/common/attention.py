@@ -18,6 +18,7 @@ distances] table, the hidden keys as a block mask) runs the attention through Fl
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -85,6 +86,28 @@ class KVCache:
         return keys[:, :, :end], values[:, :, :end]
 
 
+class AttendingKVCache(ABC):
+    """A KV cache that stores each layer's new keys/values and computes that layer's attention itself
+    (the inference engine's slot cache, ``megatrain/inference/engine/slot_cache.py``: many sequences of
+    different lengths in fixed storage). :class:`SelfAttention` hands it the rotated queries, keys and
+    values and its :class:`CoreAttention` (for the window and the prefill's causal attention);
+    :class:`KVCache` is the plain, one-batch cache."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """The longest sequence's tokens stored before this forward (what a model reads as ``past``)."""
+
+    @abstractmethod
+    def layer_length(self, layer_number: int) -> int:
+        """Tokens a layer's queries count as ``past`` (0 in a prefill)."""
+
+    @abstractmethod
+    def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               core_attention: "CoreAttention") -> torch.Tensor:
+        """Store k, v [b, groups, s, d] and return the attention of q [b, heads, s, d] -> [b, heads, s, d]."""
+
+
 class SelfAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention through torch's SDPA: causal unless ``causal`` (by
     default the config's ``causal_attention``) is False."""
@@ -118,7 +141,7 @@ class SelfAttention(nn.Module):
         x_bsh: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | FlexAttentionMask | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | AttendingKVCache | None = None,
         *,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -153,10 +176,12 @@ class SelfAttention(nn.Module):
             # the first rotary_dim dims
             q, k = apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
 
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_number, k, v)  # now [b, groups, past + s, d]
-
-        out = self.core_attention(q, k, v, attention_mask, past)  # [b, heads, s, d]
+        if isinstance(kv_cache, AttendingKVCache):  # the cache stores and attends (its own masks)
+            out = kv_cache.attend(self.layer_number, q, k, v, self.core_attention)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(self.layer_number, k, v)  # now [b, groups, past + s, d]
+            out = self.core_attention(q, k, v, attention_mask, past)  # [b, heads, s, d]
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

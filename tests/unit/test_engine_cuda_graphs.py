@@ -1,0 +1,100 @@
+"""The engine's CUDA-graph decode against its eager decode (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.inference.engine.api import GenerateJob, Sampling
+from megatrain.inference.engine.engine import EngineConfig, GenerationEngine, generate_blocking
+from megatrain.inference.engine.runner import ModelRunner
+from megatrain.inference.engine.slot_cache import CacheShape, SlotKVCache
+from megatrain.inference.generation import generate
+from megatrain.models.common.attention import SelfAttention
+
+from tests.unit.test_engine_slot_cache import VOCAB, make_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [[5, 17, 3, 9, 22, 40, 1], [8, 2], [30, 31, 32, 33], [9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def cuda_model(style: str, dtype: torch.dtype = torch.float32):
+    return make_model(style).to("cuda", dtype)
+
+
+def runner_of(model, cuda_graphs: bool, length_bucket: int = 8) -> ModelRunner:
+    layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
+    shape = CacheShape(layers, model.config.num_query_groups, model.config.kv_channels, 6, 40)
+    dtype = next(model.parameters()).dtype
+    cache = SlotKVCache(shape, dtype, torch.device("cuda"))
+    return ModelRunner(model, cache, torch.device("cuda"), cuda_graphs=cuda_graphs, length_bucket=length_bucket)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_graph_decode_equals_eager_decode(style, dtype):
+    model = cuda_model(style, dtype)
+    eager, graphed = runner_of(model, False), runner_of(model, True)
+    lengths = {}
+    for slot, prompt in zip([0, 2, 1], PROMPTS[:3]):
+        for runner in (eager, graphed):
+            runner.prefill([(slot, prompt)])
+        lengths[slot] = len(prompt)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for step in range(12):  # crosses the key-length buckets 8 and 16; 3 rows padded to the bucket of 4
+        tokens = [(5 * slot + step) % VOCAB for slot in range(3)]
+        positions = [lengths[slot] for slot in range(3)]
+        needed = max(positions) + 1
+        a = eager.decode(tokens, positions, needed)
+        b = graphed.decode(tokens, positions, needed)
+        torch.testing.assert_close(b.float(), a.float(), **tolerance)
+        for slot in range(3):
+            lengths[slot] += 1
+    assert set(graphed._graphs) == {(4, 8), (4, 16), (4, 32)}
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_graph_engine_equals_generate(style):
+    model = cuda_model(style)
+    expected = [generate(model, [p], 10)[0] for p in PROMPTS]
+    results = {}
+    for graphs in (False, True):
+        engine = GenerationEngine(model, EngineConfig(max_requests=3, max_sequence_length=40, cuda_graphs=graphs,
+                                                      length_bucket=8))
+        try:
+            events = generate_blocking(engine, [GenerateJob(p, 10, Sampling(greedy=True)) for p in PROMPTS])
+        finally:
+            engine.close()
+        results[graphs] = [[e.token for e in job] for job in events]
+    assert results[False] == expected
+    assert results[True] == expected
+
+
+def test_capture_all_and_seeded_sampling_on_cuda():
+    model = cuda_model("llama")
+    engine = GenerationEngine(model, EngineConfig(max_requests=5, max_sequence_length=40, length_bucket=16))
+    try:
+        assert engine.runner.cuda_graphs
+        assert engine.runner.capture_all() == len(engine.runner.batch_buckets) * len(engine.runner.length_buckets)
+        job = GenerateJob(PROMPTS[0], 12, Sampling(temperature=1.2, top_p=0.95, seed=5))
+        (alone,) = generate_blocking(engine, [job])
+        crowded = generate_blocking(engine, [GenerateJob(p, 12, Sampling(seed=i)) for i, p in enumerate(PROMPTS)]
+                                    [:2] + [job])
+    finally:
+        engine.close()
+    assert [e.token for e in crowded[2]] == [e.token for e in alone]
+
+
+def test_compiled_graph_engine_equals_generate():
+    model = cuda_model("llama")
+    expected = [generate(model, [p], 10)[0] for p in PROMPTS]
+    engine = GenerationEngine(model, EngineConfig(max_requests=3, max_sequence_length=40, length_bucket=8,
+                                                  compile_decode=True))
+    try:
+        assert engine.runner.cuda_graphs
+        events = generate_blocking(engine, [GenerateJob(p, 10, Sampling(greedy=True)) for p in PROMPTS])
+    finally:
+        engine.close()
+    assert [[e.token for e in job] for job in events] == expected
