@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Serve a megatrain checkpoint over HTTP: Megatron-LM's `PUT /api` and OpenAI-style `POST /v1/completions`
-(`python tools/run_text_generation_server.py --load CKPT --port 5000`)."""
+"""Serve a megatrain checkpoint over HTTP: Megatron-LM's `PUT /api`, OpenAI's `POST /v1/completions` and
+`POST /v1/chat/completions` (`python tools/run_text_generation_server.py --load CKPT --port 5000`; with
+tensor parallelism `torchrun --nproc_per_node N ... --tensor-model-parallel-size N`)."""
 
 import os
 import sys

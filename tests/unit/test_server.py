@@ -1,5 +1,6 @@
-"""The text-generation server over real HTTP on 127.0.0.1: both endpoints, concurrent requests, and a 4xx
-with a message (never a crash) for each kind of bad input; the command starts from a checkpoint."""
+"""The text-generation server over real HTTP on 127.0.0.1 (uvicorn, the batching engine): Megatron's and
+OpenAI's endpoints, concurrent requests, and a 4xx with a message (never a crash) for each kind of bad
+input; the command starts from a checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.inference.generation import generate
-from megatrain.inference.server import ServerLimits, TextGenerationService, make_server
+from megatrain.inference.server import ServerLimits, model_context, make_server
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain import checkpoint as checkpointing
@@ -36,10 +37,10 @@ def tiny_model() -> GPTModel:
 @pytest.fixture(scope="module")
 def server():
     model = tiny_model()
-    service = TextGenerationService(model, build_tokenizer(TOKENIZER),
-                                    ServerLimits(max_prompt_tokens=12, max_tokens_to_generate=8, max_batch_size=4,
-                                                 max_request_bytes=2000))
-    srv = make_server(service, "127.0.0.1", 0, quiet=True)
+    ctx = model_context(model, build_tokenizer(TOKENIZER),
+                        ServerLimits(max_prompt_tokens=12, max_tokens_to_generate=8, max_batch_size=4,
+                                     max_request_bytes=2000), max_requests=4)
+    srv = make_server(ctx, "127.0.0.1", 0, quiet=True)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv, model
@@ -61,15 +62,26 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
     return generate(model, [prompt], n, eod=30)[0]
 
 
+def forward_logprobs(model, seq: list[int]) -> list[float]:
+    """Every token's log-probability after the first, from one full forward."""
+    import torch
+
+    with torch.no_grad():
+        logp = model(torch.tensor([seq[:-1]])).float().log_softmax(-1)[0]
+    return logp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+
+
 def test_megatron_api(server):
     srv, model = server
     status, out = request(srv, "PUT", "/api", {"prompts": ["1 2 3", "4 5"], "tokens_to_generate": 5, "top_k": 1,
                                                "logprobs": True})
     assert status == 200, out
-    for prompt, text, segments, logprobs in zip([[1, 2, 3], [4, 5]], out["text"], out["segments"], out["logprobs"]):
+    for prompt, text, segments, tokens, logprobs in zip([[1, 2, 3], [4, 5]], out["text"], out["segments"],
+                                                        out["tokens"], out["logprobs"]):
         new = greedy(model, prompt, 5)
         assert text == " ".join(map(str, prompt + new)) and segments == [str(t) for t in prompt + new]
-        assert len(logprobs) == len(prompt) + len(new) - 1 and all(lp <= 0 for lp in logprobs)
+        assert tokens == prompt + new
+        assert logprobs == pytest.approx(forward_logprobs(model, prompt + new), abs=1e-4)
     # Sampling with a seed is reproducible.
     body = {"prompts": ["7"], "tokens_to_generate": 6, "temperature": 0.9, "top_p": 0.8, "random_seed": 3}
     assert request(srv, "PUT", "/api", body)[1] == request(srv, "PUT", "/api", body)[1]
@@ -151,7 +163,7 @@ def test_client_leaving_a_stream_does_not_stop_the_server(server):
 
 
 def test_streamed_text_holds_back_partial_characters_and_stop_prefixes():
-    from megatrain.inference.server import _StreamedText
+    from megatrain.inference.openai_generation import StreamedText as _StreamedText
 
     if not (REPO.parent / "shared/data/gpt2/gpt2-vocab.json").is_file():
         pytest.skip("../shared/data/gpt2 is not available")
@@ -188,19 +200,34 @@ def test_concurrent_requests(server):
     ("PUT", "/api", b"{not json", 400, "not valid JSON"),
     ("PUT", "/api", b"[1, 2]", 400, "must be a JSON object"),
     ("PUT", "/api", {"tokens_to_generate": 4}, 400, "prompts argument required"),
-    ("PUT", "/api", {"prompts": "1 2"}, 200, None),  # one string is accepted as one prompt
-    ("PUT", "/api", {"prompts": []}, 400, "non-empty list"),
-    ("PUT", "/api", {"prompts": [""]}, 400, "prompts[0] is empty"),
+    ("PUT", "/api", {"prompts": "1 2"}, 400, "prompts is not a list of strings"),  # Megatron's check
+    ("PUT", "/api", {"prompts": []}, 400, "prompts is empty"),
+    ("PUT", "/api", {"prompts": [""]}, 400, "Empty prompts require add_BOS=true"),
     ("PUT", "/api", {"prompts": [3]}, 400, "prompts[0] must be a string"),
     ("PUT", "/api", {"prompts": ["1 " * 13]}, 400, "limit is 12"),
     ("PUT", "/api", {"prompts": ["1"] * 5}, 400, "at most 4 prompts"),
-    ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": "4"}, 400, "non-negative integer"),
+    ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": "4"}, 400, "greater than or equal to 0"),
     ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": 9}, 400, "limit is 8"),
     ("PUT", "/api", {"prompts": ["1"], "tokens_to_generate": 0}, 400, "logprobs should be True"),
     ("PUT", "/api", {"prompts": ["1"], "temperature": 0}, 400, "temperature must be a positive number"),
     ("PUT", "/api", {"prompts": ["1"], "top_k": 2, "top_p": 0.5}, 400, "cannot set both"),
     ("PUT", "/api", {"prompts": ["1"], "top_k": True}, 400, "top_k must be an integer"),
-    ("PUT", "/api", {"prompts": ["1"], "random_seed": -1}, 400, "random_seed"),
+    ("PUT", "/api", {"prompts": ["1"], "random_seed": -1}, 400, "random_seed must be a positive integer"),
+    ("PUT", "/api", {"prompts": ["1"], "prevent_newline_after_colon": True}, 400, "has no token for ':'"),
+    ("PUT", "/api", {"prompts": ["1"] * 129}, 400, "Maximum number of prompts is 128"),
+    ("PUT", "/api", {"prompts": ["1"], "random_seed": 1.5}, 400, "random_seed must be integer"),
+    ("PUT", "/api", {"prompts": ["1"], "max_len": 3}, 400, "max_len is no longer used"),
+    ("PUT", "/api", {"prompts": ["1"], "sentences": ["1"]}, 400, "sentences is no longer used"),
+    ("PUT", "/api", {"prompts": ["1"], "top_p_decay": 0.5}, 400, "top_p_decay cannot be set without top_p"),
+    ("PUT", "/api", {"prompts": ["1"], "top_p": 0.5, "top_p_bound": 0.9}, 400, "top_p_bound must be greater"),
+    ("PUT", "/api", {"prompts": ["1", "2"], "beam_width": 2}, 400, "batch size must be 1"),
+    ("PUT", "/api", {"prompts": ["1"], "beam_width": 0}, 400, "beam_width must be an integer > 1"),
+    ("PUT", "/api", {"prompts": ["1"], "length_penalty": "x"}, 400, "length_penalty must be a float"),
+    ("PUT", "/api", {"prompts": ["1"], "stop_on_eol": 1}, 400, "stop_on_eol must be a boolean value"),
+    ("PUT", "/api", {"prompts": ["1"], "add_BOS": "yes"}, 400, "add_BOS must be a boolean value"),
+    ("PUT", "/api", {"prompts": ["1"], "no_log": 0}, 400, "no_log must be a boolean value"),
+    ("PUT", "/api", {"prompts": ["1"], "stop_token": "x"}, 400, "stop_token must be an integer"),
+    ("PUT", "/api", {"prompts": ["1"], "colour": 1}, 400, "does not take the field 'colour'"),
     ("PUT", "/api", {"prompts": ["1 99"]}, 400, "NullTokenizer id 99"),
     ("POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt is required"),
     ("POST", "/v1/completions", {"prompt": "1", "max_tokens": -1}, 400, "non-negative integer"),
@@ -208,7 +235,26 @@ def test_concurrent_requests(server):
     ("POST", "/v1/completions", {"prompt": "1", "stream": "yes"}, 400, "stream must be a boolean"),
     ("POST", "/v1/completions", {"prompt": [""], "stream": True}, 400, "prompt[0] is empty"),
     ("POST", "/v1/completions", {"prompt": "1", "stream": True, "stream_options": 3}, 400, "stream_options"),
-    ("POST", "/v1/completions", {"prompt": "1", "n": 2}, 400, "only n = 1"),
+    ("POST", "/v1/completions", {"prompt": "1", "n": 0}, 400, "n must be a positive integer"),
+    ("POST", "/v1/completions", {"prompt": "1", "n": 2, "best_of": 1}, 400, "best_of must be an integer at least n"),
+    ("POST", "/v1/completions", {"prompt": "1", "n": 2, "best_of": 3, "stream": True}, 400, "cannot be streamed"),
+    ("POST", "/v1/completions", {"prompt": "1", "suffix": "2"}, 400, "suffix is not supported"),
+    ("POST", "/v1/completions", {"prompt": "1", "colour": 1}, 400, "does not take the field 'colour'"),
+    ("POST", "/v1/completions", {"prompt": "1", "logprobs": True}, 400, "logprobs must be an integer"),
+    ("POST", "/v1/completions", {"prompt": "1", "logprobs": 21}, 400, "logprobs must be an integer"),
+    ("POST", "/v1/completions", {"prompt": "1", "logit_bias": {"x": 1}}, 400, "not a token id"),
+    ("POST", "/v1/completions", {"prompt": "1", "logit_bias": {"99": 1}}, 400, "not in 0..30"),
+    ("POST", "/v1/completions", {"prompt": "1", "logit_bias": {"3": 101}}, 400, "from -100 to 100"),
+    ("POST", "/v1/completions", {"prompt": "1", "presence_penalty": 3}, 400, "presence_penalty must be"),
+    ("POST", "/v1/completions", {"prompt": [[1, 99]]}, 400, "token id 99 is not in 0..30"),
+    ("POST", "/v1/completions", {"prompt": "1", "stream_options": {"include_usage": True}}, 400,
+     "only allowed with"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}, 400,
+     "has no chat template"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "1"}]}, 400, "role must be"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}], "tools": []}, 400,
+     "does not take the field 'tools'"),
     ("POST", "/v1/completions", {"prompt": "1", "temperature": "hot"}, 400, "temperature must be"),
     ("GET", "/api", None, 405, "is not served"),
     ("POST", "/v2/other", {}, 404, "endpoints"),
@@ -234,12 +280,12 @@ def test_missing_content_length_and_prompt_plus_tokens_over_positions(server):
     conn.close()
     status, out = request(srv, "PUT", "/api", {"prompts": ["1 " * 12], "tokens_to_generate": 8})
     assert status == 200  # 12 + 8 - 1 <= 32 positions
-    long_limits = srv.RequestHandlerClass.service.limits
+    long_limits = srv.ctx.limits
     old = long_limits.max_prompt_tokens
     long_limits.max_prompt_tokens = 40
     try:
         status, out = request(srv, "PUT", "/api", {"prompts": ["1 " * 30], "tokens_to_generate": 8})
-        assert status == 400 and "exceeds the model's 32 positions" in out["message"]
+        assert status == 400 and "exceeds the model's 32 positions" in out["message"], out
     finally:
         long_limits.max_prompt_tokens = old
 

@@ -1,0 +1,167 @@
+"""The server's exclusive model work, registered on the engine (``Engine.register``) and run through
+``Engine.call`` between decoding steps on every rank: prompt scoring, encoder-decoder generation,
+beam search (:mod:`megatrain.inference.beam_search`) and Megatron's ``prevent_newline_after_colon``
+sampling; and :class:`CallOnlyEngine`, the engine of a model that only runs such calls (T5).
+
+Each is ``fn(model, payload) -> result`` with a JSON payload (under tensor parallelism every rank runs
+it on its shard with the same payload; the model's logits are gathered, so every rank computes the
+same result and the same tokens). Log-probabilities are the model's own: log-softmax of its raw
+logits in float32.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatrain.inference.beam_search import beam_search
+from megatrain.inference.generation import sample_next_tokens
+from megatrain.models.common.attention import KVCache
+from megatrain.inference.seq2seq import generate_seq2seq, sequence_logprobs
+
+SCORE = "score"
+SEQ2SEQ_GENERATE = "seq2seq_generate"
+BEAM_SEARCH = "beam_search"
+GENERATE_BANNING_NEWLINE = "generate_banning_newline_after_colon"
+
+
+def score(model: nn.Module, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """For each of ``payload["sequences"]`` (token id lists): the log-probability of every token after
+    the first given those before it (``logprobs``, one fewer than the tokens) and, with ``top_n`` > 0,
+    the ``top_n`` most likely ids at each of those positions among the first ``vocab_size`` ids
+    (``top``: lists of ``[id, logprob]``). One full forward per sequence, no cache."""
+    top_n = int(payload.get("top_n", 0))
+    vocab_size = payload.get("vocab_size")
+    device = next(model.parameters()).device
+    out = []
+    with torch.inference_mode():
+        for seq in payload["sequences"]:
+            if len(seq) < 2:
+                out.append({"logprobs": [], "top": [] if top_n else None})
+                continue
+            tokens = torch.tensor([seq], dtype=torch.long, device=device)
+            logp_sv = model(tokens[:, :-1])[0].float().log_softmax(-1)
+            picked = logp_sv.gather(-1, tokens[0, 1:, None])[:, 0].tolist()
+            top = None
+            if top_n:
+                values, ids = logp_sv[:, :vocab_size].topk(top_n, dim=-1)
+                top = [[[i, v] for i, v in zip(row_i, row_v)] for row_i, row_v in zip(ids.tolist(), values.tolist())]
+            out.append({"logprobs": picked, "top": top})
+    return out
+
+
+def seq2seq_generate(model: nn.Module, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """An encoder-decoder's (T5's) outputs for ``payload["inputs"]`` (encoder token ids): its decoder's
+    ``tokens`` and their ``logprobs`` given the input, generated as ``generate_seq2seq`` does."""
+    inputs = payload["inputs"]
+    kwargs = dict(decoder_start=int(payload["decoder_start"]), greedy=bool(payload["greedy"]),
+                  temperature=float(payload["temperature"]), top_k=int(payload["top_k"]),
+                  top_p=float(payload["top_p"]), eod=payload.get("eod"),
+                  stop_token_sequences=payload.get("stop_token_sequences") or None, seed=payload.get("seed"),
+                  vocab_size=payload.get("vocab_size"))
+    if int(payload["max_new_tokens"]) == 0:
+        return [{"tokens": [], "logprobs": []} for _ in inputs]
+    with torch.no_grad():
+        generated = generate_seq2seq(model, inputs, int(payload["max_new_tokens"]), **kwargs)
+        return [{"tokens": new, "logprobs": sequence_logprobs(model, enc, new, kwargs["decoder_start"],
+                                                              payload.get("vocab_size"))}
+                for enc, new in zip(inputs, generated)]
+
+
+def generate_banning_newline(model: nn.Module, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Megatron's sampling with ``prevent_newline_after_colon`` (the batching engine has no rule on the
+    previous token): each prompt alone with a KV cache; after a colon token the newline token's logit is
+    -1e10. Sampling as Megatron's (``top_p`` shrinking by ``top_p_decay`` to ``top_p_bound`` after each
+    token), prompt i's generator seeded with ``seeds[i]``; stops after ``eod`` or a stop sequence.
+    Returns each prompt's ``tokens`` and their raw ``logprobs``."""
+    colon, newline = payload["newline_after_colon"]
+    vocab_size = int(payload["vocab_size"])
+    stops = [list(s) for s in payload.get("stop_token_sequences") or [] if s]
+    if payload.get("eod") is not None:
+        stops.append([int(payload["eod"])])
+    device = next(model.parameters()).device
+    out = []
+    with torch.inference_mode():
+        for prompt, seed in zip(payload["prompts"], payload["seeds"]):
+            n = int(payload["max_new_tokens"])
+            generator = torch.Generator(device=device).manual_seed(int(seed))
+            cache = KVCache(max_length=len(prompt) + n)
+            tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+            positions = torch.arange(len(prompt), device=device)[None]
+            top_p, new, logprobs = float(payload["top_p"]), [], []
+            prev = prompt[-1]
+            for step in range(n):
+                logits = model(tokens, position_ids=positions, kv_cache=cache)[:, -1, :vocab_size].float()
+                raw = logits.log_softmax(-1)
+                if prev == colon:
+                    logits[:, newline] = -1e10
+                token = int(sample_next_tokens(logits, bool(payload["greedy"]), float(payload["temperature"]),
+                                               int(payload["top_k"]), top_p, generator)[0])
+                new.append(token)
+                logprobs.append(float(raw[0, token]))
+                if payload.get("top_p_decay", 0.0) > 0.0:
+                    top_p = max(top_p * float(payload["top_p_decay"]), float(payload.get("top_p_bound", 0.0)))
+                if any(new[-len(s):] == s for s in stops) or step == n - 1:
+                    break
+                prev = token
+                tokens = torch.tensor([[token]], dtype=torch.long, device=device)
+                positions = torch.tensor([[len(prompt) + step]], device=device)
+            out.append({"tokens": new, "logprobs": logprobs})
+    return out
+
+
+def register_model_calls(engine: Any) -> None:
+    """Register every function the server calls through ``engine.call`` (on every rank, before serving)."""
+    engine.register(SCORE, score)
+    engine.register(SEQ2SEQ_GENERATE, seq2seq_generate)
+    engine.register(BEAM_SEARCH, beam_search)
+    engine.register(GENERATE_BANNING_NEWLINE, generate_banning_newline)
+
+
+class CallOnlyEngine:
+    """The engine of a model the batching engine does not run (an encoder-decoder, T5), in one
+    process: registered calls run one at a time on a worker thread; :meth:`submit` refuses."""
+
+    def __init__(self, model: nn.Module, max_sequence_length: int | None = None) -> None:
+        import queue
+        import threading
+
+        self.model = model.eval()
+        self.max_sequence_length = max_sequence_length
+        self._functions: dict[str, Any] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="model-calls", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Any, on_event: Any) -> Any:
+        raise ValueError("this model generates through registered calls only (an encoder-decoder model)")
+
+    def register(self, name: str, fn: Any) -> None:
+        self._functions[name] = fn
+
+    def call(self, name: str, payload: dict[str, Any]) -> Future:
+        if name not in self._functions:
+            raise ValueError(f"no function registered as {name!r} (known: {sorted(self._functions)})")
+        future: Future = Future()
+        self._queue.put((self._functions[name], payload, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, payload, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.model, payload))
+            except BaseException as e:  # noqa: BLE001 - the caller gets it
+                future.set_exception(e)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()

@@ -1,0 +1,96 @@
+"""tools/run_text_generation_server.py launched as Megatron's scripts launch it: under torchrun with
+--tensor-model-parallel-size 2 (rank 0 answers HTTP, both ranks run the engine) it answers what one
+process answers; shape flags that differ from the checkpoint and pipeline parallelism are refused in
+one line."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain import checkpoint as checkpointing
+from megatrain.checkpoint import TrainState
+from megatrain.models.gpt import GPTModel
+from megatrain.models.gpt.config import GPTConfig
+from tests.e2e.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = str(REPO / "tools" / "run_text_generation_server.py")
+TOKENIZER = {"tokenizer_type": "NullTokenizer", "vocab_size": 30}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=32,
+                               max_position_embeddings=32, init_method_std=0.3))
+    model.init_weights(seed=5)
+    path = tmp_path_factory.mktemp("serve") / "ckpt"
+    checkpointing.save_checkpoint(str(path), TrainState(iteration=1), model, None, {}, argparse.Namespace(**TOKENIZER),
+                                  model.config)
+    return path
+
+
+def ask(port: int, body: dict) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("PUT", "/api", body=json.dumps(body).encode())
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, out
+    return out
+
+
+def serve(argv: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    line = proc.stdout.readline()
+    if "serving on http://127.0.0.1:" not in line:
+        proc.kill()
+        raise AssertionError(line + proc.stderr.read())
+    return proc, int(line.split("http://127.0.0.1:")[1].split()[0])
+
+
+MEGATRON_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                  "--max-position-embeddings", "32", "--seq-length", "32", "--micro-batch-size", "1", "--seed", "42",
+                  "--use-checkpoint-args", "--pipeline-model-parallel-size", "1", "--inference-max-requests", "4"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_server_answers_as_one_process(ckpt):
+    body = {"prompts": ["1 2 3", "4 5"], "tokens_to_generate": 6, "top_k": 1, "logprobs": True}
+    one, port = serve([sys.executable, TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
+                       *MEGATRON_FLAGS])
+    try:
+        want = ask(port, body)
+    finally:
+        one.terminate()
+        one.wait(timeout=30)
+    two, port = serve([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                       str(free_port()), TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
+                       "--tensor-model-parallel-size", "2", *MEGATRON_FLAGS])
+    try:
+        got = ask(port, body)
+        beam = ask(port, {"prompts": ["1 2"], "tokens_to_generate": 4, "beam_width": 2})  # a call on both ranks
+        assert len(beam["text"]) == 2
+    finally:
+        two.terminate()
+        two.wait(timeout=60)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+    assert got["logprobs"] == [pytest.approx(lp, abs=1e-4) for lp in want["logprobs"]]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden-size", "64"], "--hidden-size 64 does not match the checkpoint's hidden_size = 32"),
+    (["--swiglu"], "--swiglu does not match the checkpoint"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size must be 1"),
+])
+def test_refusals_are_one_line(ckpt, flags, message):
+    proc = subprocess.run([sys.executable, TOOL, "--load", str(ckpt), "--port", "0", "--device", "cpu", *flags],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
