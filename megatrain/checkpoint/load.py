@@ -122,7 +122,9 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
              f"{', '.join(diff['missing'][:8])}); {len(diff['unexpected'])} checkpoint tensors are not used")
     has_optim = bool(meta.get("has_optimizer", False))
     if load_optim and optimizer is not None and not has_optim:
-        warn(f"checkpoint {ckpt} holds no optimizer state (saved with --no-save-optim); the optimizer starts fresh")
+        why = (f"converted from the Megatron-LM checkpoint {meta['converted_from_megatron']}, whose optimizer state "
+               "is not converted" if meta.get("converted_from_megatron") else "saved with --no-save-optim")
+        warn(f"checkpoint {ckpt} holds no optimizer state ({why}); the optimizer starts fresh")
     load_optim = load_optim and optimizer is not None and has_optim
     if load_optim:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)

@@ -153,6 +153,10 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True,
     from megatrain.convert.hf_start import apply_model_flags
 
     _checked(apply_model_flags, args, argv, parser, from_config)
+    # A Megatron-LM checkpoint in --load (torch_dist or legacy torch): --use-checkpoint-args reads its args.
+    from megatrain.convert.megatron.start import apply_megatron_load
+
+    _checked(apply_megatron_load, args, parser)
     if getattr(args, "use_checkpoint_args", False):
         _apply_checkpoint_args(args)
     if validate:

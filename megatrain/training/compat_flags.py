@@ -36,7 +36,8 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--no-create-attention-mask-in-dataloader": "masks are built only with --reset-attention-mask; causal "
                                                 "attention needs none",
     "--ckpt-format": "checkpoints are PyTorch DCP shards in Megatron's directory layout (like torch_dist), "
-                     "whatever the value",
+                     "whatever the value; tools/checkpoint/convert.py --saver mcore (or megatron) writes one as "
+                     "Megatron-LM's torch_dist (or torch) format, and --load reads Megatron-LM's",
     "--fp8-param-gather": "weights are gathered in bf16 (FSDP2 mixed precision) and cast to fp8 at each matmul: "
                           "the same matmuls, twice the bytes gathered",
     "--no-rope-fusion": "RoPE is fused by torch.compile with the rest of the layer",

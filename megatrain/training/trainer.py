@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatrain.checkpoint.save_lock import take_save_lock
 from megatrain.convert import hf_start
+from megatrain.convert.megatron.start import prepare_megatron_start
 from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
@@ -70,6 +71,7 @@ class Trainer(StepMixin, EvaluationMixin):
         self.rampup: BatchRampup | None = None
         self.num_micro_batches = args.num_micro_batches  # of the current iteration (--rampup-batch-size)
         hf_start.prepare_start(args)  # a Hugging Face folder to start from: rank 0 converts it, the others wait
+        prepare_megatron_start(args)  # a Megatron-LM checkpoint in --load: rank 0 converts it, the others wait
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
         if self.world_size != args.world_size_actual:
             raise SystemExit(f"error: the arguments were checked for a world size of {args.world_size_actual} but the "

@@ -1,0 +1,251 @@
+"""Reading a Megatron-LM checkpoint directory, in either of its formats, into canonical tensors.
+
+* ``torch_dist`` (megatron-core dist checkpointing): ``iter_XXXXXXX/metadata.json``
+  (``{"sharded_backend": "torch_dist", ...}``), ``common.pt`` (the run's ``args``, iteration, the
+  schedule) and a torch DCP checkpoint (``.metadata``, ``__*.distcp``) whose keys are
+  megatron-core's sharded keys: global, layout-independent tensors, the transformer layers stacked
+  along a first dim of ``num_layers`` (``decoder.layers.self_attention.linear_qkv.weight`` is
+  [L, (n + 2g) d, h]) and SwiGLU's ``linear_fc1`` already as [gate; up]. Any TP/PP layout reads alike.
+* ``torch`` (legacy): ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``, one pickle per
+  tensor- x pipeline-parallel rank; each stage numbers its layers from 0, each TP rank holds its shard.
+
+`read_megatron_checkpoint` returns a `MegatronCheckpoint`: canonical Megatron tensors
+(`megatrain.convert.megatron.names`), the stored ``args``, iteration and consumed samples, and what
+was left out (optimizer states). Pickles are read only through `megatrain.convert.megatron.pickles`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from megatrain.checkpoint.dcp_reader import load_dcp
+from megatrain.checkpoint.errors import CheckpointError
+from megatrain.checkpoint.ranks import single_process_quiet
+from megatrain.convert.megatron.names import UnsupportedMegatronModel, canonical_name, layer_of, merge_tp, with_layer
+from megatrain.convert.megatron.pickles import load_megatron_dcp_metadata, load_megatron_pt
+
+__all__ = ["MegatronCheckpoint", "TRACKER", "find_megatron_iteration", "is_megatron_checkpoint",
+           "read_megatron_checkpoint"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+@dataclass
+class MegatronCheckpoint:
+    """One Megatron checkpoint, read: canonical tensors by name and what the run stored beside them."""
+
+    path: str
+    format: str  # "torch_dist" or "torch"
+    iteration: int
+    args: argparse.Namespace | None
+    tensors: dict[str, torch.Tensor]
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    scheduler: dict[str, Any] | None = None
+    left_out: list[str] = field(default_factory=list)  # what is not converted (optimizer states), for the note
+
+
+def _iter_name(it: int | str) -> str:
+    return "release" if it == "release" else f"iter_{int(it):07d}"
+
+
+def _looks_megatron(d: str) -> bool:
+    if not os.path.isdir(d) or os.path.isfile(os.path.join(d, "meta.json")):  # meta.json: megatrain's own
+        return False
+    if os.path.isfile(os.path.join(d, "metadata.json")):
+        return True
+    return any(_RANK_DIR.match(n) for n in os.listdir(d))
+
+
+def find_megatron_iteration(load: str, step: int | None = None) -> str | None:
+    """The iteration directory of a Megatron checkpoint ``load`` names (a save directory with
+    ``latest_checkpointed_iteration.txt``, or one ``iter_`` directory), or None when it holds none."""
+    if _looks_megatron(load):
+        return load
+    tracker = os.path.join(load, TRACKER)
+    if step is not None:
+        d = os.path.join(load, _iter_name(step))
+        return d if _looks_megatron(d) else None
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker, encoding="utf-8", errors="replace").read().strip()
+    if text != "release" and not text.isdigit():
+        raise CheckpointError(f"{tracker}: holds {text[:40]!r}, not an iteration number")
+    d = os.path.join(load, _iter_name(text if text == "release" else int(text)))
+    return d if _looks_megatron(d) else None
+
+
+def is_megatron_checkpoint(load: str | None, step: int | None = None) -> bool:
+    """``load`` holds a Megatron-LM checkpoint (torch_dist or legacy torch), not a megatrain one."""
+    if not load or not os.path.isdir(load):
+        return False
+    try:
+        return find_megatron_iteration(load, step) is not None
+    except CheckpointError:
+        return False
+
+
+def _counters(ck: MegatronCheckpoint, common: dict[str, Any]) -> None:
+    args = ck.args
+    if args is not None:
+        ck.consumed_train_samples = int(getattr(args, "consumed_train_samples", 0) or 0)
+        ck.consumed_valid_samples = int(getattr(args, "consumed_valid_samples", 0) or 0)
+    sched = common.get("opt_param_scheduler") or common.get("lr_scheduler")
+    ck.scheduler = sched if isinstance(sched, dict) else None
+    if common.get("optimizer") is not None:
+        ck.left_out.append("optimizer state")
+
+
+def _iteration(d: str, common: dict[str, Any]) -> int:
+    it = common.get("iteration")
+    if isinstance(it, int):
+        return it
+    m = re.match(r"^iter_(\d+)$", os.path.basename(os.path.normpath(d)))
+    return int(m.group(1)) if m else 0
+
+
+def _read_torch_dist(d: str, progress: bool) -> MegatronCheckpoint:
+    meta_path = os.path.join(d, "metadata.json")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: not a dist-checkpoint metadata.json ({e})") from None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{meta_path}: sharded_backend {backend!r}; megatrain reads Megatron's torch_dist "
+                              "format (re-save with --ckpt-format torch_dist, or convert zarr with Megatron first)")
+    common_path = os.path.join(d, "common.pt")
+    common = load_megatron_pt(common_path) if os.path.isfile(common_path) else {}
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{common_path}: not a dict")
+    md = load_megatron_dcp_metadata(d)
+    args = common.get("args")
+    ck = MegatronCheckpoint(d, "torch_dist", _iteration(d, common), args if isinstance(args, argparse.Namespace)
+                            else None, {})
+    _counters(ck, common)
+    keys = [k for k, v in md.state_dict_metadata.items() if hasattr(v, "size") and k.startswith(_MODEL_PREFIXES)]
+    others = [k for k, v in md.state_dict_metadata.items() if hasattr(v, "size") and not k.startswith(_MODEL_PREFIXES)]
+    if any(k.startswith("optimizer") for k in others) and "optimizer state" not in ck.left_out:
+        ck.left_out.append("optimizer state")
+    for key in tqdm(keys, desc="reading torch_dist", disable=not progress):
+        item = md.state_dict_metadata[key]
+        t = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        with single_process_quiet():
+            load_dcp({key: t}, d, md, allow_partial_load=True)
+        if key.startswith("decoder.layers.") and layer_of(key) is None:  # stacked: [num_layers, ...]
+            rest = key[len("decoder.layers."):]
+            # only the layers its chunks cover (dense and MoE layers of one model stack separately)
+            covered = sorted({c.offsets[0] + i for c in item.chunks for i in range(c.sizes[0])})
+            for i in covered:
+                if rest.startswith("mlp.experts.experts."):  # routed experts: [L, E, ...]
+                    for e in range(t.shape[1]):
+                        name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest[len('mlp.experts.experts.'):]}"
+                        ck.tensors[name] = t[i, e].clone()
+                    continue
+                name = canonical_name(f"decoder.layers.{i}.{rest}")
+                if name is not None:
+                    ck.tensors[name] = t[i].clone()
+        else:
+            name = canonical_name(key)
+            if name is not None:
+                ck.tensors[name] = t
+    return ck
+
+
+def _stage_model(sd: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    if "model" not in sd:
+        if any(k.startswith("model") and k[5:].isdigit() for k in sd):
+            raise UnsupportedMegatronModel(f"{path}: a virtual-pipeline checkpoint (model0, model1, ...); convert it "
+                                           "without --num-layers-per-virtual-pipeline-stage first")
+        raise CheckpointError(f"{path}: holds no 'model' entry")
+    model = sd["model"]
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: its 'model' entry is not a state dict")
+    if any(k.startswith("language_model.") for k in model):
+        raise UnsupportedMegatronModel(f"{path}: a checkpoint of Megatron-LM's legacy (non-core) GPT model "
+                                       "(language_model.*); only megatron-core models convert")
+    out = {}
+    for k, v in model.items():
+        name = canonical_name(k)
+        if name is not None and isinstance(v, torch.Tensor):
+            out[name] = v
+    return out
+
+
+def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
+    ranks: dict[tuple[int, int], str] = {}
+    for n in os.listdir(d):
+        m = _RANK_DIR.match(n)
+        if m:
+            ranks[(int(m.group(2) or 0), int(m.group(1)))] = os.path.join(d, n, "model_optim_rng.pt")
+        elif n.startswith("mp_rank_"):
+            raise UnsupportedMegatronModel(f"{d}/{n}: an expert-parallel rank directory; only TP x PP legacy "
+                                           "checkpoints convert")
+    pp = 1 + max(p for p, _ in ranks)
+    tp = 1 + max(t for _, t in ranks)
+    if len(ranks) != pp * tp:
+        raise CheckpointError(f"{d}: has {len(ranks)} mp_rank_* directories, not TP {tp} x PP {pp}")
+    for path in ranks.values():
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing")
+    ck: MegatronCheckpoint | None = None
+    offset = 0
+    bar = tqdm(total=pp * tp, desc="reading mp_rank files", disable=not progress)
+    for stage in range(pp):
+        shards: list[dict[str, torch.Tensor]] = []
+        for r in range(tp):
+            path = ranks[(stage, r)]
+            sd = load_megatron_pt(path)
+            if not isinstance(sd, dict):
+                raise CheckpointError(f"{path}: not a dict")
+            if ck is None:
+                args = sd.get("args")
+                ck = MegatronCheckpoint(d, "torch", _iteration(d, sd),
+                                        args if isinstance(args, argparse.Namespace) else None, {})
+                _counters(ck, sd)
+            shards.append(_stage_model(sd, path))
+            del sd
+            bar.update(1)
+        args = ck.args
+        swiglu = bool(getattr(args, "swiglu", False))
+        names = list(shards[0])
+        layers = sorted({layer_of(n) for n in names if layer_of(n) is not None})
+        for name in names:
+            if any(name not in s for s in shards):
+                raise CheckpointError(f"{d}: {name} is missing from some tensor-parallel ranks of stage {stage}")
+            t = merge_tp(name, [s[name] for s in shards], swiglu)
+            local = layer_of(name)
+            ck.tensors[with_layer(name, offset + local) if local is not None else name] = t
+        offset += len(layers)
+    bar.close()
+    assert ck is not None
+    return ck
+
+
+def read_megatron_checkpoint(load: str, step: int | None = None, progress: bool = True) -> MegatronCheckpoint:
+    """The Megatron checkpoint in ``load`` (save directory or ``iter_`` directory), read on CPU."""
+    d = find_megatron_iteration(load, step)
+    if d is None:
+        raise CheckpointError(f"{load}: no Megatron-LM checkpoint (latest_checkpointed_iteration.txt and an "
+                              "iter_XXXXXXX directory with metadata.json or mp_rank_* files)")
+    dist = os.path.isfile(os.path.join(d, "metadata.json"))
+    ck = _read_torch_dist(d, progress) if dist else _read_legacy(d, progress)
+    if ck.args is None:
+        raise CheckpointError(f"{d}: holds no 'args' (Megatron stores the run's arguments with every checkpoint); "
+                              "cannot tell the model's shape")
+    layers = {layer_of(n) for n in ck.tensors if layer_of(n) is not None}
+    want = int(getattr(ck.args, "num_layers", len(layers)) or len(layers))
+    if len(layers) != want:
+        raise CheckpointError(f"{d}: holds {len(layers)} transformer layers, its args say --num-layers {want}")
+    return ck

@@ -1,0 +1,212 @@
+"""Writing Megatron-LM checkpoints from canonical tensors: megatron-core's ``torch_dist`` format
+(`write_torch_dist`, what ``--saver mcore`` writes and megatron-core's ``dist_checkpointing.load``
+reads) and the legacy ``torch`` format (`write_legacy`, ``--saver megatron``).
+
+``torch_dist`` keys and shapes are megatron-core's sharded ones: the layers stacked along a first dim
+(``decoder.layers.self_attention.linear_qkv.weight`` [L, ...]), the norms under Transformer Engine's
+fused names (megatron-core's local spec maps its ``input_layernorm`` to them in its sharded state
+dict, so both specs load it), SwiGLU's ``linear_fc1`` as [gate; up], and one ``_extra_state``
+ShardedObject per layer and linear layer (``.../shard_{layer}_{L}``, a pickled ``[None]``, as megatron-core
+writes for the local spec). ``common.pt`` holds the ``args`` (plain values), ``iteration`` and
+``checkpoint_version`` 3.0 and the LR schedule (``opt_param_scheduler``), as Megatron's
+``save_checkpoint`` does (no optimizer state, no RNG: Megatron-LM loads it with ``--no-load-optim
+--no-load-rng``, or ``--finetune``). Every checkpoint is written into
+``iter_XXXXXXX.tmp`` and renamed when complete; ``latest_checkpointed_iteration.txt`` is replaced
+last, atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from tqdm import tqdm
+
+from megatrain.atomic_io import atomic_write_text
+from megatrain.checkpoint.ranks import single_process_quiet
+from megatrain.convert.megatron.names import UnsupportedMegatronModel, layer_of, split_tp, with_layer
+from megatrain.convert.megatron.reader import TRACKER
+
+__all__ = ["write_torch_dist", "write_legacy", "DIST_METADATA"]
+
+DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+_TO_TE = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+          "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+          "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+          "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _none_bytes() -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save([None], buf)  # megatron-core stores a ShardedObject as a list of its shards' data
+    buf.seek(0)
+    return buf
+
+
+class _PackedBytesPlanner(DefaultSavePlanner):
+    """Writes BytesIO values as they are (megatron-core's own planner does the same: its ShardedObjects
+    arrive already serialized), where DCP's default planner would pickle the BytesIO object itself."""
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:  # noqa: A002 - DCP's name
+        return object
+
+
+#: the values of Megatron's ``OptimizerParamScheduler.state_dict`` (megatrain's schedule uses the same keys)
+SCHEDULER_KEYS = ("max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps", "min_lr", "start_wd",
+                  "end_wd", "wd_incr_style", "wd_incr_steps")
+
+
+def _common(args: argparse.Namespace, iteration: int, scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
+    common: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                              "num_floating_point_operations_so_far": 0}
+    if scheduler and all(k in scheduler for k in SCHEDULER_KEYS):  # Megatron's load reads all ten
+        common["opt_param_scheduler"] = {k: scheduler[k] for k in SCHEDULER_KEYS}
+    return common
+
+
+def _begin(save: str, iteration: int) -> tuple[str, str]:
+    final = os.path.join(save, f"iter_{iteration:07d}")
+    tmp = final + ".tmp"
+    os.makedirs(save, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp, final
+
+
+def _publish(save: str, tmp: str, final: str, iteration: int) -> str:
+    if os.path.exists(final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    atomic_write_text(os.path.join(save, TRACKER), f"{iteration}\n", fsync=True)
+    return final
+
+
+def _stacked(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, Any]:
+    """megatron-core's sharded keys: layer tensors stacked, TE norm names, the layers' _extra_state objects."""
+    per_key: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        layer = layer_of(name)
+        if layer is None:
+            out[name] = t.contiguous()
+            continue
+        rest = name.split(".", 3)[3]
+        per_key[_TO_TE.get(rest, rest)][layer] = t
+    experts: dict[str, dict[int, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    for rest in [r for r in per_key if r.startswith("mlp.experts.local_experts.")]:
+        expert, inner = rest[len("mlp.experts.local_experts."):].split(".", 1)
+        for layer, t in per_key.pop(rest).items():
+            experts[inner][layer][int(expert)] = t
+    for inner, by_layer in experts.items():  # megatron-core's routed experts: [L, E, ...]
+        per_key[f"mlp.experts.experts.{inner}"] = {
+            layer: torch.stack([e[i] for i in range(len(e))]) for layer, e in by_layer.items()}
+    for rest, by_layer in per_key.items():
+        if sorted(by_layer) != list(range(num_layers)):
+            raise UnsupportedMegatronModel(f"decoder.layers.*.{rest}: not in every one of the {num_layers} layers")
+        out[f"decoder.layers.{rest}"] = torch.stack([by_layer[i] for i in range(num_layers)]).contiguous()
+    modules = [m for m in _LINEARS if f"decoder.layers.{m}.weight" in out]
+    modules += [m for m in ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+                if f"decoder.layers.{m}.weight" in out]
+    for module in modules:
+        for i in range(num_layers):
+            out[f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"] = _none_bytes()
+    for fc in ("linear_fc1", "linear_fc2"):  # routed experts' objects: layer and expert axes
+        stacked = out.get(f"decoder.layers.mlp.experts.experts.{fc}.weight")
+        if stacked is not None:
+            n = stacked.shape[1]
+            for i in range(num_layers):
+                for e in range(n):
+                    key = f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{num_layers}.{n}"
+                    out[key] = _none_bytes()
+    return out
+
+
+def write_torch_dist(save: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
+                     scheduler: dict[str, Any] | None = None) -> str:
+    """``save/iter_XXXXXXX`` in megatron-core's torch_dist format; returns the directory."""
+    tmp, final = _begin(save, iteration)
+    try:
+        sd = _stacked(tensors, int(args.num_layers))
+        with open(os.path.join(tmp, "metadata.json"), "w", encoding="utf-8") as f:
+            json.dump(DIST_METADATA, f)
+        torch.save(_common(args, iteration, scheduler), os.path.join(tmp, "common.pt"))
+        with single_process_quiet():
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
+                     planner=_PackedBytesPlanner(), no_dist=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(save, tmp, final, iteration)
+
+
+def _legacy_stage(tensors: dict[str, torch.Tensor], stage: int, pp: int, num_layers: int, tied: bool,
+                  te: bool) -> dict[str, torch.Tensor]:
+    per_stage = num_layers // pp
+    first, last = stage == 0, stage == pp - 1
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        layer = layer_of(name)
+        if layer is not None:
+            if stage * per_stage <= layer < (stage + 1) * per_stage:
+                local = with_layer(name, layer - stage * per_stage)
+                rest = local.split(".", 3)[3]
+                moe = f"decoder.layers.{layer}.mlp.router.weight" in tensors  # TE keeps an MoE layer's norm apart
+                fused = te and rest in _TO_TE and not (moe and rest.startswith("pre_mlp_layernorm."))
+                out[f"decoder.layers.{layer - stage * per_stage}.{_TO_TE[rest]}" if fused else local] = t
+        elif name.startswith("embedding."):
+            if first:
+                out[name] = t
+        elif last:
+            out[name] = t
+    if last and tied and pp > 1:  # megatron-core's last stage keeps its own copy of the tied output weight
+        out["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]
+    return out
+
+
+def write_legacy(save: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int, *,
+                 tp: int, pp: int, transformer_impl: str = "transformer_engine", progress: bool = True,
+                 scheduler: dict[str, Any] | None = None) -> str:
+    """``save/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` (legacy torch format) for TP x PP."""
+    num_layers = int(args.num_layers)
+    if num_layers % pp:
+        raise UnsupportedMegatronModel(f"--target-pipeline-parallel-size {pp} does not divide --num-layers "
+                                       f"{num_layers}")
+    swiglu, tied = bool(args.swiglu), not args.untie_embeddings_and_output_weights
+    te = transformer_impl == "transformer_engine"
+    tmp, final = _begin(save, iteration)
+    try:
+        bar = tqdm(total=tp * pp, desc="writing mp_rank files", disable=not progress)
+        for stage in range(pp):
+            sd = _legacy_stage(tensors, stage, pp, num_layers, tied, te)
+            shards = {name: split_tp(name, t, tp, swiglu) for name, t in sd.items()}
+            for r in range(tp):
+                model: dict[str, Any] = {name: parts[r].clone() for name, parts in shards.items()}
+                for name in list(model):
+                    if name.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
+                                      "linear_fc2.weight", "output_layer.weight")):
+                        model[name[: -len("weight")] + "_extra_state"] = None
+                rank_dir = os.path.join(tmp, f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{stage:03d}")
+                os.makedirs(rank_dir)
+                state = {**_common(args, iteration, scheduler), "model": model}
+                torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
+                bar.update(1)
+        bar.close()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(save, tmp, final, iteration)

@@ -1,0 +1,237 @@
+"""Megatron-LM checkpoints made and read by megatron-core itself (on CPU, gloo): a tiny GPTModel with the local
+layer spec saved by ``dist_checkpointing.save`` (torch_dist) and ``torch.save`` (legacy) under TP=1 and TP=2; megatrain
+imports each and its logits equal megatron-core's own forward within 1e-5 (fp32); megatrain's ``--saver mcore``
+output loads with megatron-core's ``dist_checkpointing.load`` (TP=1 and TP=2) and gives the same logits.
+
+megatron-core (the dev extra: ``megatron-core``, ``psutil``) runs in a subprocess of this Python, or of the one
+``MEGATRAIN_MCORE_PYTHON`` names (else ``/tmp/mcore-venv/bin/python`` when it has it); the tests skip when none has
+megatron.core. Its CPU path needs a few CUDA calls stubbed (the helper's ``patch_cpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatrain.convert.export_hf import load_full_state_dict
+from megatrain.convert.megatron.bridge import export_megatron, import_megatron
+from megatrain.models.registry import get_family
+from tests.e2e.conftest import cpu_env, free_port
+
+pytestmark = pytest.mark.slow
+
+def _has_mcore(python: str) -> bool:
+    if not os.path.isfile(python):
+        return False
+    probe = subprocess.run([python, "-c", "import megatron.core.dist_checkpointing, psutil"], capture_output=True)
+    return probe.returncode == 0
+
+
+MCORE_PYTHON = os.environ.get("MEGATRAIN_MCORE_PYTHON") or next(
+    (p for p in (sys.executable, "/tmp/mcore-venv/bin/python") if _has_mcore(p)), sys.executable)
+
+
+if not _has_mcore(MCORE_PYTHON):
+    pytest.skip(f"no megatron-core in {MCORE_PYTHON} (set MEGATRAIN_MCORE_PYTHON)", allow_module_level=True)
+
+LLAMA = {"num_layers": 2, "hidden_size": 32, "heads": 4, "groups": 2, "ffn": 48, "swiglu": True, "bias": False,
+         "norm": "RMSNorm", "pos": "rope", "max_pos": 32, "vocab": 64, "untie": True}
+GPT2 = {"num_layers": 2, "hidden_size": 32, "heads": 4, "groups": 4, "ffn": 64, "swiglu": False, "bias": True,
+        "norm": "LayerNorm", "pos": "learned_absolute", "max_pos": 32, "vocab": 64, "untie": False}
+
+MOE = {**LLAMA, "experts": 4, "moe_ffn": 16}
+
+HELPER = r'''"""Runs under a Python with megatron-core: makes Megatron checkpoints and logits (mode make), or loads a
+torch_dist checkpoint with megatron-core's dist_checkpointing and gives its logits (mode load)."""
+import argparse, contextlib, json, os, sys
+import torch
+
+
+def patch_cpu():  # megatron-core assumes CUDA in a few places its CPU path never needs
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it only when TE imports
+        moe_utils.te_general_gemm = None
+
+
+def build(spec, tp):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    import torch.nn.functional as F
+    moe = ({"num_moe_experts": spec["experts"], "moe_ffn_hidden_size": spec["moe_ffn"], "moe_router_topk": 2,
+            "moe_aux_loss_coeff": 0.0} if spec.get("experts") else {})
+    cfg = TransformerConfig(
+        num_layers=spec["num_layers"], hidden_size=spec["hidden_size"], num_attention_heads=spec["heads"],
+        num_query_groups=spec["groups"], ffn_hidden_size=spec["ffn"], gated_linear_unit=spec["swiglu"],
+        activation_func=F.silu if spec["swiglu"] else F.gelu, add_bias_linear=spec["bias"],
+        normalization=spec["norm"], layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+        init_method_std=0.02, perform_initialization=True, **moe)
+    spec_fn = get_gpt_layer_local_spec(normalization=spec["norm"], num_experts=spec.get("experts"),
+                                       moe_grouped_gemm=False)
+    model = GPTModel(cfg, spec_fn, vocab_size=spec["vocab"],
+                     max_sequence_length=spec["max_pos"], position_embedding_type=spec["pos"],
+                     share_embeddings_and_output_weights=not spec["untie"])
+    with torch.no_grad():  # norms start at one and biases at zero: perturb them so a mix-up shows
+        g = torch.Generator().manual_seed(7)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def logits(model, spec):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, spec["vocab"], (2, 12), generator=g)
+    pos = torch.arange(12).unsqueeze(0).expand(2, 12)
+    mask = torch.triu(torch.ones(12, 12), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        out = model(ids, pos, attention_mask=mask)
+    from megatron.core import tensor_parallel
+    return tensor_parallel.gather_from_tensor_model_parallel_region(out), ids
+
+
+def megatron_args(spec, tp):
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+    return argparse.Namespace(
+        num_layers=spec["num_layers"], hidden_size=spec["hidden_size"], num_attention_heads=spec["heads"],
+        group_query_attention=spec["groups"] != spec["heads"], num_query_groups=spec["groups"],
+        kv_channels=spec["hidden_size"] // spec["heads"], ffn_hidden_size=spec["ffn"], swiglu=spec["swiglu"],
+        add_bias_linear=spec["bias"], normalization=spec["norm"], norm_epsilon=1e-5, position_embedding_type=spec["pos"],
+        rotary_base=10000, rotary_percent=1.0, max_position_embeddings=spec["max_pos"], seq_length=12,
+        untie_embeddings_and_output_weights=spec["untie"], padded_vocab_size=spec["vocab"],
+        make_vocab_size_divisible_by=16, bias_gelu_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        consumed_train_samples=96, consumed_valid_samples=8, model_type=ModelType.encoder_or_decoder,
+        attention_backend=AttnBackend.auto, params_dtype=torch.float32, tokenizer_type="NullTokenizer",
+        iteration=12, num_experts=spec.get("experts"), moe_ffn_hidden_size=spec.get("moe_ffn"), moe_router_topk=2,
+        moe_aux_loss_coeff=0.0)
+
+
+def main():
+    mode, spec_json, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    spec = json.loads(spec_json)
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state, dist_checkpointing
+    parallel_state.initialize_model_parallel(world, 1)
+    patch_cpu()
+    torch.manual_seed(1234)
+    if mode == "make":
+        model = build(spec, world)
+        lg, ids = logits(model, spec)
+        args = megatron_args(spec, world)
+        dist_dir = os.path.join(out, "dist", "iter_0000012")
+        os.makedirs(dist_dir, exist_ok=True)
+        state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 12,
+                 "num_floating_point_operations_so_far": 0}
+        dist_checkpointing.save(state, dist_dir)
+        rank_dir = os.path.join(out, "legacy", "iter_0000012", f"mp_rank_{rank:02d}")
+        os.makedirs(rank_dir, exist_ok=True)
+        import numpy as np
+        rng = [{"random_rng_state": __import__("random").getstate(), "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state()}]
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 12, "model": model.state_dict(),
+                    "rng_state": rng}, os.path.join(rank_dir, "model_optim_rng.pt"))
+        dist.barrier()
+        if rank == 0:
+            for sub in ("dist", "legacy"):
+                with open(os.path.join(out, sub, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write("12")
+            torch.save({"logits": lg, "ids": ids}, os.path.join(out, "logits.pt"))
+    else:  # load our torch_dist output with megatron-core's own loader
+        torch.serialization.add_safe_globals([argparse.Namespace])  # as Megatron-LM's training does
+        model = build(spec, world)
+        for p in model.parameters():
+            p.data.zero_()
+        it = open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip()
+        ckpt_dir = os.path.join(out, f"iter_{int(it):07d}")
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
+        model.load_state_dict(loaded["model"])
+        lg, ids = logits(model, spec)
+        if rank == 0:
+            torch.save({"logits": lg, "ids": ids, "iteration": common["iteration"],
+                        "consumed": common["args"].consumed_train_samples}, os.path.join(out, "mcore_logits.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _mcore(tmp_path, mode: str, spec: dict, out: str, tp: int) -> None:
+    script = tmp_path / "mcore_helper.py"
+    script.write_text(HELPER)
+    env = {**cpu_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    if tp == 1:
+        argv = [MCORE_PYTHON, str(script), mode, json.dumps(spec), out]
+    else:
+        argv = [MCORE_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_port",
+                env["MASTER_PORT"], str(script), mode, json.dumps(spec), out]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_moe_checkpoints_in(tmp_path, tp):
+    """A mixture-of-experts GPTModel (4 routed experts, top-2, SequentialMLP): both formats read, and
+    megatron-core loads megatrain's torch_dist output of it."""
+    made = tmp_path / "made"
+    made.mkdir()
+    _mcore(tmp_path, "make", MOE, str(made), tp)
+    ref = torch.load(made / "logits.pt", weights_only=True)
+    for fmt in ("dist", "legacy"):
+        report = import_megatron(str(made / fmt), str(tmp_path / f"ours_{fmt}"), progress=False, quiet=True)
+        assert report.config.num_moe_experts == 4
+        logits = _our_logits(report.path, report.config, ref["ids"])
+        assert (logits - ref["logits"]).abs().max().item() < 1e-5, fmt
+    back = tmp_path / "back"
+    export_megatron(str(tmp_path / "ours_dist"), str(back), saver="mcore", progress=False)
+    _mcore(tmp_path, "load", MOE, str(back), tp)
+    loaded = torch.load(back / "mcore_logits.pt", weights_only=True)
+    assert (loaded["logits"] - ref["logits"]).abs().max().item() < 1e-5
+
+
+def _our_logits(ckpt: str, cfg, ids: torch.Tensor) -> torch.Tensor:
+    model = get_family("gpt").build_model(cfg)
+    model.load_state_dict(load_full_state_dict(ckpt, cfg))
+    model.eval()
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("spec", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_megatron_core_checkpoints_in_and_out(tmp_path, spec, tp):
+    made = tmp_path / "made"
+    made.mkdir()
+    _mcore(tmp_path, "make", spec, str(made), tp)
+    ref = torch.load(made / "logits.pt", weights_only=True)
+    for fmt in ("dist", "legacy"):
+        report = import_megatron(str(made / fmt), str(tmp_path / f"ours_{fmt}"), progress=False, quiet=True)
+        assert report.iteration == 12
+        logits = _our_logits(report.path, report.config, ref["ids"])
+        assert (logits - ref["logits"]).abs().max().item() < 1e-5, fmt
+    # ours -> torch_dist -> megatron-core's dist_checkpointing.load, at this TP size
+    back = tmp_path / "back"
+    export_megatron(str(tmp_path / "ours_dist"), str(back), saver="mcore", progress=False)
+    _mcore(tmp_path, "load", spec, str(back), tp)
+    loaded = torch.load(back / "mcore_logits.pt", weights_only=True)
+    assert loaded["iteration"] == 12 and loaded["consumed"] == 96
+    assert (loaded["logits"] - ref["logits"]).abs().max().item() < 1e-5
