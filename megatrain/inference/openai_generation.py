@@ -17,6 +17,7 @@ from typing import Any
 from megatrain.inference.engine.api import GenerateJob, Sampling
 from megatrain.inference.server_common import (SEED_LIMIT, JobGroup, Prompt, RequestError, ServerContext,
                                                engine_call, engine_failure, get_number, is_int, is_number)
+from megatrain.inference.text_generation import end_ids
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "n", "logit_bias", "presence_penalty",
                    "frequency_penalty", "user", "model", "stream", "stream_options")
@@ -149,9 +150,9 @@ class Choice:
     def tokens(self) -> list[int]:
         return self.stream.tokens
 
-    def finish(self, eod: int | None, reason: str) -> None:
+    def finish(self, ends: frozenset[int], reason: str) -> None:
         tokens = self.tokens
-        body = tokens[:-1] if eod is not None and tokens and tokens[-1] == eod else tokens
+        body = tokens[:-1] if tokens and tokens[-1] in ends else tokens
         text = self.stream.tokenizer.detokenize(body) if body else ""
         stopped = len(body) < len(tokens)
         cuts = [text.index(s) for s in self.stream.stops if s in text]
@@ -188,8 +189,10 @@ class ChoiceRun:
                  top_logprobs: int) -> None:
         self.ctx = ctx
         self.eod = ctx.eod()
+        ends = [] if ctx.seq2seq else [e for e in end_ids(ctx.tokenizer) if e != self.eod]  # a chat model's others
+        self.ends = frozenset([self.eod, *ends] if self.eod is not None else ends)
         self.choices = [Choice(p, StreamedText(ctx.tokenizer, spec.stop)) for p in prompts for _ in range(count)]
-        stops = stop_token_sequences(ctx, spec.stop)
+        stops = stop_token_sequences(ctx, spec.stop) + [[e] for e in ends]
         self.jobs = [GenerateJob(c.prompt.ids, max_tokens, replace(spec.sampling,
                                                                     seed=choice_seed(spec.sampling.seed, k % count)),
                                  eod=self.eod, stop_token_sequences=stops, top_logprobs=top_logprobs)
@@ -213,7 +216,7 @@ class ChoiceRun:
         :meth:`Choice.finish` (its remaining text is then ``choice.stream.rest(choice.text)``)."""
         if self.group is None:
             for k, c in enumerate(self.choices):
-                c.finish(self.eod, "length")
+                c.finish(self.ends, "length")
                 yield k, "", 0
             return
         if self.ctx.seq2seq:
@@ -233,13 +236,13 @@ class ChoiceRun:
                 if event.token >= 0 and not c.stream.stopped:
                     c.logprobs.append(event.logprob)
                     c.top.append(list(event.top_logprobs or []))
-                    delta = c.stream.add(event.token) if event.token != self.eod else ""
-                    if event.token == self.eod:
+                    delta = c.stream.add(event.token) if event.token not in self.ends else ""
+                    if event.token in self.ends:
                         c.stream.tokens.append(event.token)
                 if c.stream.stopped and event.finish_reason is None:
                     self.group.handles[k].cancel()  # a stop string inside the text: no need to go on
                 if event.finish_reason is not None:
-                    c.finish(self.eod, event.finish_reason)
+                    c.finish(self.ends, event.finish_reason)
                 yield k, delta, 1
         finally:
             self.group.cancel()
@@ -267,13 +270,13 @@ class ChoiceRun:
             for token, logprob in zip(out["tokens"], out["logprobs"]):
                 c.logprobs.append(logprob)
                 c.top.append([])
-                delta = c.stream.add(token) if token != self.eod else ""
-                if token == self.eod:
+                delta = c.stream.add(token) if token not in self.ends else ""
+                if token in self.ends:
                     c.stream.tokens.append(token)
                 if delta:
                     yield k, delta, 1
-            ended = bool(out["tokens"]) and (out["tokens"][-1] == self.eod or c.stream.stopped)
-            c.finish(self.eod, "stop" if ended else "length")
+            ended = bool(out["tokens"]) and (out["tokens"][-1] in self.ends or c.stream.stopped)
+            c.finish(self.ends, "stop" if ended else "length")
             yield k, "", 0
 
 
