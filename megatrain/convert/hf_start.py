@@ -276,14 +276,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def cache_root(save: str | None) -> str:
-    """Where conversions go: $MEGATRAIN_HF_CACHE, else SAVE/hf_import, else ~/.cache/megatrain/hf_import."""
-    if os.environ.get(CACHE_ENV):
-        return os.path.abspath(os.environ[CACHE_ENV])
+def cache_root(save: str | None, env: str = CACHE_ENV, name: str = "hf_import") -> str:
+    """Where conversions go: $MEGATRAIN_HF_CACHE (``env``), else SAVE/hf_import, else
+    ~/.cache/megatrain/hf_import (``name``: the Megatron start's are megatron_import)."""
+    if os.environ.get(env):
+        return os.path.abspath(os.environ[env])
     if save:
-        return os.path.join(os.path.abspath(save), "hf_import")
+        return os.path.join(os.path.abspath(save), name)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatrain", "hf_import")
+    return os.path.join(base, "megatrain", name)
 
 
 def _fingerprint(hf_dir: str, divisible_by: int, tp: int) -> str:

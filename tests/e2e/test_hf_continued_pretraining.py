@@ -21,11 +21,10 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from tests.e2e.conftest import cpu_env, free_port, losses_and_validation, run_cmd  # noqa: E402
+from tests.e2e.test_start_from_hf_dir import save_word_level_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the bird sang a song at dawn",
-             "we read books and drink tea", "she writes code in the morning", "rain falls on the green hills"]
 ITERS = 20
 # No dropout (its masks differ between layouts).
 SCHEDULE = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
@@ -62,13 +61,7 @@ ARCHITECTURES = {
 
 
 def _hf_folder(path: Path, arch: str) -> Path:
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.train_from_iterator(SENTENCES, tokenizers.trainers.WordLevelTrainer(
-        special_tokens=["[UNK]", "<s>", "</s>", "<pad>"]))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>",
-                                                eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(str(path))
+    fast = save_word_level_tokenizer(path)
     torch.manual_seed(0)
     model = ARCHITECTURES[arch](len(fast))
     model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 3

@@ -32,7 +32,9 @@ SCHEDULE = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "2", "--g
             "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--device", "cpu"]
 
 
-def _hf_folder(path: Path, kind: str) -> Path:
+def save_word_level_tokenizer(path: Path):
+    """A WordLevel tokenizer trained offline on SENTENCES, saved by transformers into ``path`` (ids:
+    [UNK] 0, <s> 1, </s> 2, <pad> 3, then the words)."""
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.train_from_iterator(SENTENCES, tokenizers.trainers.WordLevelTrainer(
@@ -40,6 +42,11 @@ def _hf_folder(path: Path, kind: str) -> Path:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>",
                                                 eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(str(path))
+    return fast
+
+
+def _hf_folder(path: Path, kind: str) -> Path:
+    fast = save_word_level_tokenizer(path)
     shape = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=48, vocab_size=len(fast), max_position_embeddings=64, bos_token_id=1,
                  eos_token_id=2, pad_token_id=3)

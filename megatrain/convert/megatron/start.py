@@ -23,6 +23,7 @@ import shlex
 import shutil
 import time
 
+from megatrain.convert.hf_start import _given, cache_root
 from megatrain.convert.import_hf import pretrain_flags
 from megatrain.convert.megatron.args import config_from_megatron_args
 from megatrain.convert.megatron.bridge import TOKENIZER_ARGS, import_megatron
@@ -66,8 +67,6 @@ def apply_megatron_load(args: argparse.Namespace, parser: argparse.ArgumentParse
     flags = pretrain_flags(cfg, tok, int(saved.get("make_vocab_size_divisible_by") or 128))
     if saved.get("seq_length") and not getattr(args, "seq_length", None):
         flags += ["--seq-length", str(saved["seq_length"])]
-    from megatrain.convert.hf_start import _given
-
     values, unknown = _given(parser, flags)
     if unknown:
         raise ValueError(f"--load {d}: its model needs flags {parser.prog} does not have: {unknown[:3]}")
@@ -86,15 +85,6 @@ def _fingerprint(d: str) -> str:
             st = os.stat(os.path.join(root, name))
             h.update(f"\0{os.path.relpath(os.path.join(root, name), d)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
-
-
-def _cache_root(save: str | None) -> str:
-    if os.environ.get(CACHE_ENV):
-        return os.path.abspath(os.environ[CACHE_ENV])
-    if save:
-        return os.path.join(os.path.abspath(save), "megatron_import")
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatrain", "megatron_import")
 
 
 def _complete(path: str) -> bool:
@@ -123,7 +113,7 @@ def prepare_megatron_start(args: argparse.Namespace) -> None:
         return
     d = find_megatron_iteration(source, getattr(args, "ckpt_step", None))
     assert d is not None
-    root = _cache_root(getattr(args, "save", None))
+    root = cache_root(getattr(args, "save", None), CACHE_ENV, "megatron_import")
     final = os.path.join(root, f"{os.path.basename(os.path.normpath(source)) or 'megatron'}-{_fingerprint(d)}")
     minutes = max(30.0, float(getattr(args, "distributed_timeout_minutes", 30) or 30))
     args.load, args.ckpt_step = final, None
