@@ -79,7 +79,10 @@ def run_and_signal_in_a_save(cmd: list[str], rng: random.Random, sig: int, stder
     and send ``sig``. Returns the whole run, waited for."""
     after_saves = rng.randint(2, 4)
     with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        # Ctrl-C's default action in the child even when this test runs in a background job (which
+        # starts with SIGINT ignored, and a child inherits that)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=err, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     saves: list[tuple[int, float]] = []
     signalled = "never: the run ended first"
