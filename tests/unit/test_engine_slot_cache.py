@@ -9,24 +9,8 @@ from megatrain.inference.engine.runner import ModelRunner, buckets_up_to
 from megatrain.inference.engine.slot_cache import CacheShape, SlotKVCache
 from megatrain.models.common.attention import SelfAttention
 from megatrain.models.gpt import GPTModel
-from megatrain.models.gpt.config import GPTConfig
 
-VOCAB = 64
-
-
-def make_model(style: str, **overrides) -> GPTModel:
-    common = dict(num_layers=2, vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout=0.0,
-                  attention_dropout=0.0, init_method_std=0.3)
-    common.update(overrides)
-    if style == "gpt2":
-        config = GPTConfig(hidden_size=32, num_attention_heads=4, **common)
-    else:
-        config = GPTConfig(hidden_size=48, num_attention_heads=6, num_query_groups=2, position_embedding_type="rope",
-                           normalization="RMSNorm", swiglu=True, ffn_hidden_size=64, add_bias_linear=False,
-                           untie_embeddings_and_output_weights=True, **common)
-    model = GPTModel(config)
-    model.init_weights(seed=11)
-    return model.eval()
+from tests.unit.test_generation import VOCAB, make_model  # noqa: F401 (the same tiny models)
 
 
 def make_runner(model: GPTModel, max_requests: int = 4, max_len: int = 32) -> ModelRunner:

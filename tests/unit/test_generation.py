@@ -12,9 +12,11 @@ from megatrain.models.gpt import GPTModel
 VOCAB = 64
 
 
-def make_model(style: str) -> GPTModel:
+def make_model(style: str, **overrides) -> GPTModel:
+    """A tiny GPT-2-style or LLaMA-style model (``overrides``: other GPTConfig fields)."""
     common = dict(num_layers=2, vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout=0.0,
                   attention_dropout=0.0, init_method_std=0.3)
+    common.update(overrides)
     if style == "gpt2":
         config = GPTConfig(hidden_size=32, num_attention_heads=4, **common)
     else:
