@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch 2.13.0 is what tests run against; override for CUDA machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test env clean
+.PHONY: demo test test-long test-all env clean
 
 env: $(VENV)/.installed
 
@@ -21,7 +21,15 @@ demo: env
 
 # Two workers, each taking whole test files (module fixtures such as a spawned layout job stay in
 # one worker): the launched training processes leave a core idle much of the time.
+# `make test` leaves out the tests marked `long` (soak runs, further variants of a tested path);
+# `make test-long` runs just those, `make test-all` everything.
 test: env
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not long" tests
+
+test-long: env
+	$(PY) -m pytest -q -n 2 --dist loadfile -m long tests
+
+test-all: env
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:

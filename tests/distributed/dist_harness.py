@@ -19,11 +19,11 @@ references in one spawned job, :func:`compare` measures a run against its refere
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import faulthandler
 import functools
 import os
 import shlex
-import socket
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -41,13 +41,13 @@ from megatrain.training.optimizer import OptimizerConfig, build_optimizer
 from megatrain.training.trainer import Trainer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The group meets through a file, not a TCP port: a port picked free in the parent can be taken by
+# another test's process before rank 0 listens on it (a peer then waits on the wrong listener).
+# Nothing in a worker needs MASTER_PORT; it is set to an unused value for code that reads it.
+INIT_TIMEOUT = datetime.timedelta(seconds=300)  # a lost peer fails the test instead of hanging it
 
 
-def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple,
+def _entry(rank: int, world_size: int, result_dir: str, fn: Callable, args: tuple,
            alone: Callable[[], Any] | None) -> None:
     faulthandler.enable(all_threads=True)  # a C++ abort in a worker shows where Python was
     torch.set_num_threads(1)
@@ -58,10 +58,11 @@ def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable,
             assert not dist.is_initialized(), "the process-alone part left a process group behind"
         except BaseException:  # noqa: BLE001 - reported to the parent; the other ranks still need this one
             out = {"ok": False, "error": traceback.format_exc()}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1", RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(result_dir, "store"), rank=rank,
+                                world_size=world_size, timeout=INIT_TIMEOUT)
         out["value"] = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent
         out = {"ok": False, "error": out.get("error", "") + traceback.format_exc()}
@@ -72,7 +73,7 @@ def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable,
 
 def _spawn(fn: Callable, world_size: int, args: tuple, alone: Callable[[], Any] | None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_entry, args=(world_size, _free_port(), result_dir, fn, args, alone), nprocs=world_size,
+        mp.start_processes(_entry, args=(world_size, result_dir, fn, args, alone), nprocs=world_size,
                            join=True, start_method="spawn")
         results = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
                    for r in range(world_size)]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatrain.training.logging import parse_train_log_line
-from tests.e2e.conftest import cpu_env, free_port, run_cmd
+from tests.e2e.conftest import cpu_env, run_cmd
 
 RUN = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size",
@@ -24,14 +24,15 @@ def _lines(stdout: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the schedule itself is tests/unit/test_batch_rampup.py's
 def test_rampup_schedule_data_parallel_and_resume(tmp_path):
     full = _lines(run_cmd([sys.executable, *RUN], env=cpu_env()).stdout)
     assert [d["global batch size"] for d in full] == [4, 4, 4, 4, 8, 8, 12, 12, 16, 16, 16, 16]
     assert [d["consumed samples"] for d in full][-1] == 120
-    dp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), *RUN, "--use-distributed-optimizer"], env=cpu_env()).stdout)
-    pp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), *RUN, "--pipeline-model-parallel-size", "2"], env=cpu_env()).stdout)
+    dp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          *RUN, "--use-distributed-optimizer"], env=cpu_env()).stdout)
+    pp2 = _lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          *RUN, "--pipeline-model-parallel-size", "2"], env=cpu_env()).stdout)
     for a, b, c in zip(full, dp2, pp2, strict=True):
         assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)
         assert c["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)  # one pipeline schedule per batch size

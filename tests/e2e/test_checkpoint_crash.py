@@ -12,7 +12,7 @@ import pytest
 
 from megatrain import checkpoint as checkpointing
 from megatrain.training.logging import parse_train_log_line
-from tests.e2e.conftest import REPO, cpu_env, free_port, run_and_signal, run_cmd
+from tests.e2e.conftest import REPO, cpu_env, run_and_signal, run_cmd
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -27,7 +27,7 @@ def _train_lines(stdout: str) -> list[dict]:
 
 
 def _job(save: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
             "pretrain_gpt.py", *ARGS, "--train-iters", str(ITERS), "--save", save, "--save-interval", "2",
             "--load", save]
 
@@ -57,6 +57,7 @@ def _rank_of(pid: int) -> int | None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the worker processes")
 def test_kill_9_of_one_rank_then_relaunch_reaches_the_same_loss(tmp_path):
     reference = _train_lines(run_cmd(_job(str(tmp_path / "ref")), env=cpu_env()).stdout)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatrain import checkpoint as checkpointing
-from tests.e2e.conftest import cpu_env, free_port, run_and_signal
+from tests.e2e.conftest import cpu_env, run_and_signal
 
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "100000", "--lr", "1e-3",
@@ -41,8 +41,8 @@ def test_sigterm_to_one_rank_stops_all_ranks_together(tmp_path):
         workers.extend(_children(launcher.pid))
         return workers[0]
 
-    proc = run_and_signal([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "pretrain_gpt.py", *ARGS, "--save", str(save)],
+    proc = run_and_signal([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                           "pretrain_gpt.py", *ARGS, "--save", str(save)],
                           when="iteration        3/", env=cpu_env(), pick=one_rank, timeout=180)
     assert len(workers) == 2, workers
     out, err = proc.stdout, proc.stderr

@@ -51,6 +51,7 @@ def test_chunked_cross_entropy_trains_like_the_plain_head(precision, tolerance):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_whole_model_compile_trains_like_eager_on_cpu():
     """--torch-compile-scope model (one compiled region, the chunked loss outside it) on CPU/inductor."""
     base = ["--cross-entropy-chunk-size", "48"]
@@ -62,7 +63,8 @@ def test_whole_model_compile_trains_like_eager_on_cpu():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compiled", [[], ["--use-torch-compile"]], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [[], pytest.param(["--use-torch-compile"], marks=pytest.mark.long)],
+                         ids=["eager", "compiled"])
 def test_gradient_accumulation_fusion_trains_like_autocast(compiled):
     """--bf16's default (half-precision weight copies, weight gradients added into the float32 gradient
     inside the matmul) against autocast's per-micro-batch casts and autograd's additions."""

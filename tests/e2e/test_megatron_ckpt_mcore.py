@@ -188,7 +188,7 @@ def _mcore(tmp_path, mode: str, spec: dict, out: str, tp: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_megatron_core_moe_checkpoints_in(tmp_path, tp):
     """A mixture-of-experts GPTModel (4 routed experts, top-2, SequentialMLP): both formats read, and
     megatron-core loads megatrain's torch_dist output of it."""
@@ -216,8 +216,11 @@ def _our_logits(ckpt: str, cfg, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("spec", [LLAMA, GPT2], ids=["llama", "gpt2"])
+# LLaMA at TP=2 in every run; GPT-2 and TP=1 (the same conversion code) in the long run.
+@pytest.mark.parametrize("spec,tp", [(LLAMA, 2), pytest.param(LLAMA, 1, marks=pytest.mark.long),
+                                     pytest.param(GPT2, 1, marks=pytest.mark.long),
+                                     pytest.param(GPT2, 2, marks=pytest.mark.long)],
+                         ids=["llama-2", "llama-1", "gpt2-1", "gpt2-2"])
 def test_megatron_core_checkpoints_in_and_out(tmp_path, spec, tp):
     made = tmp_path / "made"
     made.mkdir()

@@ -97,13 +97,12 @@ MIXTRAL_SHRUNK = ["--seq-length", "64", "--max-position-embeddings", "64", "--nu
 @pytest.mark.slow
 def test_megatron_mixtral_example_flags_run_expert_parallel(tmp_path):
     from megatrain.training.logging import parse_train_log_line
-    from tests.e2e.conftest import free_port
 
     out = tmp_path / "run"
     paths = ["--save", str(out / "ckpt"), "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb"),
              "--data-cache-path", str(out / "cache")]
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-                    str(free_port()), "pretrain_gpt.py", *MIXTRAL, *MIXTRAL_SHRUNK, *paths], env=cpu_env(),
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone",
+                    "pretrain_gpt.py", *MIXTRAL, *MIXTRAL_SHRUNK, *paths], env=cpu_env(),
                    timeout=600)
     log = proc.stdout
     assert "world 4 = pp 2 x dp 2 x cp 1 x tp 1" in log and "experts: ep 2 x edp 1 (alltoall dispatcher)" in log

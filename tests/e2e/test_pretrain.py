@@ -49,7 +49,7 @@ def test_pretrain_logs_loss_validation_tensorboard_and_generates(tiny_corpus, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loader", ["single", "cyclic"])
+@pytest.mark.parametrize("loader", [pytest.param("single", marks=pytest.mark.long), "cyclic"])
 def test_exact_resume_gives_identical_losses(tiny_corpus, tmp_path, loader):
     common = [sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "12", "--lr", "1e-3",
               "--lr-warmup-iters", "2", "--data-path", tiny_corpus["data_path"], "--split", "90,10,0",
@@ -146,6 +146,7 @@ def test_use_checkpoint_args_and_exit_on_missing_checkpoint(tmp_path):
     assert missing.returncode != 0 and "no complete checkpoint found (--exit-on-missing-checkpoint)" in missing.stderr
 
 
+@pytest.mark.long
 def test_a_checkpoints_gelu_is_kept_by_use_checkpoint_args_and_warned_about_otherwise(tmp_path):
     """A model trained with exact GELU (--no-bias-gelu-fusion) and loaded without the flag: a warning
     names both GELUs; --use-checkpoint-args takes the checkpoint's."""

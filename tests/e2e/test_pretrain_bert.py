@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.bert_corpus import write_corpus
-from tests.e2e.conftest import REPO, cpu_env, free_port, run_cmd
+from tests.e2e.conftest import REPO, cpu_env, run_cmd
 
 EXAMPLE = REPO / "examples" / "bert" / "train_bert_340m_distributed.sh"
 
@@ -48,7 +48,7 @@ def _substitute(flags: list[str], paths: dict[str, str]) -> list[str]:
 def _launch(nproc: int, flags: list[str], timeout: int = 600) -> str:
     launch = ([sys.executable] if nproc == 1 else
               [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port())])
+               "--standalone"])
     return run_cmd([*launch, "pretrain_bert.py", *flags], env=cpu_env(), timeout=timeout).stdout
 
 
@@ -93,6 +93,7 @@ def test_tensorboard_has_both_losses(tp2_pp2_run):
         assert name in tags and any(name in t and "validation" in t for t in tags), sorted(tags)
 
 
+@pytest.mark.long
 def test_resume_is_exact_and_another_layout_loads_the_checkpoint(tp2_pp2_run, tmp_path):
     from megatrain import checkpoint as checkpointing
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.e2e.bert_corpus import write_corpus
-from tests.e2e.conftest import REPO, cpu_env, free_port, run_cmd
+from tests.e2e.conftest import REPO, cpu_env, run_cmd
 
 EXAMPLE = REPO / "examples" / "t5" / "train_t5_220m_distributed.sh"
 
@@ -46,7 +46,7 @@ def corpus(tmp_path_factory):
 def _launch(nproc: int, flags: list[str], timeout: int = 600) -> str:
     launch = ([sys.executable] if nproc == 1 else
               [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port())])
+               "--standalone"])
     return run_cmd([*launch, "pretrain_t5.py", *flags], env=cpu_env(), timeout=timeout).stdout
 
 

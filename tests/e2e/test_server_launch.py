@@ -18,7 +18,6 @@ from megatrain import checkpoint as checkpointing
 from megatrain.checkpoint import TrainState
 from megatrain.models.gpt import GPTModel
 from megatrain.models.gpt.config import GPTConfig
-from tests.e2e.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = str(REPO / "tools" / "run_text_generation_server.py")
@@ -70,8 +69,8 @@ def test_tensor_parallel_server_answers_as_one_process(ckpt):
     finally:
         one.terminate()
         one.wait(timeout=30)
-    two, port = serve([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                       str(free_port()), TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
+    two, port = serve([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                       TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
                        "--tensor-model-parallel-size", "2", *MEGATRON_FLAGS])
     try:
         got = ask(port, body)

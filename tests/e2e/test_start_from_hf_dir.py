@@ -23,7 +23,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from megatrain.convert import hf_start  # noqa: E402
 from megatrain.training import finetune  # noqa: E402
 from megatrain.training.arguments import parse_args  # noqa: E402
-from tests.e2e.conftest import cpu_env, free_port, losses_and_validation, run_cmd  # noqa: E402
+from tests.e2e.conftest import cpu_env, losses_and_validation, run_cmd  # noqa: E402
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the bird sang a song at dawn",
              "we read books and drink tea", "she writes code in the morning", "rain falls on the green hills"]
@@ -104,8 +104,8 @@ def test_pretrain_from_hf_folder_trains_and_saves_hf_copies(one_process, folders
 def test_tensor_parallel_run_starts_from_the_same_weights(one_process, folders, tmp_path):
     # --pretrained-checkpoint DIR (with no checkpoint in --load) starts from it as --load hf:DIR does;
     # 64 x TP 2 pads the vocabulary to the one-process run's 128 rows, so the losses are the same.
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(free_port()), "pretrain_gpt.py", "--pretrained-checkpoint", str(folders["llama"]), *SCHEDULE,
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    "pretrain_gpt.py", "--pretrained-checkpoint", str(folders["llama"]), *SCHEDULE,
                     "--train-iters", "3", "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64",
                     "--save", str(tmp_path / "tp")], env=cpu_env())
     assert proc.stdout.count("converting the Hugging Face folder") == 1  # rank 0 only

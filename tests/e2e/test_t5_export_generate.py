@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.e2e.bert_corpus import write_corpus  # noqa: E402
-from tests.e2e.conftest import cpu_env, free_port, run_cmd  # noqa: E402
+from tests.e2e.conftest import cpu_env, run_cmd  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,7 @@ NEW_TOKENS = 6
 
 
 def _torchrun(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(free_port()), *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", *argv]
 
 
 @pytest.fixture(scope="module")

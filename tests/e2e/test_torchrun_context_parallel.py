@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.e2e.conftest import assert_runs_close
-from tests.e2e.conftest import cpu_env, free_port, losses_and_validation, run_cmd
+from tests.e2e.conftest import cpu_env, losses_and_validation, run_cmd
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -26,8 +26,8 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _torchrun(n: int, *extra: str) -> str:
-    return run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-                    str(free_port()), "pretrain_gpt.py", *ARGS, *extra], env=cpu_env(), timeout=600).stdout
+    return run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--standalone",
+                    "pretrain_gpt.py", *ARGS, *extra], env=cpu_env(), timeout=600).stdout
 
 
 _assert_close = assert_runs_close
@@ -40,8 +40,9 @@ def one_process():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    ["--context-parallel-size", "4"],
-    ["--context-parallel-size", "2"],  # x DP=2 (DDP over the data x context ranks)
+    pytest.param(["--context-parallel-size", "4"], marks=pytest.mark.long),
+    # x DP=2 (DDP over the data x context ranks; cp2_dp2_zero3 runs the same ranks in every run)
+    pytest.param(["--context-parallel-size", "2"], marks=pytest.mark.long),
     ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--context-parallel-size", "2", "--zero-stage", "3"],
     ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
@@ -54,6 +55,7 @@ def test_context_parallel_layouts_match_one_process(one_process, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bf16_context_parallel_with_the_gradient_accumulation_fusion_trains_like_one_process():
     """--bf16 turns the fusion on (staged float32 gradients added inside the matmuls, then DDP over
     the data x context ranks): CP=2 x DP=2 follows one process within bf16 tolerance."""

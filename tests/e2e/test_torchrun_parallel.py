@@ -48,8 +48,8 @@ def test_torchrun_tp2_dp2_on_the_tiny_corpus_matches_one_process(tiny_corpus):
             *tiny_corpus["tok_flags"]]
     assert "--mock-data" not in data and "--vocab-size" not in data
     ref = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *data], env=_env()).stdout)
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-                    str(_free_port()), "pretrain_gpt.py", *data, "--tensor-model-parallel-size", "2"], env=_env())
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone",
+                    "pretrain_gpt.py", *data, "--tensor-model-parallel-size", "2"], env=_env())
     assert "world 4 = pp 1 x dp 2 x cp 1 x tp 2" in proc.stdout
     _assert_close(_losses(proc.stdout), ref)
 
@@ -73,14 +73,14 @@ def test_per_token_loss_dp2_matches_one_process(tmp_path):
     default = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *data], env=_env()).stdout)
     data.append("--calculate-per-token-loss")
     ref = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *data], env=_env()).stdout)
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(_free_port()), "pretrain_gpt.py", *data, "--use-distributed-optimizer"], env=_env())
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    "pretrain_gpt.py", *data, "--use-distributed-optimizer"], env=_env())
     _assert_close(_losses(proc.stdout), ref)
-    cp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                  str(_free_port()), "pretrain_gpt.py", *data, "--context-parallel-size", "2"], env=_env())
+    cp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                  "pretrain_gpt.py", *data, "--context-parallel-size", "2"], env=_env())
     _assert_close(_losses(cp.stdout), ref)  # each rank counts its part of every sequence
-    pp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                  str(_free_port()), "pretrain_gpt.py", *data, "--pipeline-model-parallel-size", "2"], env=_env())
+    pp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                  "pretrain_gpt.py", *data, "--pipeline-model-parallel-size", "2"], env=_env())
     _assert_close(_losses(pp.stdout), ref)  # the last stage counts the tokens, every stage scales
     assert abs(ref[0][0][0] - default[0][0][0]) > 1e-5 * abs(default[0][0][0]), "the flag changed nothing"
 

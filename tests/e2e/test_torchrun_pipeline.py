@@ -16,7 +16,6 @@ import pytest
 from megatrain.training.logging import parse_train_log_line
 from tests.e2e.conftest import run_cmd
 from tests.e2e.conftest import cpu_env as _env
-from tests.e2e.conftest import free_port as _free_port
 from tests.e2e.conftest import losses_and_validation as _losses
 
 ARGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -27,10 +26,11 @@ ARGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_torchrun_tp4_pp2_matches_one_process():
     ref_train, ref_valid = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *ARGS], env=_env()).stdout)
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--master_port",
-                    str(_free_port()), "pretrain_gpt.py", *ARGS, "--tensor-model-parallel-size", "4",
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--standalone",
+                    "pretrain_gpt.py", *ARGS, "--tensor-model-parallel-size", "4",
                     "--pipeline-model-parallel-size", "2"], env=_env(), timeout=600)
     assert "world 8 = pp 2 x dp 1 x cp 1 x tp 4" in proc.stdout
     train, valid = _losses(proc.stdout)
@@ -52,8 +52,8 @@ def test_pipeline_checkpoint_resumes_exactly_and_under_another_schedule(tmp_path
     """PP=2 run stopped after 2 of 4 iterations and resumed (1F1B, then interleaved v=2 with another
     stage split) logs the same losses as the uninterrupted PP=2 run."""
     def launch(*extra: str) -> str:
-        return run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_free_port()), "pretrain_gpt.py", *ARGS, "--pipeline-model-parallel-size", "2",
+        return run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                        "pretrain_gpt.py", *ARGS, "--pipeline-model-parallel-size", "2",
                         "--eval-iters", "0", *extra], env=_env(), timeout=600).stdout
 
     full, _ = _losses(launch())
@@ -77,8 +77,8 @@ def test_pipeline_fp16_overflow_is_agreed_across_stages():
         return [parse_train_log_line(l) for l in stdout.splitlines() if "] iteration " in l]
 
     one = lines(run_cmd([sys.executable, "pretrain_gpt.py", *ARGS, *fp16], env=_env()).stdout)
-    pp = lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_free_port()), "pretrain_gpt.py", *ARGS, *fp16, "--pipeline-model-parallel-size", "2"],
+    pp = lines(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                        "pretrain_gpt.py", *ARGS, *fp16, "--pipeline-model-parallel-size", "2"],
                        env=_env(), timeout=600).stdout)
     assert [d["loss scale"] for d in pp] == [d["loss scale"] for d in one]
     assert sum(d["number of skipped iterations"] for d in one) >= 1
@@ -95,8 +95,8 @@ def test_fp8_under_pipeline_parallelism_trains_like_one_fp8_process():
     pytest.importorskip("torchao.float8")
     fp8 = [*ARGS, "--bf16", "--fp8-format", "hybrid"]
     ref_train, _ = _losses(run_cmd([sys.executable, "pretrain_gpt.py", *fp8], env=_env()).stdout)
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(_free_port()), "pretrain_gpt.py", *fp8, "--pipeline-model-parallel-size", "2"], env=_env())
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    "pretrain_gpt.py", *fp8, "--pipeline-model-parallel-size", "2"], env=_env())
     assert "(on this rank's pipeline stages)" in proc.stdout
     train, _ = _losses(proc.stdout)
     assert len(train) == len(ref_train) == 4
@@ -116,8 +116,8 @@ def test_pipeline_start_up_counts_the_whole_model_and_notes_print_once():
         return int(re.search(r" training: ([\d,]+) parameters", stdout).group(1).replace(",", ""))
 
     one = run_cmd([sys.executable, "pretrain_gpt.py", *short], env=_env()).stdout
-    pp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                  str(_free_port()), "pretrain_gpt.py", *short, "--pipeline-model-parallel-size", "2"],
+    pp = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                  "pretrain_gpt.py", *short, "--pipeline-model-parallel-size", "2"],
                  env=_env(), timeout=600).stdout
     assert count(pp) == count(one)
     assert pp.count("note: --use-flash-attn") == 1

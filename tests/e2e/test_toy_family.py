@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import cpu_env, free_port, run_cmd
+from tests.e2e.conftest import cpu_env, run_cmd
 
 SCRIPT = "tests/toy_family/pretrain_toy.py"
 NAMES = ("cls loss", "parity loss")
@@ -23,7 +23,7 @@ ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 def _run(*extra: str, nproc: int = 1) -> str:
     launch = ([sys.executable] if nproc == 1 else
               [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port())])
+               "--standalone"])
     return run_cmd([*launch, SCRIPT, *ARGS, *extra], env=cpu_env()).stdout
 
 
@@ -88,8 +88,8 @@ def test_the_checkpoint_names_the_family_and_its_config_and_resumes_exactly(refe
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("layout", [["--use-distributed-optimizer"], ["--tensor-model-parallel-size", "2",
-                                                                         "--sequence-parallel"],
+@pytest.mark.parametrize("layout", [pytest.param(["--use-distributed-optimizer"], marks=pytest.mark.long),
+                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                     ["--pipeline-model-parallel-size", "2"]], ids=["dp2", "tp2_sp", "pp2"])
 def test_the_toy_family_runs_in_parallel_layouts_like_one_process(reference, layout):
     (train, valid), _, _ = reference

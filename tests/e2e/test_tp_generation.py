@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import cpu_env, free_port, run_cmd
+from tests.e2e.conftest import cpu_env, run_cmd
 
 TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--train-iters", "20", "--lr", "1e-2", "--mock-data", "--tokenizer-type",
@@ -17,7 +17,7 @@ TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def _torchrun(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", *argv]
 
 
 @pytest.mark.slow

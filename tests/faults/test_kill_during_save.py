@@ -179,7 +179,7 @@ def reference() -> dict[int, float]:
     return losses
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.long), "async"])
 def test_kill_9_at_random_moments_of_saving_loses_nothing_and_resumes_identically(mode, reference, tmp_path):
     rng = random.Random(f"kill-{SEED}-{mode}")
     save = tmp_path / "ckpt"
