@@ -11,6 +11,9 @@ Rows (``--rows``; default all of them on CUDA, ``generate engine`` on the CPU; `
 - ``engine``: the engine (`megatrain.inference.engine`: slot cache, continuous batching, CUDA graphs
   on CUDA), the batch's jobs admitted in one step, greedy; ``engine-compile``: the same with its
   decode forward through torch.compile (``EngineConfig.compile_decode``).
+- ``replay``, ``replay-compile``: the engine's runner alone, its decode steps replayed back to back
+  with no host work between them (the device's time per step; the engine row less this one is the
+  engine's host work per step).
 - ``hf``, ``hf-compile``: transformers' `LlamaForCausalLM` of the same shape (random weights, built from
   a config offline) `generate(cache_implementation="static")`, eager and with its compiled decode
   (transformers compiles the forward of a static-cache generation unless ``disable_compile``); each
@@ -59,7 +62,7 @@ SHAPES = {
                        ffn_hidden_size=8192, vocab_size=128256, max_position_embeddings=4096, **_LLAMA),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ROWS = ("generate", "engine", "engine-compile", "hf", "hf-compile")
+ROWS = ("generate", "engine", "engine-compile", "replay", "replay-compile", "hf", "hf-compile")
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> GPTModel:
@@ -243,6 +246,40 @@ def step_bytes(model: GPTModel, batch: int, context: float) -> float:
 
 # ---- the table -------------------------------------------------------------------------------------
 
+def measure_replay(model, prompts, new_tokens: int, repeats: int, compile_decode: bool = False) -> dict[str, float]:
+    """The engine's own runner (slot cache, CUDA graphs) driven by the least host work there is: the
+    prompts prefilled once, then ``new_tokens - 1`` decode steps replayed back to back with the tokens
+    the first step chose, one synchronisation at the end. Its step time is what the device needs per
+    step; the engine row's step time less this one is the engine's host work between steps."""
+    from megatrain.inference.engine.runner import ModelRunner
+    from megatrain.inference.engine.slot_cache import CacheShape, SlotKVCache
+    from megatrain.models.common.attention import SelfAttention
+
+    device = next(model.parameters()).device
+    config = model.config
+    layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
+    length = len(prompts[0]) + new_tokens
+    cache = SlotKVCache(CacheShape(layers, config.num_query_groups, config.kv_channels, len(prompts), length),
+                        next(model.parameters()).dtype, device)
+    runner = ModelRunner(model, cache, device, cuda_graphs=device.type == "cuda", compile_decode=compile_decode)
+    with torch.inference_mode():
+        tokens = runner.prefill(list(enumerate(prompts))).argmax(-1).tolist()
+
+        def timed(steps: int) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            for step in range(steps):
+                position = len(prompts[0]) + step
+                runner.decode(tokens, [position] * len(prompts), position + 1)
+            sync(device)
+            return time.perf_counter() - t0
+
+        timed(new_tokens - 1)  # warm-up: every graph the steps need
+        decode = max(median_of(lambda: timed(new_tokens - 1), repeats), 1e-9)
+    return {"ttft_ms": float("nan"), "step_ms": decode / (new_tokens - 1) * 1e3,
+            "decode_tok_s": len(prompts) * (new_tokens - 1) / decode}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--hf-worker":
@@ -291,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
                     torch.cuda.reset_peak_memory_stats(device)
                 if row == "generate":
                     r = measure_generate(model, prompts, args.new_tokens, args.repeats, device)
+                elif row.startswith("replay"):
+                    r = measure_replay(model, prompts, args.new_tokens, args.repeats,
+                                       compile_decode=row == "replay-compile")
                 elif row.startswith("engine"):
                     r = measure_engine(model, prompts, args.new_tokens, args.repeats, max(args.batch_sizes),
                                        compile_decode=row == "engine-compile")
@@ -309,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
                 floor_text = f"{floor:.0f}" if floor else "-"
                 share = f"{r['decode_tok_s'] / floor:.0%}" if floor else "-"
                 peak_text = f"{peak:.2f}" if peak is not None else "-"
-                lines.append(f"| {shape} | {row} | {batch} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
+                ttft = "-" if r["ttft_ms"] != r["ttft_ms"] else f"{r['ttft_ms']:.1f}"  # nan: the row has none
+                lines.append(f"| {shape} | {row} | {batch} | {ttft} | {r['decode_tok_s']:.1f} | "
                              f"{r['step_ms']:.2f} | {floor_text} | {share} | {peak_text} |")
                 print(lines[-1], flush=True)
         del model

@@ -98,3 +98,23 @@ def test_compiled_graph_engine_equals_generate():
     finally:
         engine.close()
     assert [[e.token for e in job] for job in events] == expected
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_graph_steps_run_ahead_and_equal_step_by_step(style):
+    """Greedy graph replays launched from the previous step's device tokens (lookahead) choose the
+    tokens that step-by-step decoding chooses, across length buckets and jobs ending at different steps."""
+    model = cuda_model(style)
+    jobs = [GenerateJob(p, n, Sampling(greedy=True)) for p, n in zip(PROMPTS, [20, 9, 30, 3, 17])]
+
+    def run(lookahead: bool):
+        engine = GenerationEngine(model, EngineConfig(max_requests=3, max_sequence_length=48, length_bucket=8,
+                                                      lookahead=lookahead))
+        try:
+            return [[e.token for e in job] for job in generate_blocking(engine, jobs)], engine.steps_ahead
+        finally:
+            engine.close()
+
+    (ahead, steps), (in_step, _) = run(True), run(False)
+    assert steps > 0 and ahead == in_step
+    assert ahead == [generate(model, [job.prompt_ids], job.max_new_tokens)[0] for job in jobs]

@@ -11,6 +11,10 @@ Rank 0 (the only rank in one process) runs an engine thread that loops, one step
 5. rank 0 samples each job's token (from its decode row or its prompt's last logits), sends the
    events, and ends the jobs whose stop rules say so.
 
+A step of greedy decoding only (``lookahead``, one process) chooses its tokens on the device and the
+engine launches the next step from them before it reads them (:mod:`~.lookahead`): stop rules and
+events run while the device computes the next token.
+
 Jobs join and leave between steps. Under tensor parallelism (``group``: the model's tensor-parallel
 process group) rank 0 broadcasts each step's :class:`~plan.StepPlan` (JSON) and the other ranks run
 :meth:`GenerationEngine.follow`, which repeats exactly the same forwards until :meth:`close`; when
@@ -36,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatrain.inference.engine import lookahead
 from megatrain.inference.engine.api import EngineFull, GenerateJob, JobHandle, TokenEvent
 from megatrain.inference.engine.plan import PlanChannel, StepPlan
 from megatrain.inference.engine.runner import ModelRunner
@@ -62,7 +67,7 @@ class EngineConfig:
     the smallest key-length bucket of the graphs. ``prefill_tokens``: new prompts are packed into one
     prefill forward up to this many tokens (a longer prompt runs alone). ``compile_decode``: the decode forward through
     torch.compile (also inside the graphs). ``heartbeat_s``: the idle plan interval under tensor
-    parallelism.
+    parallelism. ``lookahead``: greedy decode steps run one step ahead of the host (one process).
     """
 
     max_requests: int = 16
@@ -74,6 +79,7 @@ class EngineConfig:
     compile_decode: bool = False
     retry_after_s: int = 1
     heartbeat_s: float = 60.0
+    lookahead: bool = True
 
 
 @dataclass
@@ -141,6 +147,7 @@ class GenerationEngine:
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.steps_ahead = 0  # decode steps launched before the host read the previous one's tokens
         if self.rank == 0:
             self._thread = threading.Thread(target=self._serve, name="generation-engine", daemon=True)
             self._thread.start()
@@ -205,17 +212,33 @@ class GenerationEngine:
     def _serve(self) -> None:
         with torch.inference_mode():
             last_sent = time.monotonic()
+            inflight: lookahead.InFlight | None = None
             while True:
                 with self._wake:
-                    if not (self._closing or self._calls or self.scheduler.has_work):
+                    if inflight is None and not (self._closing or self._calls or self.scheduler.has_work):
                         self._wake.wait(timeout=self.config.heartbeat_s if self.channel else None)
                     closing = self._closing
                     calls = list(self._calls)
                     self._calls.clear()
+                if inflight is not None:
+                    ahead = None
+                    if not closing and not calls and self._may_run_ahead(inflight):
+                        positions, needed = lookahead.next_positions(inflight, self.runner.scratch_position)
+                        ahead = self._launch(inflight.requests, inflight.tokens, positions, needed)
+                        self.steps_ahead += ahead is not None
+                    self._read(inflight)
+                    inflight = ahead
+                    if inflight is not None:
+                        continue
                 if closing:
                     self._shut_down(calls)
                     return
                 plan, decoding, admitted = self._plan(calls)
+                if (self.config.lookahead and self.channel is None and decoding and not plan.calls
+                        and not plan.prefills and lookahead.greedy_only(decoding)):
+                    rows = lookahead.rows_of(decoding, len(plan.decode_tokens))
+                    inflight = self._launch(rows, plan.decode_tokens, plan.decode_positions, plan.decode_keys)
+                    continue
                 if plan.empty and (self.channel is None or time.monotonic() - last_sent < self.config.heartbeat_s):
                     continue
                 if self.channel is not None:
@@ -231,6 +254,50 @@ class GenerationEngine:
                     for request in decoding + admitted:
                         if not request.done:
                             self._end(request, _error_event(f"engine step failed: {type(e).__name__}: {e}"))
+
+    # ---- greedy steps one ahead of the host (lookahead.py) ------------------------------------------
+
+    def _may_run_ahead(self, step: lookahead.InFlight) -> bool:
+        """Launch the next step before reading ``step``? Only while nothing but tokens changes."""
+        requests = [r for r in step.requests if r is not None]
+        if any(r.done or r.cancel_requested for r in requests) or len(self.scheduler.running) != len(requests):
+            return False
+        if self.scheduler.admission_pending():
+            return False
+        for r in requests:  # the in-flight token is not the job's last by length
+            n = len(r.generated) + 1
+            if n >= r.job.max_new_tokens or len(r.job.prompt_ids) + n >= self.max_sequence_length:
+                return False
+        return True
+
+    def _launch(self, rows: list[Request | None], tokens: list[int] | torch.Tensor, positions: list[int],
+                needed: int) -> lookahead.InFlight | None:
+        try:
+            return lookahead.launch(self.runner, rows, tokens, positions, needed)
+        except Exception as e:  # noqa: BLE001 - this step's jobs end with "error"
+            log.exception("decode step failed")
+            self._fail([r for r in rows if r is not None], f"decode step failed: {type(e).__name__}: {e}")
+            return None
+
+    def _read(self, step: lookahead.InFlight) -> None:
+        """Take ``step``'s tokens (rows of jobs that ended meanwhile are dropped)."""
+        try:
+            tokens, logprobs = step.read()
+        except Exception as e:  # noqa: BLE001 - this step's jobs end with "error"
+            log.exception("decode step failed")
+            self._fail([r for r in step.requests if r is not None], f"decode step failed: {type(e).__name__}: {e}")
+            return
+        for row, request in enumerate(step.requests):
+            if request is not None and not request.done:
+                request.sampler.observe(tokens[row])
+                self._take(request, Choice(tokens[row], logprobs[row], None))
+
+    def _fail(self, requests: list[Request], message: str) -> None:
+        for request in requests:
+            if not request.done:
+                self._end(request, _error_event(message))
+
+    # ---- a step -------------------------------------------------------------------------------------
 
     def _plan(self, calls: list[_Call]) -> tuple[StepPlan, list[Request], list[Request]]:
         for request in self.scheduler.take_cancelled_waiting():

@@ -96,15 +96,19 @@ class ModelRunner:
 
     # ---- decode ---------------------------------------------------------------------------------
 
-    def decode(self, tokens: list[int], positions: list[int], needed: int) -> torch.Tensor:
+    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int], needed: int) -> torch.Tensor:
         """One token for each of slots 0..rows-1 (``tokens[i]`` at ``positions[i]``; padding rows at
-        :attr:`scratch_position`); ``needed``: the largest position of a real row + 1 (the keys that
-        must be read). Returns the rows' logits [rows, V]."""
+        :attr:`scratch_position`); ``tokens``: host ids, or int64 ids [rows] already on the device
+        (a previous step's choice, read in stream order). ``needed``: the largest position of a real
+        row + 1 (the keys that must be read). Returns the rows' logits [rows, V]."""
         rows = len(tokens)
         assert rows == len(positions) and rows > 0 and 0 < needed <= self.cache.shape.max_sequence_length
         if self.cuda_graphs:
             return self._replay(tokens, positions, needed)
-        tokens_b1 = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        if isinstance(tokens, torch.Tensor):
+            tokens_b1 = tokens.to(self.device, torch.long)[:, None]
+        else:
+            tokens_b1 = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         positions_b1 = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
         return self._decode_forward(tokens_b1, positions_b1, needed)
 
@@ -122,15 +126,19 @@ class ModelRunner:
         length = next(n for n in self.length_buckets if n >= key_length)
         return batch, length
 
-    def _replay(self, tokens: list[int], positions: list[int], key_length: int) -> torch.Tensor:
+    def _replay(self, tokens: list[int] | torch.Tensor, positions: list[int], key_length: int) -> torch.Tensor:
         rows = len(tokens)
         graph = self._graph(*self.bucket(rows, key_length))
         graph.copied.synchronize()  # (long done, in practice: the last step's logits were read)
         staged = graph.staged.numpy()
-        staged[0, :rows], staged[1, :rows] = tokens, positions
+        on_device = isinstance(tokens, torch.Tensor)
+        staged[0, :rows] = 0 if on_device else tokens
+        staged[1, :rows] = positions
         staged[0, rows:], staged[1, rows:] = 0, self.scratch_position
         graph.inputs.copy_(graph.staged, non_blocking=True)
         graph.copied.record()
+        if on_device:
+            graph.inputs[0, :rows].copy_(tokens)
         graph.graph.replay()
         return graph.logits_bv[:rows]
 

@@ -87,6 +87,11 @@ class Scheduler:
         with self._lock:
             return bool(self.running or self._waiting)
 
+    def admission_pending(self) -> bool:
+        """A waiting request could take a free slot, or asked to cancel (the next step must see it)."""
+        with self._lock:
+            return bool(self._waiting) and (bool(self._free) or any(r.cancel_requested for r in self._waiting))
+
     def take_cancelled_waiting(self) -> list[Request]:
         """Waiting requests whose cancel was asked, removed from the queue."""
         with self._lock:
