@@ -77,7 +77,7 @@ def test_gradient_accumulation_fusion_trains_like_autocast(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("fmt", ["hybrid", pytest.param("e4m3", marks=pytest.mark.long)])
 def test_fp8_trains_like_bf16(fmt):
     """--fp8-format (torchao, on CPU through torch._scaled_mm): the loss curve follows bf16's closely."""
     pytest.importorskip("torchao.float8")

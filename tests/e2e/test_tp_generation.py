@@ -21,6 +21,7 @@ def _torchrun(*argv: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the TP=2 loading and generation also run in test_server_launch's TP=2 server test
 def test_tensor_parallel_generation_matches_one_process(tmp_path):
     # Trained long enough on the (learnable) mock data that greedy choices are not near-ties, which
     # the different summation order of TP could otherwise flip.
