@@ -122,18 +122,24 @@ class GPTModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        decoder_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, V], or with ``labels`` the per-token loss [b, s] in float32.
 
         position_ids default to 0..s-1, shifted by the tokens already in ``kv_cache``.
         attention_mask: None means causal; else bool [b, 1, s, past + s], True = may attend.
+        decoder_input: hidden states [b, s, h] that the first layer takes instead of the embedded
+        ``input_ids`` (which may then be None), as Megatron's ``decoder_input``: a vision-language
+        model's text embeddings with image features in place (``megatrain.models.llava``).
         """
-        seq_length = input_ids.shape[1]
+        first = input_ids if decoder_input is None else decoder_input
+        seq_length = first.shape[1]
         past = kv_cache.length if kv_cache is not None else 0
         if position_ids is None:
             if (
@@ -144,9 +150,12 @@ class GPTModel(nn.Module):
                     f"sequence of {past + seq_length} tokens is longer than "
                     f"--max-position-embeddings ({self.config.max_position_embeddings})"
                 )
-            position_ids = torch.arange(past, past + seq_length, device=input_ids.device).unsqueeze(0)
+            position_ids = torch.arange(past, past + seq_length, device=first.device).unsqueeze(0)
 
-        hidden = self.embed(input_ids, position_ids) if self.embedding is not None else input_ids
+        if decoder_input is not None:
+            hidden = decoder_input
+        else:
+            hidden = self.embed(input_ids, position_ids) if self.embedding is not None else input_ids
         rotary = rotary_tables(self.config, position_ids)  # once for all layers
         for layer in self.layers.values():
             hidden = layer(hidden, position_ids, attention_mask, kv_cache, rotary=rotary)

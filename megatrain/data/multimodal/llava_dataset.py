@@ -1,0 +1,206 @@
+"""LLaVA's jsonl data (``llava_v1_5_mix665k.json`` as jsonl, ``blip_laion_cc_sbu_558k``): one sample per
+line, its image from an image folder, the loss on the answers.
+
+Each non-blank line is an object::
+
+    {"id": "000000033471", "image": "coco/train2017/000000033471.jpg",
+     "conversations": [{"from": "human", "value": "<image>\\nWhat are the colors of the bus?"},
+                       {"from": "gpt", "value": "The bus is white and red."}, ...]}
+
+``image`` is a path relative to ``image_folder`` (or absolute); a line without it (or ``null``) is a
+text-only sample. The conversation is tokenized by
+:class:`megatrain.data.multimodal.conversation.ConversationEncoder` and the image preprocessed by
+:class:`megatrain.data.multimodal.image_processing.CLIPImageProcessor`.
+
+Sample ``i`` is line ``order(epoch)[pos]`` with ``epoch, pos = divmod(i, lines)`` and ``order(e)`` the
+permutation of ``numpy.random.RandomState(seed + e)`` (as megatrain's SFT dataset), so the order is
+fixed by the seed and a resumed run continues from its consumed-sample count (megatrain's loader
+starts at that index): nothing else is state.
+
+A sample is a dict: ``tokens`` and ``targets`` (int64 [n], n <= seq_length + 1; see
+:class:`EncodedConversation`), ``pixel_values`` (float32 [k, 3, H, W], k = ``num_images`` = 0 or 1),
+``id`` (the line's ``id`` as a string, else ``FILE:LINE``) and ``skipped`` (bad lines passed over to
+reach it). :class:`megatrain.data.multimodal.collate.MultimodalCollator` batches them.
+
+Errors (:class:`MultimodalDataError`, one line): a line that is not JSON, not an object, lacks
+``conversations`` or has a malformed one stops the dataset when it is built
+(``--data-path FILE:LINE: ...``). A missing or unreadable image stops the run when the sample is read
+(``--data-path FILE:LINE: image PATH: ...``), or, with ``skip_bad_samples``, the sample is passed
+over for the next line of the same epoch's order and counted (``skipped``, and :attr:`bad_lines` in
+the reading process); so are samples whose image tokens do not fit ``seq_length``. ``check_images``
+opens every image when the dataset is built: bad ones stop it then, or are left out of the order and
+counted (exact counts, at the cost of reading every image once).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from megatrain.data.jsonl import iter_jsonl_at, parse_jsonl_line
+from megatrain.data.multimodal.conversation import ConversationEncoder, to_messages
+from megatrain.data.multimodal.errors import MultimodalDataError
+from megatrain.data.multimodal.image_processing import CLIPImageProcessor
+
+__all__ = ["LlavaJsonlDataset", "load_image", "SKIPPABLE"]
+
+#: The kinds of bad samples that ``skip_bad_samples`` passes over.
+SKIPPABLE = ("image", "length")
+
+
+def load_image(path: str, where: str) -> Image.Image:
+    """The decoded image at ``path``; missing or undecodable raises one line naming ``where`` and ``path``."""
+    try:
+        image = Image.open(path)
+        image.load()
+    except FileNotFoundError:
+        raise MultimodalDataError(f"image {path}: no such file", where, "image") from None
+    except IsADirectoryError:
+        raise MultimodalDataError(f"image {path}: is a directory", where, "image") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise MultimodalDataError(f"image {path}: cannot read it ({type(e).__name__}: {e})", where, "image") from None
+    return image
+
+
+def _check_line(obj: Any, where: str) -> str | None:
+    """The line's image path (None: text only); a line that is not LLaVA's form raises."""
+    if not isinstance(obj, dict):
+        raise MultimodalDataError(f"expected a JSON object with \"conversations\", got {type(obj).__name__}",
+                                  where, "json")
+    if "conversations" not in obj:
+        keys = ", ".join(map(repr, list(obj)[:5]))
+        raise MultimodalDataError(f"no \"conversations\" list (the keys are {keys or 'none'})", where, "json")
+    to_messages(obj["conversations"], where)
+    image = obj.get("image")
+    if image is not None and (not isinstance(image, str) or not image):
+        what = "a list (several images per sample are not supported)" if isinstance(image, list) else repr(image)
+        raise MultimodalDataError(f"\"image\" must be a path relative to the image folder, got {what}", where, "json")
+    return image
+
+
+class LlavaJsonlDataset(torch.utils.data.Dataset):
+    """The samples of one LLaVA jsonl file (module docstring). ``num_samples``: None for one epoch."""
+
+    def __init__(self, path: str, image_folder: str | None, encoder: ConversationEncoder,
+                 processor: CLIPImageProcessor | None = None, *, num_samples: int | None = None, seed: int = 1234,
+                 skip_bad_samples: bool = False, check_images: bool = False, flag: str = "--data-path"):
+        self.path, self.flag = os.fspath(path), flag
+        self.image_folder = os.fspath(image_folder) if image_folder is not None else None
+        self.encoder, self.processor = encoder, processor or CLIPImageProcessor()
+        self.seed, self.skip_bad_samples = int(seed), bool(skip_bad_samples)
+        self.image_shape = self.processor.output_shape
+        #: line number -> reason, for the lines passed over (in this process).
+        self.bad_lines: dict[int, str] = {}
+        linenos, offsets, lengths = [], [], []
+        for lineno, offset, length, obj in iter_jsonl_at(self.path, flag):
+            where = f"{flag} {self.path}:{lineno}"
+            image = _check_line(obj, where)
+            if image is not None and self.image_folder is None and not os.path.isabs(image):
+                raise MultimodalDataError(f"\"image\" {image!r} is relative but no image folder was given", where,
+                                          "json")
+            if check_images and image is not None:
+                try:
+                    load_image(self._image_path(image), where).close()
+                except MultimodalDataError as e:
+                    if not self.skip_bad_samples:
+                        raise
+                    self._note_bad(lineno, str(e), warn=False)
+                    continue
+            linenos.append(lineno)
+            offsets.append(offset)
+            lengths.append(length)
+        if self.bad_lines:
+            warnings.warn(f"{flag} {self.path}: {len(self.bad_lines)} lines with an unreadable image are left out "
+                          f"(the first: {next(iter(self.bad_lines.values()))})", stacklevel=2)
+        if not linenos:
+            raise MultimodalDataError("no samples (the file is empty, or every image is bad)", f"{flag} {self.path}")
+        self.linenos = np.asarray(linenos, dtype=np.int64)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.num_samples = len(self.linenos) if num_samples is None else int(num_samples)
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        self._orders: dict[int, np.ndarray] = {}
+        self._file: Any = None
+        self._file_pid = -1
+
+    @property
+    def num_lines(self) -> int:
+        return len(self.linenos)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_file": None, "_file_pid": -1}
+
+    def _image_path(self, image: str) -> str:
+        return image if os.path.isabs(image) or self.image_folder is None else os.path.join(self.image_folder, image)
+
+    def _note_bad(self, lineno: int, reason: str, warn: bool = True) -> None:
+        if lineno not in self.bad_lines:
+            self.bad_lines[lineno] = reason
+            if warn:
+                warnings.warn(f"skipped: {reason}", stacklevel=3)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The line indices of ``epoch`` in reading order."""
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.RandomState(self.seed + epoch).permutation(self.num_lines)
+        return self._orders[epoch]
+
+    def where(self, j: int) -> str:
+        return f"{self.flag} {self.path}:{int(self.linenos[j])}"
+
+    def read_line(self, j: int) -> dict[str, Any]:
+        """The parsed object of line index ``j`` (read again from the file)."""
+        if self._file is None or self._file_pid != os.getpid():  # one handle per (loader worker) process
+            self._file, self._file_pid = open(self.path, "rb"), os.getpid()
+        self._file.seek(int(self.offsets[j]))
+        return parse_jsonl_line(self._file.read(int(self.lengths[j])), self.where(j))
+
+    def sample_of_line(self, j: int) -> dict[str, Any]:
+        """The sample of line index ``j`` (errors as the module docstring)."""
+        where = self.where(j)
+        obj = self.read_line(j)
+        image_rel = _check_line(obj, where)
+        pixel_values = torch.empty((0, *self.image_shape), dtype=torch.float32)
+        if image_rel is not None:
+            image = load_image(self._image_path(image_rel), where)
+            try:
+                pixel_values = self.processor(image).unsqueeze(0)
+            except (OSError, ValueError) as e:  # a truncated file can fail only when decoded further
+                raise MultimodalDataError(f"image {self._image_path(image_rel)}: cannot process it ({e})", where,
+                                          "image") from None
+            finally:
+                image.close()
+        encoded = self.encoder.encode(obj["conversations"], 0 if image_rel is None else 1, where)
+        sample_id = obj.get("id")
+        return {"tokens": encoded.tokens, "targets": encoded.targets, "pixel_values": pixel_values,
+                "num_images": int(pixel_values.shape[0]),
+                "id": f"{self.path}:{int(self.linenos[j])}" if sample_id is None else str(sample_id),
+                "skipped": 0}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        epoch, pos = divmod(int(index) % self.num_samples, self.num_lines)
+        order = self.order(epoch)
+        for attempt in range(self.num_lines):
+            j = int(order[(pos + attempt) % self.num_lines])
+            try:
+                sample = self.sample_of_line(j)
+            except MultimodalDataError as e:
+                if not self.skip_bad_samples or e.kind not in SKIPPABLE:
+                    raise
+                self._note_bad(int(self.linenos[j]), str(e))
+                continue
+            sample["skipped"] = attempt
+            return sample
+        raise MultimodalDataError(f"every line is bad (the first: {next(iter(self.bad_lines.values()))})",
+                                  f"{self.flag} {self.path}")
