@@ -35,7 +35,7 @@ from megatrain.models.gpt.config import GPTConfig  # noqa: E402
 from megatrain.models.gpt import GPTModel  # noqa: E402
 from megatrain import checkpoint as checkpointing  # noqa: E402
 from megatrain.checkpoint import Checkpointer, TrainState  # noqa: E402
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer  # noqa: E402
+from megatrain.optimizer import OptimizerConfig, build_optimizer  # noqa: E402
 
 SHAPES = {
     "small": dict(num_layers=4, hidden_size=768, num_attention_heads=12, vocab_size=32768,

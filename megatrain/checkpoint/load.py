@@ -123,7 +123,8 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     has_optim = bool(meta.get("has_optimizer", False))
     if load_optim and optimizer is not None and not has_optim:
         why = (f"converted from the Megatron-LM checkpoint {meta['converted_from_megatron']}, whose optimizer state "
-               "is not converted" if meta.get("converted_from_megatron") else "saved with --no-save-optim")
+               "is absent or in a layout megatrain does not convert" if meta.get("converted_from_megatron")
+               else "saved with --no-save-optim")
         warn(f"checkpoint {ckpt} holds no optimizer state ({why}); the optimizer starts fresh")
     load_optim = load_optim and optimizer is not None and has_optim
     if load_optim:

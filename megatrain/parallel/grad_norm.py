@@ -5,7 +5,7 @@ DTensor, so sharded and replicated parameters count once; ``reduce_group`` combi
 ranks that hold different parameters, e.g. pipeline stages); :func:`clip_grads_with_norm_` scales
 them by Megatron's coefficient; :func:`clip_grad_norm_` does both. Nothing here syncs with the
 host. They live in ``parallel/`` because the pipeline's norm over stages needs them and
-``parallel/`` imports nothing from ``training/``; ``megatrain.training.optimizer`` re-exports them.
+``parallel/`` imports nothing from ``training/``; ``megatrain.optimizer`` re-exports them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Flags of the training package's concerns, with Megatron-LM's names, defaults and attribute names.
 
 One function per concern: the loop (batch sizes, length, exits, device, seed), between-step
-housekeeping (:mod:`megatrain.training.housekeeping`), the optimizer (:mod:`megatrain.training.optimizer`),
+housekeeping (:mod:`megatrain.training.housekeeping`), the optimizer (:mod:`megatrain.optimizer`),
 the learning-rate schedule (:mod:`megatrain.training.lr_schedule`), precision and loss scaling
 (:mod:`megatrain.training.builders`, :mod:`megatrain.training.loss_scaler`), logging
 (:mod:`megatrain.training.logging`) and evaluation.

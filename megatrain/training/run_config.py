@@ -27,7 +27,7 @@ from megatrain.parallel.pipeline import PipelineConfig
 from megatrain.parallel.recompute import RecomputeConfig
 from megatrain.training.builders import Precision
 from megatrain.training.lr_schedule import LRScheduleConfig, lr_schedule_config_from_args
-from megatrain.training.optimizer import OptimizerConfig
+from megatrain.optimizer import OptimizerConfig
 
 __all__ = ["RunConfig", "parallel_dims_from_args", "pipeline_config_from_args"]
 

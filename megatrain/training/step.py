@@ -20,7 +20,7 @@ from megatrain.models.common.objective import loss_means
 from megatrain.parallel.context_parallel import split_batch
 from megatrain.parallel.data_parallel import gradient_sync
 from megatrain.training.loss_scaler import found_inf_in_grads, reduce_found_inf, unscale_grads_
-from megatrain.training.optimizer import clip_grad_norm_, scale_grads_
+from megatrain.optimizer import clip_grad_norm_, scale_grads_
 
 __all__ = ["StepMixin", "StepResult", "IntervalStats", "summed"]
 

@@ -42,7 +42,7 @@ from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import MetricsWriter, format_train_log_line
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megatrain.training.lr_schedule import LRScheduler
-from megatrain.training.optimizer import build_optimizer
+from megatrain.optimizer import build_optimizer
 from megatrain.training.run_config import RunConfig
 from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep
 

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from megatrain.models.gpt import canonical_parameter_name
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.parallel.distributed import destroy_distributed
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from megatrain.optimizer import OptimizerConfig, build_optimizer
 from megatrain.training.trainer import Trainer
 
 

@@ -10,7 +10,7 @@ from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain import checkpoint as checkpointing
 from megatrain.checkpoint import TrainState
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from megatrain.optimizer import OptimizerConfig, build_optimizer
 from tests.e2e.conftest import run_cmd
 
 

@@ -1,7 +1,10 @@
 """Megatron-LM checkpoints made and read by megatron-core itself (on CPU, gloo): a tiny GPTModel with the local
 layer spec saved by ``dist_checkpointing.save`` (torch_dist) and ``torch.save`` (legacy) under TP=1 and TP=2; megatrain
 imports each and its logits equal megatron-core's own forward within 1e-5 (fp32); megatrain's ``--saver mcore``
-output loads with megatron-core's ``dist_checkpointing.load`` (TP=1 and TP=2) and gives the same logits.
+output loads with megatron-core's ``dist_checkpointing.load`` (TP=1 and TP=2) and gives the same logits. The dense
+models' checkpoints hold megatron-core's Adam state after three real steps (``optimizer.sharded_state_dict``, as
+Megatron-LM saves it): megatrain's import has the same moments and step per parameter (1e-6) and its resumed step
+gives megatron-core's next weights (1e-5); megatron-core's optimizer loads megatrain's export with them again.
 
 megatron-core (the dev extra: ``megatron-core``, ``psutil``) runs in a subprocess of this Python, or of the one
 ``MEGATRAIN_MCORE_PYTHON`` names (else ``/tmp/mcore-venv/bin/python`` when it has it); the tests skip when none has
@@ -54,6 +57,8 @@ import torch
 
 def patch_cpu():  # megatron-core assumes CUDA in a few places its CPU path never needs
     torch.cuda.current_device = lambda: "cpu"
+    tensor = torch.tensor  # FP32Optimizer keeps its (unused) loss scale of one on 'cuda'
+    torch.tensor = lambda *a, **k: tensor(*a, **({**k, "device": "cpu"} if k.get("device") == "cuda" else k))
     torch.cuda.synchronize = lambda *a, **k: None
     from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
@@ -100,6 +105,51 @@ def logits(model, spec):
     return tensor_parallel.gather_from_tensor_model_parallel_region(out), ids
 
 
+ADAM = {"lr": 1e-2, "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-5}  # see _check_adam
+
+
+def adam(model):  # megatron-core's non-distributed optimizer over its own param groups (get_megatron_optimizer's)
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    cfg = OptimizerConfig(optimizer="adam", min_lr=ADAM["lr"], clip_grad=0.0, **ADAM)
+    groups = _get_param_groups([model], cfg, None)
+    for g in groups:  # what its OptimizerParamScheduler sets each step (constant here)
+        g["lr"], g["weight_decay"] = ADAM["lr"] * g["lr_mult"], ADAM["weight_decay"] * g["wd_mult"]
+    inner = torch.optim.AdamW(groups, lr=ADAM["lr"], betas=(ADAM["adam_beta1"], ADAM["adam_beta2"]),
+                              eps=ADAM["adam_eps"], weight_decay=ADAM["weight_decay"])
+
+    def init_state_fn(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+    return FP32Optimizer(inner, cfg, init_state_fn)
+
+
+def batch(spec, i):
+    g = torch.Generator().manual_seed(100 + i)
+    return (torch.randint(0, spec["vocab"], (2, 12), generator=g),
+            torch.randint(0, spec["vocab"], (2, 12), generator=g))
+
+
+def adam_step(model, opt, spec, i):
+    ids, labels = batch(spec, i)
+    pos = torch.arange(12).unsqueeze(0).expand(2, 12)
+    mask = torch.triu(torch.ones(12, 12), diagonal=1).bool()[None, None]
+    model.train()
+    opt.zero_grad()
+    model(ids, pos, attention_mask=mask, labels=labels).mean().backward()
+    opt.step()
+    model.eval()
+
+
+def adam_record(model, opt, spec, path):  # this rank's Adam state, then its weights after one more step
+    held = {n: {k: v.clone() for k, v in opt.optimizer.state[p].items()} for n, p in model.named_parameters()}
+    adam_step(model, opt, spec, 3)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save({"moments": held, "after": after, "batch": batch(spec, 3)}, path)
+
+
 def megatron_args(spec, tp):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
@@ -115,7 +165,7 @@ def megatron_args(spec, tp):
         consumed_train_samples=96, consumed_valid_samples=8, model_type=ModelType.encoder_or_decoder,
         attention_backend=AttnBackend.auto, params_dtype=torch.float32, tokenizer_type="NullTokenizer",
         iteration=12, num_experts=spec.get("experts"), moe_ffn_hidden_size=spec.get("moe_ffn"), moe_router_topk=2,
-        moe_aux_loss_coeff=0.0)
+        moe_aux_loss_coeff=0.0, optimizer="adam", min_lr=ADAM["lr"], **ADAM)
 
 
 def main():
@@ -133,20 +183,30 @@ def main():
     torch.manual_seed(1234)
     if mode == "make":
         model = build(spec, world)
+        opt = adam(model) if spec.get("adam") else None
+        for i in range(3 if opt else 0):  # a few real Adam steps: the checkpoint holds its state
+            adam_step(model, opt, spec, i)
         lg, ids = logits(model, spec)
         args = megatron_args(spec, world)
         dist_dir = os.path.join(out, "dist", "iter_0000012")
         os.makedirs(dist_dir, exist_ok=True)
         state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 12,
                  "num_floating_point_operations_so_far": 0}
+        if opt:  # as megatron/training/checkpointing.py saves it
+            state["optimizer"] = opt.sharded_state_dict(state)
         dist_checkpointing.save(state, dist_dir)
         rank_dir = os.path.join(out, "legacy", "iter_0000012", f"mp_rank_{rank:02d}")
         os.makedirs(rank_dir, exist_ok=True)
         import numpy as np
         rng = [{"random_rng_state": __import__("random").getstate(), "np_rng_state": np.random.get_state(),
                 "torch_rng_state": torch.get_rng_state()}]
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 12, "model": model.state_dict(),
-                    "rng_state": rng}, os.path.join(rank_dir, "model_optim_rng.pt"))
+        legacy = {"args": args, "checkpoint_version": 3.0, "iteration": 12, "model": model.state_dict(),
+                  "rng_state": rng}
+        if opt:
+            legacy["optimizer"] = opt.state_dict()
+        torch.save(legacy, os.path.join(rank_dir, "model_optim_rng.pt"))
+        if opt:  # the state saved and the next step megatron-core takes from it
+            adam_record(model, opt, spec, os.path.join(out, f"adam_rank{rank}.pt"))
         dist.barrier()
         if rank == 0:
             for sub in ("dist", "legacy"):
@@ -161,9 +221,17 @@ def main():
         it = open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip()
         ckpt_dir = os.path.join(out, f"iter_{int(it):07d}")
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
+        state = {"model": model.sharded_state_dict()}
+        opt = adam(model) if spec.get("adam") else None
+        if opt:  # as megatron/training/checkpointing.py loads it
+            state["optimizer"] = opt.sharded_state_dict(state, is_loading=True)
+        loaded = dist_checkpointing.load(state, ckpt_dir)
         model.load_state_dict(loaded["model"])
+        if opt:
+            opt.load_state_dict(loaded["optimizer"])
         lg, ids = logits(model, spec)
+        if opt:
+            adam_record(model, opt, spec, os.path.join(out, f"adam_rank{rank}.pt"))
         if rank == 0:
             torch.save({"logits": lg, "ids": ids, "iteration": common["iteration"],
                         "consumed": common["args"].consumed_train_samples}, os.path.join(out, "mcore_logits.pt"))
@@ -216,21 +284,30 @@ def _our_logits(ckpt: str, cfg, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)
 
 
-# LLaMA at TP=2 in every run; GPT-2 and TP=1 (the same conversion code) in the long run.
+# LLaMA at TP=2 in every run; GPT-2 and TP=1 (the same conversion code) in the long run. In each, megatron-core
+# first takes three Adam steps (its non-distributed optimizer, as get_megatron_optimizer builds it) and saves model
+# and optimizer as Megatron-LM does; `_check_adam` holds the optimizer state to megatron-core's, both ways.
+# (megatron-core 0.16's distributed optimizer cannot be built on CPU: it wants torch.cuda parameters.)
 @pytest.mark.parametrize("spec,tp", [(LLAMA, 2), pytest.param(LLAMA, 1, marks=pytest.mark.long),
                                      pytest.param(GPT2, 1, marks=pytest.mark.long),
                                      pytest.param(GPT2, 2, marks=pytest.mark.long)],
                          ids=["llama-2", "llama-1", "gpt2-1", "gpt2-2"])
 def test_megatron_core_checkpoints_in_and_out(tmp_path, spec, tp):
+    spec = {**spec, "adam": True}
     made = tmp_path / "made"
     made.mkdir()
     _mcore(tmp_path, "make", spec, str(made), tp)
     ref = torch.load(made / "logits.pt", weights_only=True)
+    reports = {}
     for fmt in ("dist", "legacy"):
-        report = import_megatron(str(made / fmt), str(tmp_path / f"ours_{fmt}"), progress=False, quiet=True)
+        report = reports[fmt] = import_megatron(str(made / fmt), str(tmp_path / f"ours_{fmt}"), progress=False,
+                                                quiet=True)
         assert report.iteration == 12
         logits = _our_logits(report.path, report.config, ref["ids"])
         assert (logits - ref["logits"]).abs().max().item() < 1e-5, fmt
+    assert reports["dist"].note is None  # the Adam state travels
+    note = reports["legacy"].note or ""
+    assert "legacy torch format" in note and "starts fresh" in note and "\n" not in note
     # ours -> torch_dist -> megatron-core's dist_checkpointing.load, at this TP size
     back = tmp_path / "back"
     export_megatron(str(tmp_path / "ours_dist"), str(back), saver="mcore", progress=False)
@@ -238,3 +315,58 @@ def test_megatron_core_checkpoints_in_and_out(tmp_path, spec, tp):
     loaded = torch.load(back / "mcore_logits.pt", weights_only=True)
     assert loaded["iteration"] == 12 and loaded["consumed"] == 96
     assert (loaded["logits"] - ref["logits"]).abs().max().item() < 1e-5
+    _check_adam(made, back, reports["dist"], tp)
+
+
+
+ADAM = {"lr": 1e-2, "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-5}  # the helper's
+
+
+def _mcore_adam(out, tp: int, cfg) -> tuple[dict, dict, tuple]:
+    """megatron-core's Adam state as the helper saved it (each rank's shards joined and in megatrain's names and
+    layouts by `merge_tp` and `from_megatron`, as legacy weights are), its weights after its next step, the batch."""
+    from megatrain.convert.megatron.names import canonical_name, from_megatron, merge_tp
+
+    ranks = [torch.load(os.path.join(out, f"adam_rank{r}.pt"), weights_only=True) for r in range(tp)]
+    names = [n for n in ranks[0]["after"] if canonical_name(n)]
+
+    def joined(get) -> dict[str, torch.Tensor]:
+        return from_megatron({canonical_name(n): merge_tp(canonical_name(n), [get(r, n) for r in ranks], cfg.swiglu)
+                              for n in names}, cfg.swiglu)
+
+    moments = {kind: joined(lambda r, n, k=kind: r["moments"][n][k]) for kind in ("exp_avg", "exp_avg_sq")}
+    steps = {int(r["moments"][n]["step"]) for r in ranks for n in names}
+    return {**moments, "steps": steps}, joined(lambda r, n: r["after"][n]), ranks[0]["batch"]
+
+
+def _check_adam(made, back, report, tp: int) -> None:
+    """megatrain's import holds megatron-core's Adam state per parameter and its resumed step gives megatron-core's
+    next weights; the --saver mcore output loads into megatron-core's optimizer with the same state and step."""
+    import torch.nn.functional as F
+
+    from megatrain import checkpoint as checkpointing
+    from megatrain.optimizer import OptimizerConfig, build_optimizer
+
+    cfg = report.config
+    want, after, (ids, labels) = _mcore_adam(made, tp, cfg)
+    assert want["steps"] == {3}
+    model = get_family("gpt").build_model(cfg)
+    opt = build_optimizer(model, OptimizerConfig(**ADAM))
+    checkpointing.load_checkpoint(report.path, model, opt, load_rng=False)  # megatrain's own load path
+    for name, p in model.named_parameters():
+        assert int(opt.state[p]["step"]) == 3, name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(opt.state[p][kind], want[kind][name], rtol=0, atol=1e-6), (name, kind)
+    for g in opt.param_groups:  # the rates as the schedule sets them (constant in the helper)
+        g["lr"], g["weight_decay"] = ADAM["lr"], ADAM["weight_decay"] * g["wd_mult"]
+    F.cross_entropy(model(ids).float().flatten(0, 1), labels.flatten()).backward()
+    opt.step()  # (eps 1e-5: Adam would blow a gradient of pure rounding noise, the key bias's, up to +-lr)
+    for name, t in model.state_dict().items():
+        assert torch.allclose(t, after[name], rtol=0, atol=1e-5), name
+    again, again_after, _ = _mcore_adam(back, tp, cfg)  # megatron-core, from megatrain's --saver mcore output
+    assert again["steps"] == {3}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for name, t in want[kind].items():
+            assert torch.allclose(again[kind][name], t, rtol=0, atol=1e-6), (name, kind)
+    for name, t in after.items():
+        assert torch.allclose(again_after[name], t, rtol=0, atol=1e-5), name

@@ -23,7 +23,7 @@ from megatrain.models.common.config_checks import ConfigCheck
 from megatrain.models.gpt import GPTModel
 from megatrain.models.gpt.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.gpt.config import GPTConfig
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from megatrain.optimizer import OptimizerConfig, build_optimizer
 from tests.unit.test_checkpointing import CONFIG, _trained
 
 DATA = Path(__file__).resolve().parents[1] / "data"

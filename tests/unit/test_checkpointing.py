@@ -15,7 +15,7 @@ from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt import GPTModel
 from megatrain import checkpoint as checkpointing
 from megatrain.checkpoint import Checkpointer, CheckpointError, TrainState
-from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+from megatrain.optimizer import OptimizerConfig, build_optimizer
 
 CONFIG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, max_position_embeddings=8,
                    hidden_dropout=0.0, attention_dropout=0.0)

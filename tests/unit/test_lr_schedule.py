@@ -216,7 +216,7 @@ def test_group_bounds_follow_the_settled_schedule():
     """A loaded optimizer state brings the saved groups' max_lr/min_lr; apply_group_bounds puts the
     settled schedule's (default groups: --lr/--min-lr; decoupled: --decoupled-lr/--decoupled-min-lr)."""
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
-    from megatrain.training.optimizer import OptimizerConfig, build_optimizer
+    from megatrain.optimizer import OptimizerConfig, build_optimizer
     opt = build_optimizer(model, OptimizerConfig(lr=1e-3, min_lr=1e-4))
     s = LRScheduler(opt, LRScheduleConfig(lr=2e-3, min_lr=2e-4, lr_decay_steps=10, decoupled_lr=9e-3))
     opt.param_groups[0]["is_decoupled_lr"] = True  # as --decoupled-lr marks the embedding's group

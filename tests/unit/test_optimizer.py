@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megatrain.training.lr_schedule import LRScheduleConfig, LRScheduler
-from megatrain.training.optimizer import (
+from megatrain.optimizer import (
     OptimizerConfig,
     build_optimizer,
     build_param_groups,

@@ -89,6 +89,9 @@ def _megatron_to_megatron(args: argparse.Namespace, progress: bool) -> str:
     note = optimizer_note(ck)
     if note:
         print(" " + note, flush=True)
+    elif ck.optimizer is not None:
+        print(f" note: {ck.path}: its optimizer state is not written (a conversion between Megatron formats "
+              "carries the weights; convert to megatrain and back for Adam's state)", flush=True)
     if args.saver == "mcore":
         return write_torch_dist(args.save_dir, tensors, margs, ck.iteration, ck.scheduler)
     return write_legacy(args.save_dir, tensors, margs, ck.iteration, tp=tp, pp=pp,

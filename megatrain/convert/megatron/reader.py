@@ -10,8 +10,10 @@
   tensor- x pipeline-parallel rank; each stage numbers its layers from 0, each TP rank holds its shard.
 
 `read_megatron_checkpoint` returns a `MegatronCheckpoint`: canonical Megatron tensors
-(`megatrain.convert.megatron.names`), the stored ``args``, iteration and consumed samples, and what
-was left out (optimizer states). Pickles are read only through `megatrain.convert.megatron.pickles`.
+(`megatrain.convert.megatron.names`), the stored ``args``, iteration and consumed samples, Adam's
+state where a torch_dist checkpoint holds it in model space (`megatrain.convert.megatron.optim`),
+and what was left out (a legacy checkpoint's optimizer state, other optimizer layouts). Pickles are
+read only through `megatrain.convert.megatron.pickles`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatrain.checkpoint.dcp_reader import load_dcp
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.ranks import single_process_quiet
 from megatrain.convert.megatron.names import UnsupportedMegatronModel, canonical_name, layer_of, merge_tp, with_layer
+from megatrain.convert.megatron.optim import MegatronOptimizerState, read_optimizer_state
 from megatrain.convert.megatron.pickles import load_megatron_dcp_metadata, load_megatron_pt
 
 __all__ = ["MegatronCheckpoint", "TRACKER", "find_megatron_iteration", "is_megatron_checkpoint",
@@ -52,7 +55,8 @@ class MegatronCheckpoint:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     scheduler: dict[str, Any] | None = None
-    left_out: list[str] = field(default_factory=list)  # what is not converted (optimizer states), for the note
+    left_out: list[str] = field(default_factory=list)  # what is not converted, and why, for the note
+    optimizer: MegatronOptimizerState | None = None  # Adam's state (torch_dist checkpoints that hold it)
 
 
 def _iter_name(it: int | str) -> str:
@@ -102,8 +106,8 @@ def _counters(ck: MegatronCheckpoint, common: dict[str, Any]) -> None:
         ck.consumed_valid_samples = int(getattr(args, "consumed_valid_samples", 0) or 0)
     sched = common.get("opt_param_scheduler") or common.get("lr_scheduler")
     ck.scheduler = sched if isinstance(sched, dict) else None
-    if common.get("optimizer") is not None:
-        ck.left_out.append("optimizer state")
+    if common.get("optimizer") is not None:  # torch_dist: replaced by what `read_optimizer_state` finds
+        ck.left_out.append("optimizer state (the legacy torch format keeps it by parameter index)")
 
 
 def _iteration(d: str, common: dict[str, Any]) -> int:
@@ -135,32 +139,41 @@ def _read_torch_dist(d: str, progress: bool) -> MegatronCheckpoint:
                             else None, {})
     _counters(ck, common)
     keys = [k for k, v in md.state_dict_metadata.items() if hasattr(v, "size") and k.startswith(_MODEL_PREFIXES)]
-    others = [k for k, v in md.state_dict_metadata.items() if hasattr(v, "size") and not k.startswith(_MODEL_PREFIXES)]
-    if any(k.startswith("optimizer") for k in others) and "optimizer state" not in ck.left_out:
-        ck.left_out.append("optimizer state")
     for key in tqdm(keys, desc="reading torch_dist", disable=not progress):
-        item = md.state_dict_metadata[key]
-        t = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        with single_process_quiet():
-            load_dcp({key: t}, d, md, allow_partial_load=True)
-        if key.startswith("decoder.layers.") and layer_of(key) is None:  # stacked: [num_layers, ...]
-            rest = key[len("decoder.layers."):]
-            # only the layers its chunks cover (dense and MoE layers of one model stack separately)
-            covered = sorted({c.offsets[0] + i for c in item.chunks for i in range(c.sizes[0])})
-            for i in covered:
-                if rest.startswith("mlp.experts.experts."):  # routed experts: [L, E, ...]
-                    for e in range(t.shape[1]):
-                        name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest[len('mlp.experts.experts.'):]}"
-                        ck.tensors[name] = t[i, e].clone()
-                    continue
-                name = canonical_name(f"decoder.layers.{i}.{rest}")
-                if name is not None:
-                    ck.tensors[name] = t[i].clone()
-        else:
-            name = canonical_name(key)
-            if name is not None:
-                ck.tensors[name] = t
+        ck.tensors.update(read_sharded_key(d, md, key, key))
+    ck.left_out = [x for x in ck.left_out if not x.startswith("optimizer state")]
+    ck.optimizer = read_optimizer_state(d, md, common, keys, ck.args, ck.iteration, ck.left_out,
+                                        lambda stored, key: read_sharded_key(d, md, stored, key))
     return ck
+
+
+def read_sharded_key(d: str, md: Any, stored: str, key: str) -> dict[str, torch.Tensor]:
+    """The canonical tensors of one torch_dist tensor ``stored`` whose model key is ``key`` (itself, or
+    the parameter an optimizer-state tensor ``optimizer.state.exp_avg.KEY`` belongs to): the stacked
+    layer tensors ([L, ...], routed experts [L, E, ...]) cut into one tensor per layer (and expert)."""
+    item = md.state_dict_metadata[stored]
+    t = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    with single_process_quiet():
+        load_dcp({stored: t}, d, md, allow_partial_load=True)
+    out: dict[str, torch.Tensor] = {}
+    if key.startswith("decoder.layers.") and layer_of(key) is None:  # stacked: [num_layers, ...]
+        rest = key[len("decoder.layers."):]
+        # only the layers its chunks cover (dense and MoE layers of one model stack separately)
+        covered = sorted({c.offsets[0] + i for c in item.chunks for i in range(c.sizes[0])})
+        for i in covered:
+            if rest.startswith("mlp.experts.experts."):  # routed experts: [L, E, ...]
+                for e in range(t.shape[1]):
+                    name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest[len('mlp.experts.experts.'):]}"
+                    out[name] = t[i, e].clone()
+                continue
+            name = canonical_name(f"decoder.layers.{i}.{rest}")
+            if name is not None:
+                out[name] = t[i].clone()
+    else:
+        name = canonical_name(key)
+        if name is not None:
+            out[name] = t
+    return out
 
 
 def _stage_model(sd: dict[str, Any], path: str) -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ Two steps, where the run does that kind of work already (as the Hugging Face sta
    checkpoint (`bridge.import_megatron`) into a megatrain checkpoint in a cache directory
    (``SAVE/megatron_import/NAME-FINGERPRINT``, or ``$MEGATRAIN_MEGATRON_CACHE``), under a temporary
    name renamed when complete; the other ranks wait for it. ``--load`` then names that directory and
-   the ordinary loading follows: iteration and consumed samples restored, the optimizer fresh (a
-   note), the model config compared with the flags' (one line per difference).
+   the ordinary loading follows: iteration and consumed samples restored, Adam's moments and step
+   where the checkpoint keeps them in a layout megatrain converts (else the optimizer fresh, a note),
+   the model config compared with the flags' (one line per difference).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megatrain.locking import LockHeld, acquire
 __all__ = ["apply_megatron_load", "prepare_megatron_start", "read_megatron_args", "CACHE_ENV"]
 
 CACHE_ENV = "MEGATRAIN_MEGATRON_CACHE"
-FORMAT = "1"
+FORMAT = "2"  # of the cached conversion: "2" carries Adam's state
 
 
 def read_megatron_args(d: str) -> argparse.Namespace:

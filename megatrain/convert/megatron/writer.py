@@ -9,8 +9,10 @@ dict, so both specs load it), SwiGLU's ``linear_fc1`` as [gate; up], and one ``_
 ShardedObject per layer and linear layer (``.../shard_{layer}_{L}``, a pickled ``[None]``, as megatron-core
 writes for the local spec). ``common.pt`` holds the ``args`` (plain values), ``iteration`` and
 ``checkpoint_version`` 3.0 and the LR schedule (``opt_param_scheduler``), as Megatron's
-``save_checkpoint`` does (no optimizer state, no RNG: Megatron-LM loads it with ``--no-load-optim
---no-load-rng``, or ``--finetune``). Every checkpoint is written into
+``save_checkpoint`` does; Adam's state where given, in the non-distributed optimizer's layout
+(``optimizer.state.exp_avg.<key>`` beside each model key, the step and param groups in ``common.pt``);
+no RNG (Megatron-LM loads it with ``--no-load-rng``; the legacy format gets no optimizer state:
+``--no-load-optim``, or ``--finetune``). Every checkpoint is written into
 ``iter_XXXXXXX.tmp`` and renamed when complete; ``latest_checkpointed_iteration.txt`` is replaced
 last, atomically.
 """
@@ -33,6 +35,8 @@ from tqdm import tqdm
 from megatrain.atomic_io import atomic_write_text
 from megatrain.checkpoint.ranks import single_process_quiet
 from megatrain.convert.megatron.names import UnsupportedMegatronModel, layer_of, split_tp, with_layer
+from megatrain.convert.megatron.optim import (MOMENTS, MegatronOptimizerState, optimizer_common,
+                                              optimizer_sharded_tensors)
 from megatrain.convert.megatron.reader import TRACKER
 
 __all__ = ["write_torch_dist", "write_legacy", "DIST_METADATA"]
@@ -137,14 +141,23 @@ def _stacked(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, Any
 
 
 def write_torch_dist(save: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
-                     scheduler: dict[str, Any] | None = None) -> str:
-    """``save/iter_XXXXXXX`` in megatron-core's torch_dist format; returns the directory."""
+                     scheduler: dict[str, Any] | None = None, *, optimizer: MegatronOptimizerState | None = None,
+                     param_groups: list[dict[str, Any]] | None = None) -> str:
+    """``save/iter_XXXXXXX`` in megatron-core's torch_dist format; returns the directory. With
+    ``optimizer`` (Adam's moments and step, canonical names) and its ``param_groups`` also the
+    non-distributed optimizer's state (`megatrain.convert.megatron.optim`)."""
     tmp, final = _begin(save, iteration)
     try:
-        sd = _stacked(tensors, int(args.num_layers))
+        num_layers = int(args.num_layers)
+        sd = _stacked(tensors, num_layers)
+        common = _common(args, iteration, scheduler)
+        if optimizer is not None:
+            sd.update(optimizer_sharded_tensors({kind: _stacked(getattr(optimizer, kind), num_layers)
+                                                 for kind in MOMENTS}))
+            common["optimizer"] = optimizer_common(optimizer.step, param_groups or [])
         with open(os.path.join(tmp, "metadata.json"), "w", encoding="utf-8") as f:
             json.dump(DIST_METADATA, f)
-        torch.save(_common(args, iteration, scheduler), os.path.join(tmp, "common.pt"))
+        torch.save(common, os.path.join(tmp, "common.pt"))
         with single_process_quiet():
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
                      planner=_PackedBytesPlanner(), no_dist=True)
