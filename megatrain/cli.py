@@ -3,6 +3,7 @@
     megatrain pretrain ...          same flags as pretrain_gpt.py
     megatrain pretrain-bert ...     same flags as pretrain_bert.py
     megatrain pretrain-t5 ...       same flags as pretrain_t5.py
+    megatrain pretrain-vlm ...      same flags as pretrain_vlm.py (LLaVA: vision-language)
     megatrain preprocess ...        same flags as tools/preprocess_data.py
     megatrain train-tokenizer ...   train a byte-level BPE (GPT-2 format vocab.json + merges.txt)
     megatrain merge-datasets ...    join several .bin/.idx prefixes
@@ -29,6 +30,7 @@ COMMANDS = {
     "pretrain": ("megatrain.training.main", "main"),
     "pretrain-bert": ("megatrain.training.main", "main_bert"),
     "pretrain-t5": ("megatrain.training.main", "main_t5"),
+    "pretrain-vlm": ("megatrain.training.main", "main_vlm"),
     "preprocess": ("megatrain.data.preprocess", "main"),
     "train-tokenizer": ("megatrain.data.train_tokenizer", "main"),
     "merge-datasets": ("megatrain.data.merge_datasets", "main"),

@@ -36,6 +36,17 @@ def is_interrupt(e: BaseException | None) -> bool:
     return underlying(e, lambda x: isinstance(x, KeyboardInterrupt)) is not None
 
 
+def loader_worker_message(text: str) -> str:
+    """The original message of an error raised in a DataLoader worker (torch re-raises it in the main
+    process with "Caught X in DataLoader worker process N." and the worker's traceback as its message:
+    the last line is ``X: message``); other messages unchanged."""
+    if not (text.startswith("Caught ") and "Original Traceback" in text):
+        return text
+    last = text.rstrip().splitlines()[-1]
+    _, sep, message = last.partition(": ")
+    return message if sep else last
+
+
 def user_errors_exit(fn: F) -> F:
     """Run a command's ``main``: a ValueError/FileNotFoundError (a user mistake) prints
     ``error: ...`` and exits with status 2; Ctrl-C prints one line and exits with 130 (files in
@@ -48,7 +59,7 @@ def user_errors_exit(fn: F) -> F:
         except (ValueError, FileNotFoundError) as e:
             if os.environ.get("MEGATRAIN_DEBUG"):
                 raise
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {loader_worker_message(str(e))}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         except BaseException as e:  # noqa: BLE001 - only interrupts are turned into a line; the rest re-raise
             if isinstance(e, SystemExit) or not is_interrupt(e) or os.environ.get("MEGATRAIN_DEBUG"):

@@ -8,6 +8,7 @@ record counts as its default in the family's config class (the behaviour before 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, fields
 from typing import Any, Iterator
@@ -62,6 +63,10 @@ def _differing(saved: dict[str, Any], current: Any, how: str, checks: Mapping[st
         ours, theirs = cur[name], saved.get(name, defaults.get(name))
         if isinstance(ours, tuple) and isinstance(theirs, list):  # meta.json has no tuples
             theirs = tuple(theirs)
+        if isinstance(ours, dict) and isinstance(theirs, dict):  # a sub-config, as meta.json holds it:
+            ours = json.loads(json.dumps(ours))  # compared whole, named by the fields that differ
+            keys = [k for k in sorted(set(ours) | set(theirs)) if k in ours and theirs.get(k, ours[k]) != ours[k]]
+            theirs, ours = {k: theirs[k] for k in keys}, {k: ours[k] for k in keys}
         if (theirs is not None or check.none_is_value) and theirs != ours:
             yield check, theirs, ours
 

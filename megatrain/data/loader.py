@@ -130,7 +130,9 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     """DataLoader over this rank's micro-batches from ``consumed_samples`` on (None for no dataset).
 
     ``dataloader_type``: ``single`` (the dataset's order, once) or ``cyclic`` (random order per
-    epoch, endless; ``data_sharding`` as Megatron's ``--no-data-sharding`` leaves it).
+    epoch, endless; ``data_sharding`` as Megatron's ``--no-data-sharding`` leaves it). A dataset with
+    a ``collate_fn`` attribute collates its own samples (the vision-language datasets' typed batches);
+    others go through :func:`collate_samples`.
     """
     if dataset is None:
         return None
@@ -144,7 +146,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     else:
         raise ValueError(f"--dataloader-type must be single or cyclic, got {dataloader_type!r}")
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_samples,
+                      pin_memory=pin_memory, collate_fn=getattr(dataset, "collate_fn", None) or collate_samples,
                       persistent_workers=num_workers > 0)
 
 

@@ -13,6 +13,7 @@ callables and data (compare torchtitan's ``ModelSpec`` and Megatron's ``model_pr
 * ``config_checks``: how each config field is compared between a checkpoint and the flags;
 * ``datasets``: its train/valid/test datasets (None: Megatron's GPT token datasets);
 * ``hf``: its Hugging Face adapter (None when it has none);
+* ``start_parts``: parts of a fresh model started from their own checkpoints (LLaVA's);
 * ``add_flags``, ``flag_defaults``, ``prepare_args`` and ``check_args``: what its script
   (``pretrain_bert.py``) adds to the general pre-training command line, the defaults it changes
   there, how its own flags fill the general ones before the general checks (T5's
@@ -38,7 +39,7 @@ DEFAULT_FAMILY = "gpt"  # checkpoints that record no family were written by GPT-
 
 # Families that ship with megatrain, imported on first use (registering is a side effect of import).
 _BUILTIN = {"gpt": "megatrain.models.gpt.family", "bert": "megatrain.models.bert.family",
-            "t5": "megatrain.models.t5.family"}
+            "t5": "megatrain.models.t5.family", "llava": "megatrain.models.llava.family"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class ModelFamily:
     prepare_args: Callable[[Any], None] | None = None
     check_args: Callable[[Any], None] | None = None  # (validated namespace) -> None; ValueError naming a flag
     description: str = ""
+    # (parsed namespace) -> [(flag, submodule path, folder, convert)]: parts of a fresh model started
+    # from other checkpoints (LLaVA's language model and vision encoder). ``convert`` None: ``folder``
+    # holds a megatrain checkpoint of that part; else (config.json dict, tensors) -> the part's state
+    # dict, from a Hugging Face folder. None: no such parts.
+    start_parts: Callable[[Any], list] | None = None
+    script: str = ""  # its training script when not pretrain_<name>.py (LLaVA's: pretrain_vlm.py)
 
 
 _REGISTRY: dict[str, ModelFamily] = {}

@@ -1,5 +1,5 @@
 """Writes docs/megatron_flags.md: every flag pretrain_gpt.py accepts, each model family's script's own
-flags (pretrain_bert.py's, pretrain_t5.py's), and the Megatron flags it refuses."""
+flags (pretrain_bert.py's, pretrain_t5.py's, pretrain_vlm.py's), and the Megatron flags it refuses."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _row(action: argparse.Action) -> str | None:
     if not flags or flags[0] == "--help":
         return None
     legacy = next((LEGACY_FLAG_NOTES[f] for f in flags if f in LEGACY_FLAG_NOTES), None)
-    status = f"compatibility: {legacy}" if legacy else "supported"
+    # a family's flag may say its own status (``action.status``: LLaVA's flags of what is not built)
+    status = getattr(action, "status", None) or (f"compatibility: {legacy}" if legacy else "supported")
     help_text = (action.help or "").replace("|", "\\|").replace("%%", "%")
     return f"| `{', '.join(flags)}` | {_default(action)} | {status} | {help_text} |"
 
@@ -54,7 +55,7 @@ def _family_sections() -> list[str]:
             continue
         parser = family_parser(name)
         rows = [_row(a) for a in parser._actions if not set(a.option_strings) & general]
-        lines.append(f"## pretrain_{name}.py's own flags\n\nEvery flag above, and these:\n\n"
+        lines.append(f"## {family.script or f'pretrain_{name}.py'}'s own flags\n\nEvery flag above, and these:\n\n"
                      "| flag | default | status | meaning |\n|---|---|---|---|")
         lines.extend(r for r in rows if r)
         widened = [(a, general_actions[a.option_strings[0]]) for a in parser._actions

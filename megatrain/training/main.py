@@ -1,5 +1,6 @@
-"""`megatrain pretrain` / `pretrain-bert` / `pretrain-t5`: parse Megatron-style flags and run
-pre-training of a model family (``pretrain_gpt.py``, ``pretrain_bert.py``, ``pretrain_t5.py``)."""
+"""`megatrain pretrain` / `pretrain-bert` / `pretrain-t5` / `pretrain-vlm`: parse Megatron-style flags
+and run pre-training of a model family (``pretrain_gpt.py``, ``pretrain_bert.py``, ``pretrain_t5.py``,
+``pretrain_vlm.py``)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from megatrain.training.arguments import build_parser, parse_args, validate_args
 from megatrain.training.finetune import SFTTrainer, check_sft_args
 from megatrain.training.trainer import pretrain
 
-__all__ = ["main", "main_bert", "main_t5", "family_parser", "parse_family_args"]
+__all__ = ["main", "main_bert", "main_t5", "main_vlm", "family_parser", "parse_family_args"]
 
 
 def family_parser(family: str, prog: str | None = None) -> argparse.ArgumentParser:
     """The general pre-training parser plus the family's own flags and defaults (its script's)."""
     fam = get_family(family)
-    parser = build_parser(prog=prog or f"pretrain_{family}.py")
+    parser = build_parser(prog=prog or fam.script or f"pretrain_{family}.py")
     parser.description = f"Pre-train {fam.description or family} with Megatron-LM compatible flags."
     if fam.add_flags is not None:
         fam.add_flags(parser)
@@ -33,6 +34,7 @@ def parse_family_args(family: str, argv: Sequence[str] | None = None, *, prog: s
     """Parse and validate a family's command line: its own flags fill the general ones they stand for
     (``prepare_args``), then the general checks (with the family's config), then the family's own."""
     fam = get_family(family)
+    prog = prog or fam.script or None
     args = parse_args(argv, parser=family_parser(family, prog), validate=False)
     if getattr(args, "sft", False):
         raise SystemExit(f"error: --sft trains GPT models on chat conversations: use pretrain_gpt.py, not "
@@ -81,3 +83,9 @@ def main_bert(argv: list[str] | None = None) -> None:
 def main_t5(argv: list[str] | None = None) -> None:
     """``pretrain_t5.py``."""
     _run("t5", argv, "pretrain_t5.py")
+
+
+@user_errors_exit
+def main_vlm(argv: list[str] | None = None) -> None:
+    """``pretrain_vlm.py`` (and ``examples/multimodal/train.py``): the LLaVA family."""
+    _run("llava", argv, "pretrain_vlm.py")

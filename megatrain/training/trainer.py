@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.save_lock import take_save_lock
+from megatrain.training.start_parts import start_parts
 from megatrain.convert import hf_start
 from megatrain.convert.megatron.start import prepare_megatron_start
 from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samples_for_splits
@@ -162,6 +163,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self._rng_checkpoint: str | None = None
         if load:
             self._load(load)
+        if self._found_checkpoint is None and self.family.start_parts is not None:
+            start_parts(self.family.start_parts(args), self.module, verify=not args.no_verify_checkpoint_checksums)
         self._build_data()
         if self._rng_checkpoint:  # last: building the data iterators draws from the RNG
             checkpointing.restore_rng(self._rng_checkpoint)

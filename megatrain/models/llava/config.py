@@ -147,6 +147,11 @@ class LlavaConfig:
     pad_token_id: int = 0  # what expanded rows are padded with (and what image positions embed as)
     vision_feature_layer: Union[int, list[int]] = -2
     vision_feature_select_strategy: str = "default"
+    # Megatron's --freeze-LM, --freeze-ViT, --freeze-vision-projection: the part's parameters are
+    # built with requires_grad=False (no gradients, no optimizer state). Training stages, not shapes.
+    freeze_language_model: bool = False
+    freeze_vision_model: bool = False
+    freeze_projector: bool = False
 
     def __post_init__(self) -> None:
         self.language = _as_config(self.language, GPTConfig)
@@ -211,6 +216,28 @@ class LlavaConfig:
     @property
     def projector_input_size(self) -> int:
         return self.vision.hidden_size * len(self.feature_layers)
+
+    # The language model's shape, which the parallel layout's checks read (tensor parallelism is not
+    # built for this family, so they only see a size of 1).
+    @property
+    def num_attention_heads(self) -> int:
+        return self.language.num_attention_heads
+
+    @property
+    def num_query_groups(self) -> int | None:
+        return self.language.num_query_groups
+
+    @property
+    def ffn_hidden_size(self) -> int | None:
+        return self.language.ffn_hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.language.vocab_size
+
+    @property
+    def causal_attention(self) -> bool:
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields (the sub-configs as dicts); ``LlavaConfig(**d)`` rebuilds it."""

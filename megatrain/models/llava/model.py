@@ -54,6 +54,16 @@ class LlavaModel(nn.Module):
         if device.type != "meta":  # ... then every parameter once, by its name in this model
             self.to_empty(device=device)
             self.init_weights(seed=0)
+        self.apply_freezing()
+
+    def apply_freezing(self) -> None:
+        """The config's frozen parts (``freeze_language_model``, ``freeze_vision_model``,
+        ``freeze_projector``) get ``requires_grad=False``: no gradients, so no optimizer state."""
+        cfg = self.config
+        for part, frozen in ((self.language_model, cfg.freeze_language_model),
+                             (self.vision_model, cfg.freeze_vision_model), (self.projector, cfg.freeze_projector)):
+            for p in part.parameters():
+                p.requires_grad_(not frozen)
 
     def layer_stacks(self) -> dict[str, nn.ModuleDict]:
         """The two stacks of transformer layers, in forward order (models/common/layer_stacks.py)."""
@@ -122,6 +132,13 @@ class LlavaModel(nn.Module):
                              f"expanded has {length}")
         features = self.image_features(images) if images is not None else None
         hidden = self.embed(layout, features, position_ids)
+        if features is None and torch.is_grad_enabled():
+            # A text-only batch: the trained encoder/projector parameters take part with weight 0, so
+            # that every trained parameter has a gradient in every backward (data parallelism's
+            # reduction waits for all of them).
+            trained = [p for part in (self.vision_model, self.projector) for p in part.parameters() if p.requires_grad]
+            if trained:
+                hidden = hidden + sum(p.reshape(-1)[0] for p in trained).to(hidden.dtype) * 0.0
         return self.language_model(None, position_ids, attention_mask, labels=layout.labels, decoder_input=hidden)
 
     # ---- parameters -----------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""The LLaVA family's datasets (``pretrain_vlm.py --data-path``): a LLaVA jsonl file with an image
+folder, or a megatron-energon dataset folder, as map-style datasets whose ``collate_fn`` gives
+:class:`megatrain.data.multimodal.MultimodalBatch` micro-batches.
+
+* ``--data-path FILE.jsonl`` (or ``--train-data-path``; ``--valid-data-path`` for validation): LLaVA
+  conversations (docs/multimodal.md), images relative to ``--image-folder`` (default: the file's
+  folder); sample ``i`` is line ``permutation(seed + epoch)[pos]``, so megatrain's loader resumes it
+  exactly from the consumed-sample count.
+* ``--data-path DIR`` with ``DIR/.nv-meta`` (an energon dataset ``energon prepare`` wrote):
+  :class:`megatrain.data.multimodal.energon_samples.EnergonSamples`, energon's seeded stream read in
+  order (a resume reads past the consumed samples again).
+
+The tokens: each ``--special-tokens`` entry must be one token of the tokenizer. With ``<image>`` one
+token, it is tokenized in place; without it (a plain BPE tokenizer) the text around it is tokenized
+separately (megatrain's template only). Either way the image positions carry Megatron's placeholder
+id -200, which the model replaces and never looks up.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from megatrain.data.multimodal.collate import MultimodalCollator
+from megatrain.data.multimodal.conversation import IMAGE_PLACEHOLDER, ConversationEncoder, _single_token_id
+from megatrain.data.multimodal.image_processing import CLIPImageProcessor
+from megatrain.data.multimodal.llava_dataset import LlavaJsonlDataset
+from megatrain.models.llava.config import MEGATRON_IMAGE_TOKEN_ID
+
+__all__ = ["build_llava_datasets", "image_processor_from_args", "conversation_encoder"]
+
+
+def image_processor_from_args(args: Any) -> CLIPImageProcessor:
+    """CLIP preprocessing from ``--image-processor`` or CLIP's defaults at ``--img-h``; its output must
+    be the ViT's ``--img-h`` x ``--img-w``."""
+    processor = CLIPImageProcessor.from_pretrained(args.image_processor, size=args.img_h)
+    shape = tuple(processor.output_shape)
+    if shape != (args.num_channels, args.img_h, args.img_w):
+        source = f"--image-processor {args.image_processor}" if args.image_processor else "CLIP's preprocessing"
+        raise ValueError(f"{source} gives {shape[0]} x {shape[1]} x {shape[2]} images but the ViT reads "
+                         f"--num-channels {args.num_channels} x --img-h {args.img_h} x --img-w {args.img_w}")
+    return processor
+
+
+def conversation_encoder(args: Any, tokenizer: Any) -> ConversationEncoder:
+    for token in args.special_tokens or ():
+        if token != IMAGE_PLACEHOLDER and _single_token_id(tokenizer, token) is None:
+            raise ValueError(f"--special-tokens {token}: not one token of the tokenizer (--tokenizer-model "
+                             f"{args.tokenizer_model}); add it to the tokenizer's special tokens")
+    return ConversationEncoder(tokenizer, args.seq_length, image_token_id=MEGATRON_IMAGE_TOKEN_ID)
+
+
+def _one_path(paths: Sequence[str] | None, flag: str) -> str | None:
+    if not paths:
+        return None
+    if len(paths) != 1:
+        raise ValueError(f"{flag}: give one LLaVA jsonl file or energon dataset folder, got {len(paths)} "
+                         "(blends are not built for vision-language data)")
+    return paths[0]
+
+
+def _dataset(path: str, args: Any, encoder: ConversationEncoder, processor: CLIPImageProcessor,
+             num_samples: int | None, flag: str, seed: int) -> Any:
+    if os.path.isdir(path):
+        if not os.path.isdir(os.path.join(path, ".nv-meta")):
+            raise ValueError(f"{flag} {path}: a folder without .nv-meta is not an energon dataset "
+                             "(run `energon prepare` on it), and a LLaVA dataset is one .jsonl file")
+        from megatrain.data.multimodal.energon_samples import EnergonSamples
+        ds: Any = EnergonSamples(path, encoder, processor, num_samples=num_samples or 1, seed=seed, flag=flag)
+    else:
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+        folder = args.image_folder if args.image_folder is not None else os.path.dirname(os.path.abspath(path))
+        ds = LlavaJsonlDataset(path, folder, encoder, processor, num_samples=num_samples, seed=seed, flag=flag)
+    pad = tokenizer_pad(encoder.tokenizer)
+    ds.collate_fn = MultimodalCollator(pad_id=pad, image_shape=processor.output_shape)
+    return ds
+
+
+def tokenizer_pad(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad", None)
+    return int(pad if pad is not None and pad >= 0 else tokenizer.eod)
+
+
+def build_llava_datasets(args: Any, tokenizer: Any, num_samples: Sequence[int | None]) -> tuple[Any, Any, Any]:
+    """(train, valid, test) from ``--data-path`` / ``--train-data-path`` and ``--valid-data-path``
+    (module docstring); valid and test are None without their flags."""
+    encoder = conversation_encoder(args, tokenizer)
+    processor = image_processor_from_args(args)
+    train_flag = "--train-data-path" if args.train_data_path else "--data-path"
+    train = _one_path(args.train_data_path or args.data_path, train_flag)
+    if train is None:
+        raise ValueError("--data-path: give a LLaVA jsonl file (with --image-folder) or an energon dataset folder")
+    out = [_dataset(train, args, encoder, processor, num_samples[0], train_flag, args.seed)]
+    for flag, paths, n in (("--valid-data-path", args.valid_data_path, num_samples[1]),
+                           ("--test-data-path", getattr(args, "test_data_path", None), num_samples[2])):
+        path = _one_path(paths, flag)
+        out.append(None if path is None or not n else _dataset(path, args, encoder, processor, n, flag, args.seed))
+    return out[0], out[1], out[2]
