@@ -90,6 +90,7 @@ def _assert_close(got, want) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_checkpoint_moves_from_tp2_dp2_to_dp4_and_one_process(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

@@ -7,9 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import run_cmd
 
 
+@pytest.mark.long
 def test_throughput_table_on_mock_and_real_data(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nearlier figures\n", encoding="utf-8")

@@ -39,7 +39,7 @@ def _losses(*extra: str, iters: int = ITERS, exit_after: int | None = None) -> l
     return [(d["lm loss"], d["grad norm"]) for d in lines]
 
 
-@pytest.mark.parametrize("precision,tolerance", [([], 2e-6), pytest.param(["--bf16"], 2e-2, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("precision,tolerance", [([], 2e-6), pytest.param(["--bf16"], 2e-2, marks=[pytest.mark.slow, pytest.mark.long])],
                          ids=["fp32", "bf16"])
 def test_chunked_cross_entropy_trains_like_the_plain_head(precision, tolerance):
     plain = _losses(*precision, "--cross-entropy-chunk-size", "0")

@@ -129,6 +129,7 @@ def test_greedy_generate_matches_the_generate_tool(one_process, hf_model):
     assert len({tuple(r["tokens"]) for r in records}) == len(PROMPTS), records  # outputs that depend on the input
 
 
+@pytest.mark.long
 def test_tensor_parallel_generate_matches_one_process(run, one_process):
     records, printed = _generate(run, "two", tp=True)
     assert records == one_process[0]

@@ -45,7 +45,7 @@ def one_process():
     pytest.param(["--context-parallel-size", "2"], marks=pytest.mark.long),
     ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--context-parallel-size", "2", "--zero-stage", "3"],
-    ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    pytest.param(["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"], marks=pytest.mark.long),
 ], ids=["cp4", "cp2_dp2", "cp2_tp2_sp", "cp2_dp2_zero3", "cp2_pp2"])
 def test_context_parallel_layouts_match_one_process(one_process, layout):
     out = _torchrun(4, *layout)

@@ -55,6 +55,7 @@ def test_torchrun_tp2_dp2_on_the_tiny_corpus_matches_one_process(tiny_corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_per_token_loss_dp2_matches_one_process(tmp_path):
     """--calculate-per-token-loss with --eod-mask-loss on short documents (micro-batches hold quite
     different numbers of loss tokens): DP=2 with ZeRO-2, context parallel 2 and pipeline parallel 2

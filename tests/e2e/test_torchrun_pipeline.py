@@ -48,6 +48,7 @@ def test_layers_that_do_not_divide_are_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_pipeline_checkpoint_resumes_exactly_and_under_another_schedule(tmp_path):
     """PP=2 run stopped after 2 of 4 iterations and resumed (1F1B, then interleaved v=2 with another
     stage split) logs the same losses as the uninterrupted PP=2 run."""

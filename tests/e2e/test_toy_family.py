@@ -90,7 +90,8 @@ def test_the_checkpoint_names_the_family_and_its_config_and_resumes_exactly(refe
 
 @pytest.mark.parametrize("layout", [pytest.param(["--use-distributed-optimizer"], marks=pytest.mark.long),
                                     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                    ["--pipeline-model-parallel-size", "2"]], ids=["dp2", "tp2_sp", "pp2"])
+                                    pytest.param(["--pipeline-model-parallel-size", "2"], marks=pytest.mark.long)],
+                         ids=["dp2", "tp2_sp", "pp2"])
 def test_the_toy_family_runs_in_parallel_layouts_like_one_process(reference, layout):
     (train, valid), _, _ = reference
     got = _losses(_run("--train-iters", "8", "--eval-interval", "4", *layout, nproc=2))

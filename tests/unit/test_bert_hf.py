@@ -482,6 +482,7 @@ pretrain(parse_family_args("bert", sys.argv[1:]), trainer_class=SyntheticTrainer
 """
 
 
+@pytest.mark.long
 def test_command_lines_on_a_trainer_checkpoint(tmp_path):
     vocab = write_vocab(tmp_path / "vocab.txt")
     script = tmp_path / "train_bert.py"

@@ -277,6 +277,7 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.long
 def test_continued_pretraining_and_the_command_lines(tmp_path):
     """convert_hf_to_checkpoint.py -> pretrain_gpt.py (the printed flags, --load --finetune) for a few
     iterations under expert parallelism (torchrun, EP=2: the 8 experts 4 per rank) ->
