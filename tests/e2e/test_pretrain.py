@@ -49,7 +49,8 @@ def test_pretrain_logs_loss_validation_tensorboard_and_generates(tiny_corpus, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loader", [pytest.param("single", marks=pytest.mark.long), "cyclic"])
+@pytest.mark.long  # exact resume also runs in tests/distributed/test_checkpoint_resume.py under TP, DP and ZeRO-3
+@pytest.mark.parametrize("loader", ["single", "cyclic"])
 def test_exact_resume_gives_identical_losses(tiny_corpus, tmp_path, loader):
     common = [sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "12", "--lr", "1e-3",
               "--lr-warmup-iters", "2", "--data-path", tiny_corpus["data_path"], "--split", "90,10,0",

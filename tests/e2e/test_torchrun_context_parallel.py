@@ -71,6 +71,7 @@ def test_bf16_context_parallel_with_the_gradient_accumulation_fusion_trains_like
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_context_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
     save = tmp_path / "ckpt"
     _torchrun(4, "--context-parallel-size", "2", "--save", str(save), "--exit-interval", "2")
