@@ -31,6 +31,14 @@ def run_worker(cmd: list[str], cwd: Path, name: str, timeout: int) -> dict[str, 
     return json.loads(result[-1][len(RESULT_PREFIX):])
 
 
+def emit_table(lines: list[str], output: str | None) -> None:
+    """Print a benchmark's markdown table and, with ``output``, also write it to that file."""
+    table = "\n".join(lines)
+    print("\n" + table, flush=True)
+    if output:
+        Path(output).write_text(table + "\n", encoding="utf-8")
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (or what platform knows)."""
     try:

@@ -42,7 +42,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import cpu_model, print_worker_result, run_worker  # noqa: E402
+from benchmarks.common import cpu_model, emit_table, print_worker_result, run_worker  # noqa: E402
 from megatrain.inference.engine.api import GenerateJob, Sampling, TokenEvent  # noqa: E402
 from megatrain.inference.engine.engine import EngineConfig, GenerationEngine  # noqa: E402
 from megatrain.inference.generation import generate  # noqa: E402
@@ -357,10 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     lines.append(f"\nCommand: `python benchmarks/generation.py {' '.join(argv)}`")
-    table = "\n".join(lines)
-    print(table, flush=True)
-    if args.output:
-        Path(args.output).write_text(table + "\n", encoding="utf-8")
+    emit_table(lines, args.output)
 
 
 if __name__ == "__main__":

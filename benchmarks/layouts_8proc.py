@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from benchmarks.common import emit_table  # noqa: E402
 from megatrain.training.logging import parse_train_log_line  # noqa: E402
 
 COMMON = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
@@ -136,10 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                                  f"| {ref_wall:.0f} / {wall:.0f} |")
                 print(lines[-1], flush=True)
     lines.append(f"\nCommand: `python benchmarks/layouts_8proc.py {' '.join(argv or sys.argv[1:])}`")
-    table = "\n".join(lines)
-    print(table, flush=True)
-    if args.output:
-        Path(args.output).write_text(table + "\n", encoding="utf-8")
+    emit_table(lines, args.output)
 
 
 if __name__ == "__main__":

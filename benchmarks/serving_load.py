@@ -41,7 +41,6 @@ import datetime
 import http.client
 import json
 import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -335,10 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     lines.append("All requests succeeded." if not failed else
                  f"{failed} requests failed, e.g.: " + "; ".join(single["error_examples"] + load["error_examples"]))
     lines.append(f"\nCommand: `python benchmarks/serving_load.py {' '.join(argv)}`")
-    table = "\n".join(lines)
-    print("\n" + table, flush=True)
-    if args.output:
-        Path(args.output).write_text(table + "\n", encoding="utf-8")
+    from benchmarks.common import emit_table
+
+    emit_table(lines, args.output)
     if failed:
         sys.exit(1)
 

@@ -361,8 +361,7 @@ class GenerationEngine:
         rows: list[torch.Tensor] = []
         sampled: list[Request] = []
         if isinstance(decoded, BaseException):
-            for request in decoding:
-                self._end(request, _error_event(f"decode step failed: {type(decoded).__name__}: {decoded}"))
+            self._fail(decoding, f"decode step failed: {type(decoded).__name__}: {decoded}")
         elif decoded is not None:
             slots = [r.slot for r in decoding]
             if slots == list(range(decoded.shape[0])):
