@@ -10,7 +10,8 @@ Rows (``--rows``; default all of them on CUDA, ``generate engine`` on the CPU; `
 - ``generate``: `megatrain.inference.generation.generate` (left-padded batch, growing KV cache), greedy.
 - ``engine``: the engine (`megatrain.inference.engine`: slot cache, continuous batching, CUDA graphs
   on CUDA), the batch's jobs admitted in one step, greedy; ``engine-compile``: the same with its
-  decode forward through torch.compile (``EngineConfig.compile_decode``).
+  decode forward through torch.compile (``EngineConfig.compile_decode``); ``engine-compile-stepwise``:
+  that with ``EngineConfig.lookahead`` off (the host reads each step's tokens before the next launch).
 - ``replay``, ``replay-compile``: the engine's runner alone, its decode steps replayed back to back
   with no host work between them (the device's time per step; the engine row less this one is the
   engine's host work per step).
@@ -62,7 +63,7 @@ SHAPES = {
                        ffn_hidden_size=8192, vocab_size=128256, max_position_embeddings=4096, **_LLAMA),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ROWS = ("generate", "engine", "engine-compile", "replay", "replay-compile", "hf", "hf-compile")
+ROWS = ("generate", "engine", "engine-compile", "engine-compile-stepwise", "replay", "replay-compile", "hf", "hf-compile")
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> GPTModel:
@@ -160,9 +161,9 @@ def engine_run(engine: GenerationEngine, prompts, new_tokens: int) -> tuple[floa
 
 
 def measure_engine(model, prompts, new_tokens: int, repeats: int, max_requests: int,
-                   compile_decode: bool = False) -> dict[str, float]:
+                   compile_decode: bool = False, lookahead: bool = True) -> dict[str, float]:
     config = EngineConfig(max_requests=max_requests, max_sequence_length=len(prompts[0]) + new_tokens,
-                          max_waiting=0, compile_decode=compile_decode)
+                          max_waiting=0, compile_decode=compile_decode, lookahead=lookahead)
     engine = GenerationEngine(model, config)
     engine.register("hold", _hold)
     try:
@@ -333,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
                                        compile_decode=row == "replay-compile")
                 elif row.startswith("engine"):
                     r = measure_engine(model, prompts, args.new_tokens, args.repeats, max(args.batch_sizes),
-                                       compile_decode=row == "engine-compile")
+                                       compile_decode=row.startswith("engine-compile"),
+                                       lookahead=not row.endswith("stepwise"))
                 else:
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", row, shape, args.dtype,
                            args.device, str(batch), str(args.prompt_tokens), str(args.new_tokens), str(args.repeats)]

@@ -37,6 +37,7 @@ the CUDA graphs and compiles.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import http.client
 import json
@@ -217,7 +218,9 @@ def start_server(args: argparse.Namespace, max_prompt: int, max_new: int):
     seq = min(-(-seq // 256) * 256, int(SHAPES[args.shape]["max_position_embeddings"]))
     engine = GenerationEngine(model, EngineConfig(max_requests=args.max_requests, max_sequence_length=seq,
                                                   max_waiting=max(256, 2 * args.clients),
-                                                  compile_decode=args.compile_decode))
+                                                  compile_decode=args.compile_decode,
+                                                  compile_prefill=args.compile_prefill,
+                                                  capture_graphs_at_start=not args.lazy_graphs))
     register_model_calls(engine)
     limits = ServerLimits(max_prompt_tokens=max_prompt, max_tokens_to_generate=max_new,
                           max_request_bytes=max(1 << 20, 16 * max_prompt))
@@ -226,8 +229,18 @@ def start_server(args: argparse.Namespace, max_prompt: int, max_new: int):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     info = {"device_name": name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
             "cuda_graphs": bool(engine.runner.cuda_graphs), "seq": seq, "eod": eod,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()), "stats": engine.stats}
     return srv, info
+
+
+def engine_work(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """One line: what the engine did between two snapshots of its stats."""
+    d = {k: after[k] - before[k] for k in before}
+    rows = d["decode_rows"] / d["decode_steps"] if d["decode_steps"] else 0.0
+    return (f"{d['decode_steps']} decode steps (mean {rows:.1f} running rows, {d['steps_ahead']} launched ahead), "
+            f"{d['prefills']} prompts prefilled in {d['prefill_forwards']} forwards ({d['prefill_tokens']} tokens, "
+            f"{d['prefill_s']:.2f} s), {after['graphs']} decode graphs"
+            + (f" (recorded at start-up in {after['capture_s']:.1f} s)" if after["capture_s"] else ""))
 
 
 def _cpu_name() -> str:
@@ -247,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--max-requests", type=int, default=64, help="engine slots (sequences decoding at once)")
     p.add_argument("--compile-decode", action="store_true", help="the engine's decode forward through torch.compile")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="the engine's packed prefill forward through torch.compile (the server's --inference-compile "
+                        "sets both)")
     p.add_argument("--single-requests", type=int, default=5, help="requests of the one-client phase")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of the one-client phase")
     p.add_argument("--clients", type=int, default=64)
@@ -261,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--lazy-graphs", action="store_true",
+                   help="record each decode graph on first use instead of all at start-up (as the server does)")
     p.add_argument("--output", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.duration is not None and args.requests_per_client is not None:
@@ -300,14 +318,19 @@ def main(argv: list[str] | None = None) -> None:
             run_phase(clients=args.clients, prompt_tokens=(min_prompt, max_prompt), max_tokens=(min_new, min(max_new, 32)),
                       requests=1, duration=None, **{**phase, "seed": args.seed + 1})
             print(f"warm-up: {time.perf_counter() - t:.1f} s", flush=True)
+        snapshot = lambda: dataclasses.asdict(info["stats"])  # noqa: E731
+        before = snapshot()
         single = summarize(run_phase(clients=1, prompt_tokens=(single_prompt, single_prompt),
                                      max_tokens=(max_new, max_new), requests=args.single_requests, duration=None,
                                      **phase))
         print(f"one client: {single['tok_s']:.1f} output tokens/s, TTFT p50 {ms(single['ttft_p50'])} ms", flush=True)
+        single["engine"], before = engine_work(before, snapshot()), snapshot()
         load = summarize(run_phase(clients=args.clients, prompt_tokens=(min_prompt, max_prompt),
                                    max_tokens=(min_new, max_new), requests=args.requests_per_client,
                                    duration=args.duration, **phase))
         print(f"{args.clients} clients: {load['tok_s']:.1f} output tokens/s over {load['wall_s']:.1f} s", flush=True)
+        load["engine"] = engine_work(before, snapshot())
+        print(f"engine: {load['engine']}", flush=True)
     finally:
         srv.shutdown()
         srv.server_close()
@@ -315,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     how = (f"{args.requests_per_client} requests per client" if args.requests_per_client is not None
            else f"{args.duration:g} s of load")
     config = (f"engine {args.max_requests} slots, max sequence {info['seq']}, "
-              f"CUDA graphs {'on' if info['cuda_graphs'] else 'off'}, compile_decode {'on' if args.compile_decode else 'off'}")
+              f"CUDA graphs {'on' if info['cuda_graphs'] else 'off'}, compile_decode {'on' if args.compile_decode else 'off'}, "
+              f"compile_prefill {'on' if args.compile_prefill else 'off'}")
     lines = [f"### Serving load, {args.shape}, {info['dtype']}, greedy, random weights, streamed /v1/completions", "",
              f"{datetime.date.today()} · {info['device_name']} · torch {info['torch']} · {config}", "",
              f"One client: {args.single_requests} requests of {single_prompt} prompt + {max_new} new tokens, one after "
@@ -329,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {label} | {s['requests']} | {s['ok']} | {s['errors']} ({s['http_503']}) | {s['short']} | "
                      f"{s['tokens']} | {s['wall_s']:.2f} | {s['tok_s']:.1f} | {ratio:.2f}x | {s['req_s']:.2f} | "
                      f"{ms(s['ttft_p50'])} | {ms(s['ttft_p99'])} | {ms(s['tpot_p50'])} | {ms(s['tpot_p99'])} |")
+    lines.append("")
+    lines.append(f"Engine, one client: {single['engine']}. {args.clients} clients: {load['engine']}.")
     failed = single["errors"] + load["errors"]
     lines.append("")
     lines.append("All requests succeeded." if not failed else

@@ -118,3 +118,23 @@ def test_graph_steps_run_ahead_and_equal_step_by_step(style):
     (ahead, steps), (in_step, _) = run(True), run(False)
     assert steps > 0 and ahead == in_step
     assert ahead == [generate(model, [job.prompt_ids], job.max_new_tokens)[0] for job in jobs]
+
+
+def test_graphs_recorded_at_start_serve_every_bucket_without_recording():
+    """``capture_graphs_at_start`` (the server's setting): every (batch, key-length) graph exists before
+    the first job's tokens, and a load across buckets records none later."""
+    model = cuda_model("llama")
+    expected = [generate(model, [p], 14)[0] for p in PROMPTS]
+    engine = GenerationEngine(model, EngineConfig(max_requests=4, max_sequence_length=40, length_bucket=8,
+                                                  capture_graphs_at_start=True))
+    try:
+        (first,) = generate_blocking(engine, [GenerateJob(PROMPTS[0], 2, Sampling(greedy=True))])
+        count = len(engine.runner.batch_buckets) * len(engine.runner.length_buckets)
+        assert engine.stats.graphs == len(engine.runner._graphs) == count and engine.stats.capture_s > 0
+        events = generate_blocking(engine, [GenerateJob(p, 14, Sampling(greedy=True)) for p in PROMPTS])
+        assert len(engine.runner._graphs) == count
+    finally:
+        engine.close()
+    assert [e.token for e in first] == expected[0][:2]
+    assert [[e.token for e in job] for job in events] == expected
+    assert engine.stats.decode_steps > 0 and engine.stats.prefills == len(PROMPTS) + 1

@@ -47,7 +47,8 @@ def test_lookahead_events_equal_step_by_step_events(style):
     assert [[(e.token, e.finish_reason, e.top_logprobs is None) for e in job] for job in ahead] == \
         [[(e.token, e.finish_reason, e.top_logprobs is None) for e in job] for job in in_step]
     for job_a, job_s in zip(ahead, in_step):
-        assert [e.logprob for e in job_a] == pytest.approx([e.logprob for e in job_s], abs=1e-5)
+        # (which prompts share a packed prefill depends on thread timing: fp32 rounding of the GEMMs differs)
+        assert [e.logprob for e in job_a] == pytest.approx([e.logprob for e in job_s], abs=1e-4)
     assert [e.token for e in ahead[2]] == free[:6] and ahead[2][-1].finish_reason == "stop"
     assert ahead[4][-1].finish_reason == "length" and len(ahead[4]) == 40 - 8
     assert [e.token for e in ahead[0]] == generate(model, [[5, 17, 3, 9]], 9)[0]

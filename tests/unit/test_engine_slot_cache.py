@@ -13,11 +13,11 @@ from megatrain.models.gpt import GPTModel
 from tests.unit.test_generation import VOCAB, make_model  # noqa: F401 (the same tiny models)
 
 
-def make_runner(model: GPTModel, max_requests: int = 4, max_len: int = 32) -> ModelRunner:
+def make_runner(model: GPTModel, max_requests: int = 4, max_len: int = 32, packed: str = "segments") -> ModelRunner:
     layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
     shape = CacheShape(layers, model.config.num_query_groups, model.config.kv_channels, max_requests, max_len)
-    return ModelRunner(model, SlotKVCache(shape, torch.float32, torch.device("cpu")), torch.device("cpu"),
-                       cuda_graphs=False)
+    return ModelRunner(model, SlotKVCache(shape, torch.float32, torch.device("cpu"), packed_attention=packed),
+                       torch.device("cpu"), cuda_graphs=False)
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
@@ -41,11 +41,12 @@ def test_prefill_then_decode_of_several_slots_equals_whole_sequences(style):
             torch.testing.assert_close(logits[slot], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", ["segments", "mask"])
 @pytest.mark.parametrize("window", [None, (2, 0)])
 @torch.no_grad()
-def test_packed_prefill_equals_prompts_alone(window):
+def test_packed_prefill_equals_prompts_alone(window, packed):
     model = make_model("llama", window_size=window)
-    runner = make_runner(model)
+    runner = make_runner(model, packed=packed)
     items = [(2, [5, 17, 3, 9, 22]), (0, [8]), (1, [30, 31, 32, 33])]
     last = runner.prefill(items)
     for (slot, prompt), row in zip(items, last):
@@ -89,3 +90,26 @@ def test_buckets():
     runner.length_buckets = (256, 512, 1000)
     assert runner.bucket(3, 10) == (4, 256)
     assert runner.bucket(9, 700) == (12, 1000)
+
+
+@pytest.mark.long  # a CPU compilation: ~25 s
+@torch.no_grad()
+def test_compiled_packed_prefill_equals_eager_across_pack_shapes():
+    """compile_prefill: one compilation with a dynamic token count serves packs of other sizes and
+    prompt counts; the logits and the stored keys equal the eager prefill's."""
+    model = make_model("llama")
+    eager = make_runner(model, packed="mask")
+    layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
+    shape = CacheShape(layers, model.config.num_query_groups, model.config.kv_channels, 4, 32)
+    compiled = ModelRunner(model, SlotKVCache(shape, torch.float32, torch.device("cpu"), packed_attention="mask"),
+                           torch.device("cpu"), cuda_graphs=False, compile_prefill=True)
+    for items in ([(2, [5, 17, 3, 9, 22]), (0, [8]), (1, [30, 31, 32, 33])],
+                  [(3, [1, 2, 3, 4, 5, 6, 7]), (1, [9, 9])], [(0, [4, 3, 2])]):
+        torch.testing.assert_close(compiled.prefill(items), eager.prefill(items), rtol=1e-5, atol=1e-5)
+        for n in layers:
+            for slot, prompt in items:
+                torch.testing.assert_close(compiled.cache.keys[n][slot, :, :len(prompt)],
+                                           eager.cache.keys[n][slot, :, :len(prompt)], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed_attention='mask'"):
+        ModelRunner(model, SlotKVCache(shape, torch.float32, torch.device("cpu")), torch.device("cpu"),
+                    cuda_graphs=False, compile_prefill=True)

@@ -68,6 +68,11 @@ class EngineConfig:
     prefill forward up to this many tokens (a longer prompt runs alone). ``compile_decode``: the decode forward through
     torch.compile (also inside the graphs). ``heartbeat_s``: the idle plan interval under tensor
     parallelism. ``lookahead``: greedy decode steps run one step ahead of the host (one process).
+    ``capture_graphs_at_start``: record every decode graph (each batch and key-length bucket) on the
+    engine thread before the first step, as a server wants: no request waits for a recording (or a
+    compilation of a new shape) in the middle of a load; requests submitted meanwhile wait in the queue.
+    ``compile_prefill``: the packed prefill forward through torch.compile (dynamic token count; the
+    prompts of a pack attend through one block-diagonal mask).
     """
 
     max_requests: int = 16
@@ -80,6 +85,23 @@ class EngineConfig:
     retry_after_s: int = 1
     heartbeat_s: float = 60.0
     lookahead: bool = True
+    capture_graphs_at_start: bool = False
+    compile_prefill: bool = False
+
+
+@dataclass
+class EngineStats:
+    """What the engine thread has done (read from any thread; updated by the engine thread only)."""
+
+    decode_steps: int = 0  # decode forwards (graph replays or eager)
+    decode_rows: int = 0  # rows of those forwards that held a running job
+    steps_ahead: int = 0  # decode steps launched before the host read the previous one's tokens
+    prefills: int = 0  # prompts prefilled
+    prefill_forwards: int = 0  # packed prefill forwards
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0  # host time in prefill forwards (a CUDA prefill is timed to its last launch)
+    graphs: int = 0  # decode graphs recorded so far
+    capture_s: float = 0.0  # time spent recording graphs at start-up
 
 
 @dataclass
@@ -134,12 +156,14 @@ class GenerationEngine:
         layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
         shape = CacheShape(layers, model_config.num_query_groups // self.world, model_config.kv_channels,
                            config.max_requests, config.max_sequence_length)
-        self.cache = SlotKVCache(shape, dtype, device)
+        self.cache = SlotKVCache(shape, dtype, device,
+                                 packed_attention="mask" if config.compile_prefill else "segments")
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda" and group is None
         self.runner = ModelRunner(model, self.cache, device, cuda_graphs=cuda_graphs,
-                                  length_bucket=config.length_bucket, compile_decode=config.compile_decode)
+                                  length_bucket=config.length_bucket, compile_decode=config.compile_decode,
+                                  compile_prefill=config.compile_prefill)
         self.channel = PlanChannel(group, device) if group is not None and self.world > 1 else None
         self.scheduler = Scheduler(config.max_requests, config.max_waiting, config.retry_after_s)
         self._functions: dict[str, Callable[[Any, dict[str, Any]], Any]] = {}
@@ -147,7 +171,7 @@ class GenerationEngine:
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self.steps_ahead = 0  # decode steps launched before the host read the previous one's tokens
+        self.stats = EngineStats()
         if self.rank == 0:
             self._thread = threading.Thread(target=self._serve, name="generation-engine", daemon=True)
             self._thread.start()
@@ -209,8 +233,25 @@ class GenerationEngine:
 
     # ---- the engine thread ----------------------------------------------------------------------
 
+    @property
+    def steps_ahead(self) -> int:
+        """Decode steps launched before the host read the previous one's tokens."""
+        return self.stats.steps_ahead
+
+    def _capture_at_start(self) -> None:
+        if not (self.config.capture_graphs_at_start and self.runner.cuda_graphs):
+            return
+        start = time.perf_counter()
+        try:
+            self.stats.graphs = self.runner.capture_all()
+        except Exception:  # noqa: BLE001 - the graphs are then recorded on first use
+            log.exception("recording the decode graphs at start-up failed")
+        self.stats.capture_s = time.perf_counter() - start
+        log.info("engine: %d decode graphs recorded in %.1f s", self.stats.graphs, self.stats.capture_s)
+
     def _serve(self) -> None:
         with torch.inference_mode():
+            self._capture_at_start()
             last_sent = time.monotonic()
             inflight: lookahead.InFlight | None = None
             while True:
@@ -225,7 +266,7 @@ class GenerationEngine:
                     if not closing and not calls and self._may_run_ahead(inflight):
                         positions, needed = lookahead.next_positions(inflight, self.runner.scratch_position)
                         ahead = self._launch(inflight.requests, inflight.tokens, positions, needed)
-                        self.steps_ahead += ahead is not None
+                        self.stats.steps_ahead += ahead is not None
                     self._read(inflight)
                     inflight = ahead
                     if inflight is not None:
@@ -272,6 +313,8 @@ class GenerationEngine:
 
     def _launch(self, rows: list[Request | None], tokens: list[int] | torch.Tensor, positions: list[int],
                 needed: int) -> lookahead.InFlight | None:
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += sum(r is not None for r in rows)
         try:
             return lookahead.launch(self.runner, rows, tokens, positions, needed)
         except Exception as e:  # noqa: BLE001 - this step's jobs end with "error"
@@ -325,6 +368,8 @@ class GenerationEngine:
                 results.append(e)
         decoded: torch.Tensor | BaseException | None = None
         if plan.decode_tokens:
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += sum(p != self.runner.scratch_position for p in plan.decode_positions)
             try:
                 decoded = self.runner.decode(plan.decode_tokens, plan.decode_positions, plan.decode_keys)
             except Exception as e:  # noqa: BLE001 - this step's jobs end with "error"
@@ -332,11 +377,16 @@ class GenerationEngine:
                 decoded = e
         prefilled: list[torch.Tensor | BaseException] = []
         for pack in self._packs(plan.prefills):
+            self.stats.prefills += len(pack)
+            self.stats.prefill_forwards += 1
+            self.stats.prefill_tokens += sum(len(prompt) for _, prompt in pack)
+            start = time.perf_counter()
             try:
                 prefilled.extend(self.runner.prefill(pack).unbind(0))
             except Exception as e:  # noqa: BLE001 - the pack's jobs end with "error"
                 log.exception("prefill failed")
                 prefilled.extend([e] * len(pack))
+            self.stats.prefill_s += time.perf_counter() - start
         return results, decoded, prefilled
 
     def _packs(self, prefills: list[tuple[int, list[int]]]) -> list[list[tuple[int, list[int]]]]:

@@ -6,7 +6,11 @@ key-length bucket): the rows are padded up to the next batch bucket (1, 2, 4, ..
 ``max_sequence_length``), so a step of short sequences reads only the keys it needs and every step
 has one of a few fixed shapes. A graph is recorded the first time its shapes are needed, or all of
 them up front by :meth:`ModelRunner.capture_all`. ``compile_decode`` runs the decode forward through
-``torch.compile`` first (fewer, fused kernels), eager or recorded into the graphs.
+``torch.compile`` first (fewer, fused kernels), eager or recorded into the graphs. ``compile_prefill``
+runs the packed prefill forward through ``torch.compile`` with a dynamic token count (one compilation
+for every pack; the cache's packed attention must then be its ``"mask"`` mode, whose shapes do not
+depend on the prompts' lengths): fewer host operations per prefill, which matters most when the
+host is shared with a server's threads.
 
 Rows without a request (padding) feed token 0 at the scratch position ``max_sequence_length - 1``:
 a position that no running request has stored yet (a request holding that many tokens has
@@ -53,7 +57,7 @@ class ModelRunner:
     """Prefill and decode forwards of ``model`` over ``cache`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, cache: SlotKVCache, device: torch.device, *, cuda_graphs: bool,
-                 length_bucket: int = 256, compile_decode: bool = False) -> None:
+                 length_bucket: int = 256, compile_decode: bool = False, compile_prefill: bool = False) -> None:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {device}")
         if length_bucket <= 0:
@@ -75,6 +79,10 @@ class ModelRunner:
         # --compile: the decode forward through torch.compile (fused norms, rotary and mask kernels;
         # its shapes marked dynamic after the first recompile), recorded into the graphs as is
         self._decode_forward = torch.compile(self._forward) if compile_decode else self._forward
+        if compile_prefill and getattr(cache, "packed_attention", "mask") != "mask":
+            raise ValueError("compile_prefill needs the cache's packed_attention='mask'")
+        self._prefill_forward = (torch.compile(self._prefill_logits, dynamic=True) if compile_prefill
+                                 else self._prefill_logits)
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
 
@@ -89,9 +97,12 @@ class ModelRunner:
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         self.cache.begin_prefill([slot for slot, _ in items], lengths)
         try:
-            logits = self.model(tokens, position_ids=positions, kv_cache=self.cache)
+            return self._prefill_forward(tokens, positions, ends)
         finally:
             self.cache.end()
+
+    def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens, position_ids=positions, kv_cache=self.cache)
         return full_logits(logits)[0].index_select(0, ends)
 
     # ---- decode ---------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ is (:meth:`SlotKVCache.begin_prefill` or :meth:`SlotKVCache.begin_decode`) and e
 :meth:`attend` stores its new keys/values and computes its attention.
 
 - Prefill (new requests, no padding): each prompt's keys/values go to positions 0..s-1 of its slot.
-  One prompt attends through the plain causal SDPA; several prompts packed into one sequence attend
-  through a block-diagonal causal mask (each prompt sees only itself).
+  Prompts packed into one sequence share the forward's matmuls; attention runs per prompt through
+  the plain causal SDPA (the fused kernels, no mask: ``packed_attention="segments"``, the default),
+  or for all of them at once through a block-diagonal causal mask (``"mask"``: a dense [s, s] mask,
+  which keeps SDPA off its fused kernels).
 - Decode (one new token for each of slots 0..rows-1): each row's key/value is written at that row's
   own position by one indexed write (no host sync, fixed shapes: CUDA-graph safe), then its query
   attends to the slot's keys 0..position (a bool mask built once per forward from the positions)
@@ -24,6 +26,7 @@ decode) before any query reads them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +50,11 @@ class CacheShape:
 class SlotKVCache(AttendingKVCache):
     """Preallocated per-layer key/value slots; see the module docstring."""
 
-    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device,
+                 packed_attention: str = "segments") -> None:
+        if packed_attention not in ("segments", "mask"):
+            raise ValueError(f"packed_attention must be 'segments' or 'mask', got {packed_attention!r}")
+        self.packed_attention = packed_attention
         if shape.max_requests <= 0:
             raise ValueError(f"max_requests must be positive, got {shape.max_requests}")
         if shape.max_sequence_length <= 0:
@@ -85,7 +92,13 @@ class SlotKVCache(AttendingKVCache):
                                  f"{self.shape.max_sequence_length}")
         self._mode, self._slots, self._lengths, self._longest = "prefill", list(slots), list(lengths), 0
         self._mask = None
-        if len(slots) > 1:  # block-diagonal causal: each prompt attends to itself only
+        device = self._key_positions.device
+        # where each packed token's key/value goes: (its prompt's slot, its position in the prompt)
+        counts = torch.tensor(lengths, device=device)
+        self._row_index = torch.repeat_interleave(torch.tensor(slots, device=device), counts)
+        self._positions = torch.cat([self._key_positions[:n] for n in lengths]) if len(lengths) > 1 \
+            else self._key_positions[:lengths[0]]
+        if len(slots) > 1 and self.packed_attention == "mask":  # block-diagonal causal: each prompt sees itself
             device = self._key_positions.device
             prompt_of = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                                 torch.tensor(lengths, device=device))
@@ -132,15 +145,18 @@ class SlotKVCache(AttendingKVCache):
                core_attention: CoreAttention) -> torch.Tensor:
         keys, values = self.keys[layer_number], self.values[layer_number]
         if self._mode == "prefill":
-            assert k.shape[0] == 1 and k.shape[2] == sum(self._lengths), "a prefill is one packed sequence"
-            start = 0
-            for slot, length in zip(self._slots, self._lengths):
-                keys[slot, :, :length] = k[0, :, start:start + length]
-                values[slot, :, :length] = v[0, :, start:start + length]
-                start += length
+            assert self._row_index is not None and self._positions is not None
+            assert k.shape[0] == 1 and k.shape[2] == self._positions.shape[0], "a prefill is one packed sequence"
+            # keys[slot of token t, :, position of t] = k[0, :, t] for every packed token at once
+            keys[self._row_index, :, self._positions] = k[0].transpose(0, 1)
+            values[self._row_index, :, self._positions] = v[0].transpose(0, 1)
             # causal over each prompt (and the window, if any: within a prompt, packed positions keep
             # their distances)
-            return core_attention(q, k, v, self._mask, 0)
+            if len(self._lengths) == 1 or self._mask is not None:
+                return core_attention(q, k, v, self._mask, 0)
+            ends = list(itertools.accumulate(self._lengths))
+            return torch.cat([core_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, 0)
+                              for a, b in zip([0] + ends[:-1], ends)], dim=2)
         assert self._mode == "decode", "begin_prefill or begin_decode before the forward"
         assert self._positions is not None and self._row_index is not None and self._mask is not None
         rows, heads, s, d = q.shape
