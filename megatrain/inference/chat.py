@@ -8,7 +8,9 @@ format (``--sft-tokenizer-prompt-format``, :mod:`megatrain.data.tokenizers.sft`)
 assistant header. A tokenizer with neither answers 400.
 
 Fields: ``messages`` (``role`` and ``content``: a string or a list of ``{"type": "text", "text"}``
-parts; ``name`` allowed), ``max_tokens`` / ``max_completion_tokens``, ``logprobs`` with
+parts, and for a vision-language checkpoint ``{"type": "image_url", "image_url": {"url": "data:..."}}``
+parts (:mod:`megatrain.inference.vision_requests`; each image is ``<image>\\n`` before its message's text);
+``name`` allowed), ``max_tokens`` / ``max_completion_tokens``, ``logprobs`` with
 ``top_logprobs`` (0-20; OpenAI's chat format ``{"content": [{"token", "logprob", "bytes",
 "top_logprobs"}]}``), and the sampling fields of completions (``n``, ``stop``, ``seed``,
 ``temperature``, ``top_p``, ``logit_bias``, penalties, ``stream``, ``stream_options``, ``user``).
@@ -23,6 +25,7 @@ from typing import Any
 from megatrain.inference.openai_generation import (MAX_TOP_LOGPROBS, SAMPLING_FIELDS, Choice, ChoiceRun, ChoiceSpec,
                                                    completion_head, parse_sampling, usage)
 from megatrain.inference.server_common import (Prompt, RequestError, ServerContext, check_fields, get_bool, is_int)
+from megatrain.inference.vision_requests import check_image_prompt, decode_image, image_prompt_ids
 
 CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *SAMPLING_FIELDS)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -30,21 +33,29 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _GENERATION_PROMPTS = {"nemotron-nano-v2": "<SPECIAL_11>Assistant\n"}
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str, images: list[tuple[str, Any]] | None = None) -> str:
+    """The text of a message's content; ``image_url`` parts are collected into ``images`` as ``(where,
+    url)`` and stand in the text as ``<image>\\n`` each, before the text parts (LLaVA's chat template)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        parts = []
+        parts, markers = [], []
         for j, part in enumerate(value):
+            if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append((f"{where}[{j}].image_url.url", url))
+                markers.append("<image>\n")
+                continue
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise RequestError(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}} (only text is "
-                                   "supported)")
+                raise RequestError(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}} or "
+                                   "{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:...\"}}")
             parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(f"{where} must be a string or a list of text parts")
+        return "".join(markers) + "".join(parts)
+    raise RequestError(f"{where} must be a string or a list of text and image_url parts")
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any, images: list[tuple[str, Any]] | None = None) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} objects")
     out = []
@@ -59,7 +70,7 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}")
         if "content" not in m:
             raise RequestError(f"{where}.content is required")
-        message = {"role": m["role"], "content": _content(m["content"], f"{where}.content")}
+        message = {"role": m["role"], "content": _content(m["content"], f"{where}.content", images)}
         if "name" in m:
             if not isinstance(m["name"], str):
                 raise RequestError(f"{where}.name must be a string")
@@ -92,6 +103,7 @@ class ChatRequest:
     spec: ChoiceSpec
     max_tokens: int
     top_logprobs: int | None  # None: no logprobs
+    images: tuple[dict[str, Any], ...] = ()  # the conversation's images, preprocessed and packed
 
 
 def parse_chat(ctx: ServerContext, req: dict[str, Any]) -> ChatRequest:
@@ -100,7 +112,9 @@ def parse_chat(ctx: ServerContext, req: dict[str, Any]) -> ChatRequest:
         raise RequestError("messages is required")
     if ctx.seq2seq:
         raise RequestError("chat completions need a decoder-only model; this one is an encoder-decoder (T5)")
-    messages = parse_messages(req["messages"])
+    image_parts: list[tuple[str, Any]] = []
+    messages = parse_messages(req["messages"], image_parts)
+    images = [decode_image(ctx, url, where) for where, url in image_parts]  # 400 for a text-only model
     if "max_tokens" in req and "max_completion_tokens" in req:
         raise RequestError("give max_tokens or max_completion_tokens, not both")
     name = "max_completion_tokens" if "max_completion_tokens" in req else "max_tokens"
@@ -121,15 +135,26 @@ def parse_chat(ctx: ServerContext, req: dict[str, Any]) -> ChatRequest:
     if spec.n > ctx.limits.max_batch_size:
         raise RequestError(f"n is {spec.n}; the limit is {ctx.limits.max_batch_size}")
     text, ids = render_conversation(ctx.tokenizer, messages)
+    length = len(ids)
+    if images:
+        s = spec.sampling
+        if s.logit_bias or s.presence_penalty or s.frequency_penalty:
+            raise RequestError("logit_bias, presence_penalty and frequency_penalty are not supported with images")
+        ids = image_prompt_ids(ctx, text, len(images), "the rendered conversation",
+                               lambda t: ctx.tokenizer.encode(t, add_special_tokens=False))
+        length = ctx.vision.expanded_length(ids)
     if max_tokens is None:  # what is left of the sequence, up to the server's limit
         room = [ctx.limits.max_tokens_to_generate]
         if getattr(ctx.engine, "max_sequence_length", None) is not None:
-            room.append(ctx.engine.max_sequence_length - len(ids))
+            room.append(ctx.engine.max_sequence_length - length)
         if ctx.max_positions is not None:
-            room.append(ctx.max_positions - len(ids) + 1)
+            room.append(ctx.max_positions - length + 1)
         max_tokens = max(1, min(room))
-    ctx.check_length(ids, max_tokens, "the rendered conversation")
-    return ChatRequest(Prompt(text, ids), spec, max_tokens, (top or 0) if logprobs else None)
+    if images:
+        check_image_prompt(ctx, ids, max_tokens, "the rendered conversation")
+    else:
+        ctx.check_length(ids, max_tokens, "the rendered conversation")
+    return ChatRequest(Prompt(text, ids), spec, max_tokens, (top or 0) if logprobs else None, tuple(images))
 
 
 def _token_entry(ctx: ServerContext, token: int, logprob: float) -> dict[str, Any]:
@@ -147,7 +172,7 @@ def chat_logprobs(ctx: ServerContext, c: Choice, start: int, end: int, top_n: in
 
 async def chat_completions(ctx: ServerContext, req: dict[str, Any]) -> dict[str, Any]:
     r = parse_chat(ctx, req)
-    run = ChoiceRun(ctx, [r.prompt], r.spec, r.spec.n, r.max_tokens, r.top_logprobs or 0)
+    run = ChoiceRun(ctx, [r.prompt], r.spec, r.spec.n, r.max_tokens, r.top_logprobs or 0, list(r.images))
     async for _ in run.deltas():
         pass
     choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
@@ -161,7 +186,7 @@ async def stream_chat(ctx: ServerContext, r: ChatRequest) -> AsyncIterator[dict[
     """``chat.completion.chunk`` events: a role delta per choice, content deltas, a last delta with the
     ``finish_reason``, the usage chunk if asked, ``[DONE]``."""
     head = completion_head("chatcmpl", "chat.completion.chunk", r.spec.model)
-    run = ChoiceRun(ctx, [r.prompt], r.spec, r.spec.n, r.max_tokens, r.top_logprobs or 0)
+    run = ChoiceRun(ctx, [r.prompt], r.spec, r.spec.n, r.max_tokens, r.top_logprobs or 0, list(r.images))
     run.start()
     try:
         reported = [0] * len(run.choices)

@@ -6,6 +6,8 @@ Endpoints (see docs/generate.md): Megatron-LM's ``PUT /api`` (:mod:`.megatron_ap
 become jobs of the generation engine (:mod:`megatrain.inference.engine`: continuous batching, each job
 its own sampling), fed back to each request through its own queue (:mod:`.server_common`); prompt
 scoring, beam search and encoder-decoder generation are registered engine calls (:mod:`.model_calls`).
+A vision-language (LLaVA) model: the engine batches text-only requests on its language model; requests
+with images run through a registered call (:mod:`.vision`, :mod:`.vision_requests`), one at a time.
 
 Under tensor parallelism every rank builds the engine and registers the calls; rank 0 serves HTTP and
 the others run ``engine.follow()``.
@@ -22,17 +24,23 @@ from megatrain.inference.model_calls import CallOnlyEngine, register_model_calls
 from megatrain.inference.seq2seq import is_encoder_decoder
 from megatrain.inference.server_app import TextGenerationServer, build_app
 from megatrain.inference.server_common import RequestError, ServerContext, ServerLimits, parse_request_body
+from megatrain.inference.vision import ImagePrompts, image_processor_for, is_vision_model, register_vision_call
 
 __all__ = ["RequestError", "ServerContext", "ServerLimits", "TextGenerationServer", "build_app", "build_engine",
            "make_context", "make_server", "model_context", "parse_request_body"]
 
 
 def build_engine(model: nn.Module, max_requests: int = 16, max_sequence_length: int | None = None,
-                 group: Any = None, max_waiting: int = 256) -> Engine:
+                 group: Any = None, max_waiting: int = 256, compile_forwards: bool = False) -> Engine:
     """The engine for ``model`` with the server's calls registered (on every rank): the batching
     engine for a decoder-only model (``max_requests`` sequences decoding at once, each of at most
     ``max_sequence_length`` tokens; ``group``: the tensor-parallel process group), :class:`CallOnlyEngine`
-    for an encoder-decoder (one process)."""
+    for an encoder-decoder (one process). A vision-language model's engine runs its language model, and
+    its image generation is a registered call. ``compile_forwards``: the engine's decode and prefill
+    forwards through torch.compile."""
+    vision_model = model if is_vision_model(model) else None
+    if vision_model is not None:
+        model = vision_model.language_model
     if max_sequence_length is None:  # the cache holds max_requests x this many tokens per layer
         max_sequence_length = min(model.config.max_position_embeddings, 4096)
     if is_encoder_decoder(model):
@@ -45,17 +53,27 @@ def build_engine(model: nn.Module, max_requests: int = 16, max_sequence_length: 
 
         engine = GenerationEngine(model, EngineConfig(max_requests=max_requests,
                                                       max_sequence_length=max_sequence_length,
-                                                      max_waiting=max_waiting), group=group)
+                                                      max_waiting=max_waiting, capture_graphs_at_start=True,
+                                                      compile_decode=compile_forwards,
+                                                      compile_prefill=compile_forwards), group=group)
     register_model_calls(engine)
+    if vision_model is not None:
+        register_vision_call(engine, vision_model)
     return engine
 
 
 def make_context(engine: Engine, model: nn.Module, tokenizer: Any, limits: ServerLimits | None = None,
-                 model_name: str = "megatrain", log_requests: bool = False) -> ServerContext:
+                 model_name: str = "megatrain", log_requests: bool = False,
+                 saved_args: dict[str, Any] | None = None) -> ServerContext:
+    """``saved_args``: the checkpoint's run arguments (a vision model's ``--image-processor``)."""
+    vision = None
     config = getattr(model, "config", None)
+    if is_vision_model(model):
+        vision = ImagePrompts(model, tokenizer, image_processor_for(model, saved_args))
+        config = model.config.language
     learned = config is not None and config.position_embedding_type == "learned_absolute"
     return ServerContext(engine, tokenizer, limits or ServerLimits(), model_name, is_encoder_decoder(model),
-                         config.max_position_embeddings if learned else None, log_requests)
+                         config.max_position_embeddings if learned else None, log_requests, vision)
 
 
 def model_context(model: nn.Module, tokenizer: Any, limits: ServerLimits | None = None,

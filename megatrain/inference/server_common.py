@@ -107,6 +107,7 @@ class ServerContext:
     seq2seq: bool = False  # T5: prompts are encoder inputs, generation runs through engine.call
     max_positions: int | None = None  # learned absolute positions bound prompt + output
     log_requests: bool = False  # a line per PUT /api request (Megatron's; its no_log turns it off)
+    vision: Any = None  # a LLaVA model's ImagePrompts (megatrain.inference.vision); None: text only
 
     @property
     def vocab_size(self) -> int:

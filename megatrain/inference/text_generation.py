@@ -4,7 +4,8 @@
 tokenizes, runs :func:`generate` over micro-batches of prompts, turns stop strings into both early
 stopping (token sequences) and a cut of the decoded text, and reports why each completion ended.
 An encoder-decoder checkpoint (T5) takes the prompts as encoder inputs and completes them with the
-decoder (:mod:`megatrain.inference.seq2seq`).
+decoder (:mod:`megatrain.inference.seq2seq`). A vision-language (LLaVA) checkpoint takes ``--image``
+files (:mod:`megatrain.inference.vision`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--input-file", default=None, help='jsonl file of {"prompt": ...} objects')
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for every prompt (a LLaVA checkpoint; repeatable for several images per prompt): "
+                        "the prompt's <image> placeholders take them in order, a prompt without one gets them "
+                        "before its text")
     p.add_argument("--tokens-to-generate", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="take the most likely token (default: sample)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -189,7 +194,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _generate_all(args: argparse.Namespace, prompts: list[str], device: torch.device,
                   tp_mesh: DeviceMesh | None) -> None:
+    from megatrain.inference.vision import complete_with_images, image_processor_for, is_vision_model, open_image
+
+    images = [open_image(path, f"--image {path}") for path in args.image]  # before the (slow) model load
     model, meta = load_model(args.load, device, args.ckpt_step, tp_mesh=tp_mesh)
+    vision = is_vision_model(model)
+    if images and not vision:
+        raise ValueError(f"--image: the checkpoint --load {args.load} is a text-only model (family "
+                         f"{meta.get('family', 'gpt')}); images need a vision-language (LLaVA) checkpoint")
     model.to(model_dtype(args))
     first_rank = tp_mesh is None or dist.get_rank() == 0
     tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))
@@ -197,7 +209,12 @@ def _generate_all(args: argparse.Namespace, prompts: list[str], device: torch.de
                             args.seed, list(args.stop))
     results = []
     seq2seq = is_encoder_decoder(model)
-    for c in complete(model, tokenizer, prompts, params, args.micro_batch_size):
+    if vision:
+        completions = complete_with_images(model, tokenizer, prompts, images, params, args.micro_batch_size,
+                                           image_processor_for(model, meta.get("args")))
+    else:
+        completions = complete(model, tokenizer, prompts, params, args.micro_batch_size)
+    for c in completions:
         results.append({"prompt": c.prompt, "text": c.text, "tokens": c.tokens})
         if first_rank:  # an encoder-decoder's output is not a continuation of its input
             print(f"--- prompt: {c.prompt!r}\n{c.text if seq2seq else c.prompt + c.text}\n", flush=True)

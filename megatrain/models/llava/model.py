@@ -106,6 +106,14 @@ class LlavaModel(nn.Module):
         features = image_features.reshape(-1, image_features.shape[-1]).to(hidden.dtype)
         return hidden.masked_scatter(layout.image_mask.unsqueeze(-1), features)
 
+    def embed_expanded(self, tokens: torch.Tensor, image_mask: torch.Tensor, image_features: torch.Tensor | None,
+                       position_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`embed` of text whose image positions are already expanded (``image_mask`` [b, S]);
+        what generation calls at the prefill."""
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        layout = ImageTokens(tokens=tokens, image_mask=image_mask, lengths=lengths)
+        return self.embed(layout, image_features, position_ids)
+
     def forward(self, tokens: torch.Tensor, images: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
