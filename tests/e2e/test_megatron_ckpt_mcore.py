@@ -67,6 +67,13 @@ def patch_cpu():  # megatron-core assumes CUDA in a few places its CPU path neve
         moe_utils.te_general_gemm = None
 
 
+def patch_cpu_fp16():  # Float16OptimizerWithFloat16Params takes only torch.cuda.HalfTensor parameters
+    kind = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **k: kind(self, *a, **k) if a or k else kind(self).replace("torch.",
+                                                                                                  "torch.cuda.", 1)
+    torch.Tensor.cuda = lambda self, *a, **k: self  # DynamicGradScaler.load_state_dict moves its scale to the GPU
+
+
 def build(spec, tp):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -80,7 +87,8 @@ def build(spec, tp):
         activation_func=F.silu if spec["swiglu"] else F.gelu, add_bias_linear=spec["bias"],
         normalization=spec["norm"], layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        init_method_std=0.02, perform_initialization=True, **moe)
+        init_method_std=0.02, perform_initialization=True, fp16=bool(spec.get("fp16")),
+        params_dtype=torch.float16 if spec.get("fp16") else torch.float32, **moe)
     spec_fn = get_gpt_layer_local_spec(normalization=spec["norm"], num_experts=spec.get("experts"),
                                        moe_grouped_gemm=False)
     model = GPTModel(cfg, spec_fn, vocab_size=spec["vocab"],
@@ -91,7 +99,7 @@ def build(spec, tp):
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    return (model.half() if spec.get("fp16") else model).eval()
 
 
 def logits(model, spec):
@@ -110,8 +118,9 @@ ADAM = {"lr": 1e-2, "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, 
 
 def adam(model):  # megatron-core's non-distributed optimizer over its own param groups (get_megatron_optimizer's)
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-    cfg = OptimizerConfig(optimizer="adam", min_lr=ADAM["lr"], clip_grad=0.0, **ADAM)
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    cfg = OptimizerConfig(optimizer="adam", min_lr=ADAM["lr"], clip_grad=0.0, fp16=model.config.fp16, **ADAM)
     groups = _get_param_groups([model], cfg, None)
     for g in groups:  # what its OptimizerParamScheduler sets each step (constant here)
         g["lr"], g["weight_decay"] = ADAM["lr"] * g["lr_mult"], ADAM["weight_decay"] * g["wd_mult"]
@@ -123,6 +132,10 @@ def adam(model):  # megatron-core's non-distributed optimizer over its own param
             for p in group["params"]:
                 if len(opt.state[p]) == 0:
                     opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+    if cfg.fp16:  # as get_megatron_optimizer builds --fp16's (--loss-scale-window 2, so that the scale grows)
+        scaler = DynamicGradScaler(initial_scale=2.0**12, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                   growth_interval=2, hysteresis=2)
+        return Float16OptimizerWithFloat16Params(inner, cfg, scaler, init_state_fn)
     return FP32Optimizer(inner, cfg, init_state_fn)
 
 
@@ -138,16 +151,20 @@ def adam_step(model, opt, spec, i):
     mask = torch.triu(torch.ones(12, 12), diagonal=1).bool()[None, None]
     model.train()
     opt.zero_grad()
-    model(ids, pos, attention_mask=mask, labels=labels).mean().backward()
+    (model(ids, pos, attention_mask=mask, labels=labels).float().mean() * opt.get_loss_scale()).backward()
     opt.step()
     model.eval()
 
 
 def adam_record(model, opt, spec, path):  # this rank's Adam state, then its weights after one more step
-    held = {n: {k: v.clone() for k, v in opt.optimizer.state[p].items()} for n, p in model.named_parameters()}
+    main = {n: getattr(p, "main_param", p) for n, p in model.named_parameters()}  # fp16: the fp32 main params
+    held = {n: {k: v.clone() for k, v in opt.optimizer.state[p].items()} for n, p in main.items()}
+    record = {"moments": held, "main": {n: p.detach().clone() for n, p in main.items()}, "batch": batch(spec, 3),
+              "scaler": {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.grad_scaler.state_dict().items()}
+              if getattr(opt, "grad_scaler", None) else None}
     adam_step(model, opt, spec, 3)
-    after = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save({"moments": held, "after": after, "batch": batch(spec, 3)}, path)
+    record["after"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save(record, path)
 
 
 def megatron_args(spec, tp):
@@ -163,7 +180,8 @@ def megatron_args(spec, tp):
         make_vocab_size_divisible_by=16, bias_gelu_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         consumed_train_samples=96, consumed_valid_samples=8, model_type=ModelType.encoder_or_decoder,
-        attention_backend=AttnBackend.auto, params_dtype=torch.float32, tokenizer_type="NullTokenizer",
+        attention_backend=AttnBackend.auto, params_dtype=torch.float16 if spec.get("fp16") else torch.float32,
+        fp16=bool(spec.get("fp16")), tokenizer_type="NullTokenizer",
         iteration=12, num_experts=spec.get("experts"), moe_ffn_hidden_size=spec.get("moe_ffn"), moe_router_topk=2,
         moe_aux_loss_coeff=0.0, optimizer="adam", min_lr=ADAM["lr"], **ADAM)
 
@@ -180,6 +198,8 @@ def main():
     from megatron.core import parallel_state, dist_checkpointing
     parallel_state.initialize_model_parallel(world, 1)
     patch_cpu()
+    if spec.get("fp16"):
+        patch_cpu_fp16()
     torch.manual_seed(1234)
     if mode == "make":
         model = build(spec, world)
@@ -213,6 +233,15 @@ def main():
                 with open(os.path.join(out, sub, "latest_checkpointed_iteration.txt"), "w") as f:
                     f.write("12")
             torch.save({"logits": lg, "ids": ids}, os.path.join(out, "logits.pt"))
+    elif mode == "load_legacy":  # our legacy output, as megatron/training/checkpointing.py loads it
+        model = build(spec, world)
+        it = open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip()
+        sd = torch.load(os.path.join(out, f"iter_{int(it):07d}", f"mp_rank_{rank:02d}", "model_optim_rng.pt"),
+                        weights_only=False)
+        model.load_state_dict(sd["model"], strict=True)
+        opt = adam(model)
+        opt.load_state_dict(sd["optimizer"])
+        adam_record(model, opt, spec, os.path.join(out, f"adam_rank{rank}.pt"))
     else:  # load our torch_dist output with megatron-core's own loader
         torch.serialization.add_safe_globals([argparse.Namespace])  # as Megatron-LM's training does
         model = build(spec, world)
@@ -305,9 +334,7 @@ def test_megatron_core_checkpoints_in_and_out(tmp_path, spec, tp):
         assert report.iteration == 12
         logits = _our_logits(report.path, report.config, ref["ids"])
         assert (logits - ref["logits"]).abs().max().item() < 1e-5, fmt
-    assert reports["dist"].note is None  # the Adam state travels
-    note = reports["legacy"].note or ""
-    assert "legacy torch format" in note and "starts fresh" in note and "\n" not in note
+    assert reports["dist"].note is None and reports["legacy"].note is None  # the Adam state travels in both
     # ours -> torch_dist -> megatron-core's dist_checkpointing.load, at this TP size
     back = tmp_path / "back"
     export_megatron(str(tmp_path / "ours_dist"), str(back), saver="mcore", progress=False)
@@ -316,6 +343,13 @@ def test_megatron_core_checkpoints_in_and_out(tmp_path, spec, tp):
     assert loaded["iteration"] == 12 and loaded["consumed"] == 96
     assert (loaded["logits"] - ref["logits"]).abs().max().item() < 1e-5
     _check_adam(made, back, reports["dist"], tp)
+    _check_imported_adam(made, reports["legacy"], tp)  # FP32Optimizer.state_dict() by index, per TP rank file
+    # ours -> legacy (--saver megatron, the local spec's names) -> megatron-core's FP32Optimizer.load_state_dict
+    back_legacy = tmp_path / "back_legacy"
+    export_megatron(str(tmp_path / "ours_legacy"), str(back_legacy), saver="megatron", tp=tp,
+                    transformer_impl="local", progress=False)
+    _mcore(tmp_path, "load_legacy", spec, str(back_legacy), tp)
+    _same_adam(made, back_legacy, tp, reports["legacy"].config)
 
 
 
@@ -336,12 +370,67 @@ def _mcore_adam(out, tp: int, cfg) -> tuple[dict, dict, tuple]:
 
     moments = {kind: joined(lambda r, n, k=kind: r["moments"][n][k]) for kind in ("exp_avg", "exp_avg_sq")}
     steps = {int(r["moments"][n]["step"]) for r in ranks for n in names}
-    return {**moments, "steps": steps}, joined(lambda r, n: r["after"][n]), ranks[0]["batch"]
+    extra = {"main": joined(lambda r, n: r["main"][n]), "scaler": ranks[0]["scaler"]} if "main" in ranks[0] else {}
+    return {**moments, **extra, "steps": steps}, joined(lambda r, n: r["after"][n]), ranks[0]["batch"]
 
 
-def _check_adam(made, back, report, tp: int) -> None:
+@pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.long)])
+def test_megatron_core_fp16_optimizer_in_and_out(tmp_path, tp):
+    """megatron-core's Float16OptimizerWithFloat16Params (--fp16, a dynamic loss scaler) after three steps, saved in
+    both formats: megatrain's import has its Adam moments, its fp32 main params as the weights (exactly) and its loss
+    scaler's scale and trackers; megatron-core's fp16 optimizer loads megatrain's --saver mcore output with them."""
+    from megatrain import checkpoint as checkpointing
+
+    spec = {**LLAMA, "adam": True, "fp16": True}
+    made = tmp_path / "made"
+    made.mkdir()
+    _mcore(tmp_path, "make", spec, str(made), tp)
+    cfg = None
+    for fmt in ("dist", "legacy"):
+        report = import_megatron(str(made / fmt), str(tmp_path / f"ours_{fmt}"), progress=False, quiet=True)
+        assert report.note is None, (fmt, report.note)
+        cfg = report.config
+        want, _, _ = _mcore_adam(made, tp, cfg)
+        scaler = want["scaler"]
+        assert float(scaler["scale"]) == 2.0**13 and scaler["growth_tracker"] == 1  # it grew once in three steps
+        meta = checkpointing.read_meta(report.path)
+        assert meta["loss_scaler"] == {"scale": 2.0**13, "growth_tracker": 1, "hysteresis_tracker": 2}, fmt
+        weights = load_full_state_dict(report.path, cfg)
+        for name, t in want["main"].items():  # the fp32 main params, not the fp16 weights
+            assert weights[name].dtype == torch.float32 and torch.equal(weights[name], t), (fmt, name)
+        model = get_family("gpt").build_model(cfg)
+        from megatrain.optimizer import OptimizerConfig, build_optimizer
+        opt = build_optimizer(model, OptimizerConfig(**ADAM))
+        checkpointing.load_checkpoint(report.path, model, opt, load_rng=False)
+        for name, p in model.named_parameters():
+            assert int(opt.state[p]["step"]) == 3, name
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][kind], want[kind][name]), (fmt, name, kind)
+    for saver, source in (("mcore", "ours_legacy"), ("megatron", "ours_dist")):
+        back = tmp_path / f"back_{saver}"
+        export_megatron(str(tmp_path / source), str(back), saver=saver, tp=tp, transformer_impl="local",
+                        progress=False)
+        _mcore(tmp_path, "load" if saver == "mcore" else "load_legacy", spec, str(back), tp)
+        _same_adam(made, back, tp, cfg)
+
+
+def _same_adam(made, back, tp: int, cfg) -> None:
+    """megatron-core's optimizer state loaded from megatrain's output (``back``) is the one it saved (``made``):
+    moments, step, fp32 main params and loss scaler, exactly."""
+    want, _, _ = _mcore_adam(made, tp, cfg)
+    again, _, _ = _mcore_adam(back, tp, cfg)
+    assert again["steps"] == want["steps"] == {3}
+    if want.get("scaler") is not None:
+        assert float(again["scaler"]["scale"]) == float(want["scaler"]["scale"]) == 2.0**13
+        assert (again["scaler"]["growth_tracker"], again["scaler"]["hysteresis_tracker"]) == (1, 2)
+    for kind in ("exp_avg", "exp_avg_sq", "main"):
+        for name, t in want[kind].items():
+            assert torch.equal(again[kind][name], t), (kind, name)
+
+
+def _check_imported_adam(made, report, tp: int):
     """megatrain's import holds megatron-core's Adam state per parameter and its resumed step gives megatron-core's
-    next weights; the --saver mcore output loads into megatron-core's optimizer with the same state and step."""
+    next weights; returns megatron-core's state and next weights."""
     import torch.nn.functional as F
 
     from megatrain import checkpoint as checkpointing
@@ -363,7 +452,14 @@ def _check_adam(made, back, report, tp: int) -> None:
     opt.step()  # (eps 1e-5: Adam would blow a gradient of pure rounding noise, the key bias's, up to +-lr)
     for name, t in model.state_dict().items():
         assert torch.allclose(t, after[name], rtol=0, atol=1e-5), name
-    again, again_after, _ = _mcore_adam(back, tp, cfg)  # megatron-core, from megatrain's --saver mcore output
+    return want, after
+
+
+def _check_adam(made, back, report, tp: int) -> None:
+    """`_check_imported_adam`, and the --saver mcore output loads into megatron-core's optimizer with the same
+    state and step."""
+    want, after = _check_imported_adam(made, report, tp)
+    again, again_after, _ = _mcore_adam(back, tp, report.config)  # megatron-core, from megatrain's --saver mcore output
     assert again["steps"] == {3}
     for kind in ("exp_avg", "exp_avg_sq"):
         for name, t in want[kind].items():

@@ -2,8 +2,9 @@
 checkpoint is written as Megatron's torch_dist (``tools/checkpoint/convert.py --saver mcore``) and legacy torch
 format (TP=2 x PP=2), and ``pretrain_gpt.py --load MEGATRON_DIR --use-checkpoint-args`` (no model flags given)
 resumes at iteration 4: with ``--no-load-optim``, with exactly the losses of megatrain's own resume without
-optimizer state; without it (torch_dist carries Adam's moments and the LR schedule), with exactly the losses
-and learning rates of megatrain's full resume."""
+optimizer state; without it (both formats carry Adam's moments, the legacy one by parameter index in each rank
+file, and the LR schedule), with exactly the losses and learning rates of megatrain's full resume. An ``--fp16``
+run's dynamic loss scaler travels too: the resumed losses and loss scales are megatrain's full resume's."""
 
 from __future__ import annotations
 
@@ -69,3 +70,39 @@ def test_megatron_checkpoint_continues_training(tmp_path):
     assert _logged(proc.stdout, "learning rate") != _logged(reference.stdout, "learning rate")
     assert _losses(proc.stdout) == _losses(full.stdout)
     assert "optimizer starts fresh" not in proc.stdout + proc.stderr
+    # the legacy format with Adam's state (megatrain -> --saver megatron, TP=2 x PP=2): the same full resume
+    legacy_adam = tmp_path / "megatron_legacy_adam"
+    run_cmd(base + ["--loader", "megatrain", "--saver", "megatron", "--load-dir", str(first), "--save-dir",
+                    str(legacy_adam), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"],
+            env=env)
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--use-checkpoint-args", "--train-iters", "6",
+                    "--load", str(legacy_adam), "--save", str(tmp_path / "resumed_legacy_adam"),
+                    "--override-opt_param-scheduler"], env=env)
+    assert _losses(proc.stdout) == _losses(full.stdout)
+    assert _logged(proc.stdout, "learning rate") == _logged(full.stdout, "learning rate")
+    assert "optimizer starts fresh" not in proc.stdout + proc.stderr
+
+
+def test_megatron_checkpoint_continues_fp16_training(tmp_path):
+    """--fp16 (a dynamic loss scaler; --loss-scale-window 2 so that it moves): through both Megatron formats the
+    resumed run's losses and loss scales are megatrain's own full resume's."""
+    env = cpu_env()
+    fp16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "2"]
+    first = tmp_path / "first"
+    run_cmd([sys.executable, "pretrain_gpt.py", *MODEL, *RUN, *fp16, "--train-iters", "3", "--save", str(first),
+             "--save-interval", "3"], env=env)
+    full = run_cmd([sys.executable, "pretrain_gpt.py", *MODEL, *RUN, *fp16, "--train-iters", "6", "--load",
+                    str(first), "--no-load-rng", "--override-opt_param-scheduler"], env=env)
+    want_scales = _logged(full.stdout, "loss scale")
+    assert sorted(want_scales) == [4, 5, 6] and want_scales[4] != 4096.0  # it grew in the first run
+    base = [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", "--no-progress", "--loader",
+            "megatrain", "--load-dir", str(first)]
+    for saver, layout in (("mcore", []), ("megatron", ["--target-tensor-parallel-size", "2"])):
+        out = tmp_path / f"megatron_{saver}"
+        run_cmd(base + ["--saver", saver, "--save-dir", str(out), *layout], env=env)
+        proc = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, *fp16, "--use-checkpoint-args", "--train-iters",
+                        "6", "--load", str(out), "--save", str(tmp_path / f"resumed_{saver}"),
+                        "--override-opt_param-scheduler"], env=env)
+        assert _logged(proc.stdout, "loss scale") == want_scales, saver
+        assert _losses(proc.stdout) == _losses(full.stdout), saver
+        assert "optimizer starts fresh" not in proc.stdout + proc.stderr

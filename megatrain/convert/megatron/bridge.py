@@ -7,11 +7,13 @@ path the Hugging Face import takes), so the result loads under any parallel layo
 torch_dist checkpoint that keeps it in model space (`megatrain.convert.megatron.optim`) travels: its
 moments and step go into megatrain's optimizer (mapped by `names.from_megatron` exactly as the
 weights), its fp32 main params, where mixed precision kept them, become the weights; the resumed
-run's ``--load`` continues with them. Other optimizer states (legacy checkpoints, the distributed
-optimizer's bucket layout) are left out: the run starts Adam fresh and says so in one line. The
-export writes megatrain's Adam state in megatron-core's non-distributed optimizer layout
-(``--saver mcore`` only). The model flags that rebuild the model are recorded (``pretrain_flags``)
-and Megatron's ``args`` kept under ``megatron_args`` for ``--use-checkpoint-args``.
+run's ``--load`` continues with them. So does a legacy checkpoint's (by parameter index,
+`megatrain.convert.megatron.legacy_optim`), and an fp16 run's loss scaler (``loss_scaler``). Other
+optimizer states (the distributed optimizer's bucket layouts) are left out: the run starts Adam fresh
+and says so in one line. The export writes megatrain's Adam state (and an fp16 run's loss scaler) in
+megatron-core's non-distributed optimizer layouts, torch_dist or legacy. The model flags that rebuild
+the model are recorded (``pretrain_flags``) and Megatron's ``args`` kept under ``megatron_args`` for
+``--use-checkpoint-args``.
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ def import_megatron(load: str, save: str, *, step: int | None = None, progress: 
         extra: dict[str, Any] = {"converted_from_megatron": ck.path}
         if optimizer is not None:
             extra["megatron_optimizer"] = ck.optimizer.layout
+        if ck.grad_scaler is not None:  # Megatron's keys are megatrain's: --fp16's dynamic loss scale continues
+            extra["loss_scaler"] = dict(ck.grad_scaler)
         if ck.scheduler and all(isinstance(v, (int, float, str, type(None))) for v in ck.scheduler.values()):
             extra["scheduler"] = dict(ck.scheduler)  # Megatron's keys are megatrain's: the schedule continues
         if optimizer is not None:
@@ -173,6 +177,8 @@ def import_megatron(load: str, save: str, *, step: int | None = None, progress: 
               f"{ck.consumed_train_samples} consumed samples) into {path}", flush=True)
         if ck.optimizer is not None:
             print(f"   with its Adam state ({ck.optimizer.layout}, step {ck.optimizer.step})", flush=True)
+        if ck.grad_scaler is not None:
+            print(f"   with its fp16 loss scale {ck.grad_scaler['scale']:g}", flush=True)
         if note:
             print(" " + note, flush=True)
         print("   model flags: " + shlex.join(flags), flush=True)
@@ -222,18 +228,15 @@ def export_megatron(load: str, save: str, *, saver: str, tp: int = 1, pp: int = 
     saved = meta.get("args") or {}
     adam, groups = None, None
     tensors = None
-    if saver == "mcore" and meta.get("has_optimizer") and cfg.num_moe_experts:
+    if meta.get("has_optimizer") and cfg.num_moe_experts:
         print(f" note: {ckpt}: its optimizer state is not written (megatron-core keeps a mixture-of-experts "
               "model's expert parameters in a second, chained optimizer); Megatron-LM starts it fresh", flush=True)
-    elif saver == "mcore" and meta.get("has_optimizer") and saved.get("optimizer", "adam") != "adam":
-        print(f" note: {ckpt}: its optimizer state is not written ({saved.get('optimizer')}; --saver mcore writes "
+    elif meta.get("has_optimizer") and saved.get("optimizer", "adam") != "adam":
+        print(f" note: {ckpt}: its optimizer state is not written ({saved.get('optimizer')}; --saver {saver} writes "
               "Adam's); Megatron-LM starts it fresh", flush=True)
-    elif saver == "mcore" and meta.get("has_optimizer"):
+    elif meta.get("has_optimizer"):
         weights, adam, groups = _megatrain_adam(ckpt, cfg, saved)
         tensors = to_megatron(weights, cfg.swiglu)
-    elif meta.get("has_optimizer"):
-        print(f" note: {ckpt}: its optimizer state is not written (--saver megatron's legacy format keeps it by "
-              "parameter index; --saver mcore writes it); Megatron-LM starts it fresh", flush=True)
     if tensors is None:
         tensors = to_megatron(load_full_state_dict(ckpt, cfg), cfg.swiglu)
     tok = {k: saved.get(k) for k in TOKENIZER_ARGS}
@@ -251,7 +254,15 @@ def export_megatron(load: str, save: str, *, saver: str, tp: int = 1, pp: int = 
             setattr(margs, name, saved[name])
     it = int(ts.get("iteration", 0))
     scheduler = meta.get("scheduler")
+    scaler = meta.get("loss_scaler") if adam is not None else None  # a dynamic scaler's (a constant one: none)
+    scaler = scaler if isinstance(scaler, dict) and "growth_tracker" in scaler else None
+    # the run's precision: megatron-core's Float16OptimizerWithFloat16Params (fp32 main params, fp16's loss scaler)
+    sixteen = torch.float16 if scaler is not None else torch.bfloat16 if saved.get("bf16") and adam else None
+    margs.fp16, margs.bf16 = sixteen == torch.float16, sixteen == torch.bfloat16
+    if sixteen is not None:
+        margs.params_dtype = sixteen
     if saver == "mcore":
-        return write_torch_dist(save, tensors, margs, it, scheduler, optimizer=adam, param_groups=groups)
+        return write_torch_dist(save, tensors, margs, it, scheduler, optimizer=adam, param_groups=groups,
+                                grad_scaler=scaler, sixteen=sixteen)
     return write_legacy(save, tensors, margs, it, tp=tp, pp=pp, transformer_impl=transformer_impl, progress=progress,
-                        scheduler=scheduler)
+                        scheduler=scheduler, optimizer=adam, param_groups=groups, grad_scaler=scaler, sixteen=sixteen)

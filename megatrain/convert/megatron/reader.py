@@ -11,9 +11,10 @@
 
 `read_megatron_checkpoint` returns a `MegatronCheckpoint`: canonical Megatron tensors
 (`megatrain.convert.megatron.names`), the stored ``args``, iteration and consumed samples, Adam's
-state where a torch_dist checkpoint holds it in model space (`megatrain.convert.megatron.optim`),
-and what was left out (a legacy checkpoint's optimizer state, other optimizer layouts). Pickles are
-read only through `megatrain.convert.megatron.pickles`.
+state where a torch_dist checkpoint holds it in model space (`megatrain.convert.megatron.optim`) or a
+legacy one by parameter index (`megatrain.convert.megatron.legacy_optim`, each rank's moments joined
+across TP ranks as its weights), the fp16 loss scaler's state, and what was left out (other optimizer
+layouts, state refused). Pickles are read only through `megatrain.convert.megatron.pickles`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from megatrain.checkpoint.dcp_reader import load_dcp
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.ranks import single_process_quiet
+from megatrain.convert.megatron.legacy_optim import LegacyOptimizerRefused, grad_scaler_state, rank_optimizer_state
 from megatrain.convert.megatron.names import UnsupportedMegatronModel, canonical_name, layer_of, merge_tp, with_layer
 from megatrain.convert.megatron.optim import MegatronOptimizerState, read_optimizer_state
 from megatrain.convert.megatron.pickles import load_megatron_dcp_metadata, load_megatron_pt
@@ -56,7 +58,8 @@ class MegatronCheckpoint:
     consumed_valid_samples: int = 0
     scheduler: dict[str, Any] | None = None
     left_out: list[str] = field(default_factory=list)  # what is not converted, and why, for the note
-    optimizer: MegatronOptimizerState | None = None  # Adam's state (torch_dist checkpoints that hold it)
+    optimizer: MegatronOptimizerState | None = None  # Adam's state, where the checkpoint holds it in a layout read
+    grad_scaler: dict[str, Any] | None = None  # the fp16 dynamic loss scaler's scale and trackers
 
 
 def _iter_name(it: int | str) -> str:
@@ -106,8 +109,7 @@ def _counters(ck: MegatronCheckpoint, common: dict[str, Any]) -> None:
         ck.consumed_valid_samples = int(getattr(args, "consumed_valid_samples", 0) or 0)
     sched = common.get("opt_param_scheduler") or common.get("lr_scheduler")
     ck.scheduler = sched if isinstance(sched, dict) else None
-    if common.get("optimizer") is not None:  # torch_dist: replaced by what `read_optimizer_state` finds
-        ck.left_out.append("optimizer state (the legacy torch format keeps it by parameter index)")
+    ck.grad_scaler = grad_scaler_state(common.get("optimizer"))
 
 
 def _iteration(d: str, common: dict[str, Any]) -> int:
@@ -214,9 +216,11 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
             raise CheckpointError(f"{path}: missing")
     ck: MegatronCheckpoint | None = None
     offset = 0
+    optim: _LegacyAdam | None = None
     bar = tqdm(total=pp * tp, desc="reading mp_rank files", disable=not progress)
     for stage in range(pp):
         shards: list[dict[str, torch.Tensor]] = []
+        opt_shards: list[Any] = []
         for r in range(tp):
             path = ranks[(stage, r)]
             sd = load_megatron_pt(path)
@@ -227,7 +231,10 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
                 ck = MegatronCheckpoint(d, "torch", _iteration(d, sd),
                                         args if isinstance(args, argparse.Namespace) else None, {})
                 _counters(ck, sd)
+                optim = _LegacyAdam.start(ck, sd, path)
             shards.append(_stage_model(sd, path))
+            if optim is not None:
+                opt_shards.append(optim.rank(sd, path))
             del sd
             bar.update(1)
         args = ck.args
@@ -240,10 +247,87 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
             t = merge_tp(name, [s[name] for s in shards], swiglu)
             local = layer_of(name)
             ck.tensors[with_layer(name, offset + local) if local is not None else name] = t
+        if optim is not None and optim.ok:
+            optim.merge(opt_shards, swiglu, offset)
         offset += len(layers)
     bar.close()
     assert ck is not None
+    if optim is not None:
+        ck.optimizer = optim.finish()
     return ck
+
+
+class _LegacyAdam:
+    """Adam's state of a legacy checkpoint, gathered rank file by rank file (`legacy_optim`) and its
+    tensor-parallel shards merged as the weights are (`merge_tp`, the stages' layers renumbered)."""
+
+    def __init__(self, ck: MegatronCheckpoint) -> None:
+        self.ck, self.ok, self.steps = ck, True, set()
+        self.state = MegatronOptimizerState("optimizer (legacy torch format)", 0)
+        self.mains = True
+
+    @classmethod
+    def start(cls, ck: MegatronCheckpoint, sd: dict[str, Any], path: str) -> _LegacyAdam | None:
+        """None where the first rank file holds no optimizer state megatrain reads (the reason in ``left_out``)."""
+        rank_dir = os.path.dirname(path)
+        if os.path.isfile(os.path.join(rank_dir, "distrib_optim.pt")) or (
+                sd.get("optimizer") is not None and getattr(ck.args, "use_distributed_optimizer", False)):
+            ck.left_out.append("optimizer state (the distributed optimizer's legacy per-DP-rank distrib_optim.pt "
+                               "files, by bucket; re-save as torch_dist with --dist-ckpt-optim-fully-reshardable)")
+            return None
+        if sd.get("optimizer") is None:
+            return None
+        name = str(getattr(ck.args, "optimizer", "adam") or "adam")
+        if name != "adam":
+            ck.left_out.append(f"optimizer state ({name}; megatrain converts Adam's)")
+            return None
+        return cls(ck)
+
+    def rank(self, sd: dict[str, Any], path: str) -> Any:
+        if not self.ok:
+            return None
+        if sd.get("optimizer") is None:
+            return self._refuse(f"{path}: holds no optimizer entry (other rank files do)")
+        try:
+            return rank_optimizer_state(sd, sd["model"], self.ck.args, path)
+        except LegacyOptimizerRefused as e:
+            return self._refuse(str(e))
+        except (TypeError, ValueError, KeyError, AttributeError) as e:  # a malformed entry: one line, not a trace
+            return self._refuse(f"{path}: its optimizer entry is malformed ({type(e).__name__}: {e})"
+                                .replace("\n", " ")[:300])
+
+    def _refuse(self, why: str) -> None:
+        self.ok = False
+        self.ck.left_out.append(f"optimizer state (refused, not guessed: {why})")
+        return None
+
+    def merge(self, shards: list[Any], swiglu: bool, offset: int) -> None:
+        if any(s is None for s in shards):
+            return
+        self.steps.update(s["step"] for s in shards if s["step"] is not None)
+        self.mains = self.mains and all(s["main"] for s in shards)
+        for kind, target in (("exp_avg", self.state.exp_avg), ("exp_avg_sq", self.state.exp_avg_sq),
+                             ("main", self.state.main_params)):
+            if kind == "main" and not self.mains:
+                continue
+            for name in shards[0][kind]:
+                if any(name not in s[kind] for s in shards):
+                    self._refuse(f"{name}: Adam state on only some tensor-parallel ranks")
+                    return
+                t = merge_tp(name, [s[kind][name] for s in shards], swiglu)
+                local = layer_of(name)
+                target[with_layer(name, offset + local) if local is not None else name] = t
+
+    def finish(self) -> MegatronOptimizerState | None:
+        if not self.ok:
+            return None
+        if len(self.steps) > 1:
+            self._refuse(f"the rank files' steps differ ({sorted(self.steps)[:4]})")
+            return None
+        self.state.step = self.steps.pop() if self.steps else int(self.ck.iteration)
+        if not self.mains:
+            self.state.main_params = {}
+        return self.state
 
 
 def read_megatron_checkpoint(load: str, step: int | None = None, progress: bool = True) -> MegatronCheckpoint:

@@ -35,7 +35,7 @@ from megatrain.locking import LockHeld, acquire
 __all__ = ["apply_megatron_load", "prepare_megatron_start", "read_megatron_args", "CACHE_ENV"]
 
 CACHE_ENV = "MEGATRAIN_MEGATRON_CACHE"
-FORMAT = "2"  # of the cached conversion: "2" carries Adam's state
+FORMAT = "3"  # of the cached conversion: "2" carries Adam's state, "3" a legacy one's and the fp16 loss scaler
 
 
 def read_megatron_args(d: str) -> argparse.Namespace:

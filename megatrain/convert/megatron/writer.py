@@ -10,9 +10,9 @@ ShardedObject per layer and linear layer (``.../shard_{layer}_{L}``, a pickled `
 writes for the local spec). ``common.pt`` holds the ``args`` (plain values), ``iteration`` and
 ``checkpoint_version`` 3.0 and the LR schedule (``opt_param_scheduler``), as Megatron's
 ``save_checkpoint`` does; Adam's state where given, in the non-distributed optimizer's layout
-(``optimizer.state.exp_avg.<key>`` beside each model key, the step and param groups in ``common.pt``);
-no RNG (Megatron-LM loads it with ``--no-load-rng``; the legacy format gets no optimizer state:
-``--no-load-optim``, or ``--finetune``). Every checkpoint is written into
+(``optimizer.state.exp_avg.<key>`` beside each model key, the step and param groups in ``common.pt``;
+the legacy format's by parameter index in each rank file, `megatrain.convert.megatron.legacy_optim`);
+no RNG (Megatron-LM loads it with ``--no-load-rng``). Every checkpoint is written into
 ``iter_XXXXXXX.tmp`` and renamed when complete; ``latest_checkpointed_iteration.txt`` is replaced
 last, atomically.
 """
@@ -34,8 +34,10 @@ from tqdm import tqdm
 
 from megatrain.atomic_io import atomic_write_text
 from megatrain.checkpoint.ranks import single_process_quiet
+from megatrain.convert.megatron.legacy_optim import (group_templates, legacy_optimizer_entry, megatron_grad_scaler,
+                                                     module_order)
 from megatrain.convert.megatron.names import UnsupportedMegatronModel, layer_of, split_tp, with_layer
-from megatrain.convert.megatron.optim import (MOMENTS, MegatronOptimizerState, optimizer_common,
+from megatrain.convert.megatron.optim import (GROUP_KEYS, MOMENTS, MegatronOptimizerState, optimizer_common,
                                               optimizer_sharded_tensors)
 from megatrain.convert.megatron.reader import TRACKER
 
@@ -142,10 +144,15 @@ def _stacked(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, Any
 
 def write_torch_dist(save: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int,
                      scheduler: dict[str, Any] | None = None, *, optimizer: MegatronOptimizerState | None = None,
-                     param_groups: list[dict[str, Any]] | None = None) -> str:
+                     param_groups: list[dict[str, Any]] | None = None,
+                     grad_scaler: dict[str, Any] | None = None, sixteen: torch.dtype | None = None) -> str:
     """``save/iter_XXXXXXX`` in megatron-core's torch_dist format; returns the directory. With
     ``optimizer`` (Adam's moments and step, canonical names) and its ``param_groups`` also the
-    non-distributed optimizer's state (`megatrain.convert.megatron.optim`)."""
+    non-distributed optimizer's state (`megatrain.convert.megatron.optim`); with ``grad_scaler`` (an fp16
+    run's dynamic loss scaler: scale, growth_tracker, hysteresis_tracker) or ``sixteen`` (a bf16 run) in the
+    layout of megatron-core's ``Float16OptimizerWithFloat16Params``: the fp32 main params (the weights) as
+    ``optimizer.state.fp32_param.<key>``, ``common.pt``'s ``optimizer`` as
+    ``{"optimizer": ..., "grad_scaler": ...}``."""
     tmp, final = _begin(save, iteration)
     try:
         num_layers = int(args.num_layers)
@@ -155,6 +162,11 @@ def write_torch_dist(save: str, tensors: dict[str, torch.Tensor], args: argparse
             sd.update(optimizer_sharded_tensors({kind: _stacked(getattr(optimizer, kind), num_layers)
                                                  for kind in MOMENTS}))
             common["optimizer"] = optimizer_common(optimizer.step, param_groups or [])
+            if grad_scaler is not None or sixteen is not None:
+                sd.update(optimizer_sharded_tensors({"fp32_param": _stacked(tensors, num_layers)}))
+                common["optimizer"] = {"optimizer": common["optimizer"]}
+                if grad_scaler is not None:
+                    common["optimizer"]["grad_scaler"] = megatron_grad_scaler(grad_scaler)
         with open(os.path.join(tmp, "metadata.json"), "w", encoding="utf-8") as f:
             json.dump(DIST_METADATA, f)
         torch.save(common, os.path.join(tmp, "common.pt"))
@@ -191,24 +203,69 @@ def _legacy_stage(tensors: dict[str, torch.Tensor], stage: int, pp: int, num_lay
     return out
 
 
+def legacy_optimizer_plan(tensors: dict[str, torch.Tensor], optimizer: MegatronOptimizerState,
+                          param_groups: list[dict[str, Any]] | None, pp: int, num_layers: int,
+                          te: bool) -> tuple[Any, str | None]:
+    """megatron-core's two param groups of megatrain's ``param_groups`` for `write_legacy`'s optimizer entries,
+    or None and why the legacy format gets no optimizer state (a model whose parameter order is not known here)."""
+    templates = group_templates(param_groups or [], GROUP_KEYS)
+    if isinstance(templates, str):
+        return None, templates
+    for stage in range(pp):
+        names = list(_legacy_stage(tensors, stage, pp, num_layers, False, te))
+        if module_order(names) is None:
+            return None, "a model whose megatron-core parameter order megatrain does not know (mixture of experts)"
+    if any(name not in getattr(optimizer, kind) for name in tensors for kind in MOMENTS):
+        return None, "Adam moments not for every weight"
+    return templates, None
+
+
 def write_legacy(save: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace, iteration: int, *,
                  tp: int, pp: int, transformer_impl: str = "transformer_engine", progress: bool = True,
-                 scheduler: dict[str, Any] | None = None) -> str:
-    """``save/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` (legacy torch format) for TP x PP."""
+                 scheduler: dict[str, Any] | None = None, optimizer: MegatronOptimizerState | None = None,
+                 param_groups: list[dict[str, Any]] | None = None, grad_scaler: dict[str, Any] | None = None,
+                 sixteen: torch.dtype | None = None) -> str:
+    """``save/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` (legacy torch format) for TP x PP. With
+    ``optimizer`` (canonical names) each file also gets megatron-core's non-distributed optimizer state
+    (`legacy_optim.legacy_optimizer_entry`; the model's keys in megatron-core's parameter order): with
+    ``sixteen`` (fp16/bf16) the weights in that dtype and the fp32 ones as ``fp32_from_fp16_params``
+    (``Float16OptimizerWithFloat16Params``), ``grad_scaler`` its dynamic loss scaler's state."""
     num_layers = int(args.num_layers)
     if num_layers % pp:
         raise UnsupportedMegatronModel(f"--target-pipeline-parallel-size {pp} does not divide --num-layers "
                                        f"{num_layers}")
     swiglu, tied = bool(args.swiglu), not args.untie_embeddings_and_output_weights
     te = transformer_impl == "transformer_engine"
+    templates = None
+    if optimizer is not None:
+        templates, why = legacy_optimizer_plan(tensors, optimizer, param_groups, pp, num_layers, te)
+        if why:
+            print(f" note: the optimizer state is not written ({why}); Megatron-LM starts it fresh", flush=True)
     tmp, final = _begin(save, iteration)
     try:
         bar = tqdm(total=tp * pp, desc="writing mp_rank files", disable=not progress)
         for stage in range(pp):
             sd = _legacy_stage(tensors, stage, pp, num_layers, tied, te)
+            moments: dict[str, Any] = {}
+            if templates is not None:
+                assert optimizer is not None
+                sd = {name: sd[name] for name in module_order(list(sd)) or sd}
+                moments = {kind: _legacy_stage(getattr(optimizer, kind), stage, pp, num_layers, tied, te)
+                           for kind in MOMENTS}
+                moments = {kind: {name: split_tp(name, t, tp, swiglu) for name, t in m.items()}
+                           for kind, m in moments.items()}
             shards = {name: split_tp(name, t, tp, swiglu) for name, t in sd.items()}
             for r in range(tp):
                 model: dict[str, Any] = {name: parts[r].clone() for name, parts in shards.items()}
+                entry = None
+                if templates is not None:
+                    assert optimizer is not None
+                    mains = dict(model) if sixteen is not None else None
+                    if sixteen is not None:
+                        model = {name: t.to(sixteen) for name, t in model.items()}
+                    entry = legacy_optimizer_entry(model, {k: {n: p[r] for n, p in m.items()}
+                                                           for k, m in moments.items()},
+                                                   optimizer.step, templates, args, mains, grad_scaler)
                 for name in list(model):
                     if name.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
                                       "linear_fc2.weight", "output_layer.weight")):
@@ -216,6 +273,8 @@ def write_legacy(save: str, tensors: dict[str, torch.Tensor], args: argparse.Nam
                 rank_dir = os.path.join(tmp, f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{stage:03d}")
                 os.makedirs(rank_dir)
                 state = {**_common(args, iteration, scheduler), "model": model}
+                if entry is not None:
+                    state["optimizer"] = entry
                 torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
                 bar.update(1)
         bar.close()
