@@ -18,6 +18,7 @@ from megatrain.convert.megatron.bridge import export_megatron, import_megatron
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.registry import get_family
 from megatrain.optimizer import OptimizerConfig, build_optimizer
+from tests.unit.test_megatron_optim_state import trained
 
 LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
              vocab_size=64, max_position_embeddings=32, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
@@ -28,13 +29,7 @@ SCALER = {"scale": 8192.0, "growth_tracker": 37, "hysteresis_tracker": 1}
 
 
 def _save(tmp_path, cfg: GPTConfig, **flags) -> str:
-    torch.manual_seed(0)
-    model = get_family("gpt").build_model(cfg)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1))
-    for _ in range(3):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
+    model, opt = trained(cfg, steps=3)
     save = str(tmp_path / "ours")
     extra = {"loss_scaler": dict(SCALER)} if flags.get("fp16") else {}
     C.save_checkpoint(save, C.TrainState(iteration=3, consumed_train_samples=12), model, opt, extra,

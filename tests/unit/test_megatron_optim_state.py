@@ -29,11 +29,12 @@ LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_grou
              position_embedding_type="rope", untie_embeddings_and_output_weights=True, gelu_approximation="none")
 
 
-def _trained(cfg: GPTConfig):
+def trained(cfg: GPTConfig, steps: int = 2):
+    """A GPT-family model and its Adam after ``steps`` steps on random gradients (seeded)."""
     torch.manual_seed(0)
     model = get_family("gpt").build_model(cfg)
     opt = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1))
-    for _ in range(2):
+    for _ in range(steps):
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()
@@ -41,7 +42,7 @@ def _trained(cfg: GPTConfig):
 
 
 def _save(tmp_path, cfg: GPTConfig, with_optim: bool = True) -> str:
-    model, opt = _trained(cfg)
+    model, opt = trained(cfg)
     save = str(tmp_path / "ours")
     C.save_checkpoint(save, C.TrainState(iteration=2, consumed_train_samples=8), model, opt, {},
                       argparse.Namespace(seq_length=16), cfg, save_optim=with_optim, save_rng=False)
@@ -102,7 +103,7 @@ def test_no_optimizer_state_written_says_so(tmp_path, capsys):
 
 def _hand_written(tmp_path, cfg: GPTConfig, extra: dict[str, torch.Tensor]) -> str:
     """A torch_dist checkpoint of ``cfg`` by megatrain's writer's own parts, with ``extra`` DCP tensors beside it."""
-    model, _ = _trained(cfg)
+    model, _ = trained(cfg)
     tensors = to_megatron(model.state_dict(), cfg.swiglu)
     args = megatron_args(cfg, tp=1, pp=1, iteration=2)
     d = tmp_path / "hand" / "iter_0000002"
