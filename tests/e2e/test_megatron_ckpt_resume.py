@@ -83,6 +83,7 @@ def test_megatron_checkpoint_continues_training(tmp_path):
     assert "optimizer starts fresh" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.long  # ~22 s; the scaler's round trips are unit tests (test_megatron_legacy_optim.py)
 def test_megatron_checkpoint_continues_fp16_training(tmp_path):
     """--fp16 (a dynamic loss scaler; --loss-scale-window 2 so that it moves): through both Megatron formats the
     resumed run's losses and loss scales are megatrain's own full resume's."""
