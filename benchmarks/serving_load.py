@@ -224,7 +224,13 @@ def start_server(args: argparse.Namespace, max_prompt: int, max_new: int):
     register_model_calls(engine)
     limits = ServerLimits(max_prompt_tokens=max_prompt, max_tokens_to_generate=max_new,
                           max_request_bytes=max(1 << 20, 16 * max_prompt))
-    srv = make_server(make_context(engine, model, tokenizer, limits), "127.0.0.1", 0, quiet=True)
+    ctx = make_context(engine, model, tokenizer, limits)
+    if args.frontend_process:
+        from megatrain.inference.frontend_process import FrontendProcess
+
+        srv = FrontendProcess(ctx, {"tokenizer_type": "NullTokenizer", "vocab_size": eod}, "127.0.0.1", 0, quiet=True)
+    else:
+        srv = make_server(ctx, "127.0.0.1", 0, quiet=True)
     srv.start()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     info = {"device_name": name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
@@ -276,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="max_tokens of the one-client phase and the largest of the concurrent one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--frontend-process", action="store_true",
+                   help="HTTP from a child process, the engine in this one (the server's --frontend-process)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--lazy-graphs", action="store_true",
                    help="record each decode graph on first use instead of all at start-up (as the server does)")
@@ -339,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
            else f"{args.duration:g} s of load")
     config = (f"engine {args.max_requests} slots, max sequence {info['seq']}, "
               f"CUDA graphs {'on' if info['cuda_graphs'] else 'off'}, compile_decode {'on' if args.compile_decode else 'off'}, "
-              f"compile_prefill {'on' if args.compile_prefill else 'off'}")
+              f"compile_prefill {'on' if args.compile_prefill else 'off'}"
+              + (", HTTP in its own process" if args.frontend_process else ""))
     lines = [f"### Serving load, {args.shape}, {info['dtype']}, greedy, random weights, streamed /v1/completions", "",
              f"{datetime.date.today()} · {info['device_name']} · torch {info['torch']} · {config}", "",
              f"One client: {args.single_requests} requests of {single_prompt} prompt + {max_new} new tokens, one after "

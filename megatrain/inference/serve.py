@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's decode and prefill forwards through torch.compile (on CUDA inside the decode "
                         "graphs, all recorded at start-up: a longer start, faster steps and far fewer host "
                         "operations per step, which keeps the engine fast while the HTTP side is busy)")
+    p.add_argument("--frontend-process", action="store_true",
+                   help="answer HTTP from a child process that reaches the engine through a pipe, so the "
+                        "engine's thread does not share the interpreter lock with the HTTP side (text models)")
     p.add_argument("--max-pending-requests", type=int, default=1024, help="requests answered at once; more: 503")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
     p.add_argument("--request-body-timeout", type=float, default=30.0,
@@ -156,7 +159,8 @@ def _serve(args: argparse.Namespace, device: Any, tp_mesh: Any) -> None:
     model, meta = load_model(args.load, device, args.ckpt_step, tp_mesh=tp_mesh)
     check_shape_flags(args, text_config(model))  # a LLaVA model: its language model's shape
     model.to(model_dtype(args))
-    tokenizer = build_tokenizer(fill_tokenizer_args(args, meta))
+    tokenizer_args = fill_tokenizer_args(args, meta)
+    tokenizer = build_tokenizer(tokenizer_args)
     positions = text_config(model).max_position_embeddings
     seq_len = args.inference_max_seq_length or min(positions, 4096)
     if args.inference_max_seq_length is not None and args.inference_max_seq_length < 2:
@@ -172,7 +176,16 @@ def _serve(args: argparse.Namespace, device: Any, tp_mesh: Any) -> None:
     ctx = make_context(engine, model, tokenizer, limits, args.model_name, log_requests=not args.quiet,
                        saved_args=meta.get("args"))
     try:
-        server = make_server(ctx, args.host, args.port, quiet=args.quiet)
+        if args.frontend_process:
+            from megatrain.inference.frontend_process import FrontendProcess
+
+            if ctx.vision is not None:
+                engine.close()
+                raise SystemExit("error: --frontend-process serves text models; a vision-language checkpoint "
+                                 "is served in one process (drop the flag)")
+            server = FrontendProcess(ctx, tokenizer_args, args.host, args.port, quiet=args.quiet)
+        else:
+            server = make_server(ctx, args.host, args.port, quiet=args.quiet)
     except OSError as e:
         engine.close()
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port} ({e.strerror})")

@@ -289,10 +289,14 @@ def build_app(ctx: ServerContext) -> Any:
 class TextGenerationServer:
     """uvicorn serving :func:`build_app` on a socket bound at construction (port 0: a free one)."""
 
-    def __init__(self, ctx: ServerContext, host: str = "127.0.0.1", port: int = 5000, quiet: bool = False) -> None:
+    def __init__(self, ctx: ServerContext, host: str = "127.0.0.1", port: int = 5000, quiet: bool = False,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: a listening socket bound elsewhere (the front end's process gets its parent's)."""
         self.ctx = ctx
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        if sock is None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        self.socket = sock
         self.server_address = self.socket.getsockname()[:2]
         protocol = type("ServerProtocol", (JSONRefusalProtocol,), {"max_request_bytes": ctx.limits.max_request_bytes})
         config = uvicorn.Config(build_app(ctx), http=protocol, backlog=LISTEN_BACKLOG, log_level="warning" if quiet else "info",

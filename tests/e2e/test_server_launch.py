@@ -93,3 +93,34 @@ def test_refusals_are_one_line(ckpt, flags, message):
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+
+
+def test_frontend_process_server_answers_and_stops_with_its_parent(ckpt):
+    """--frontend-process: HTTP from a child process, the engine in the launched one; the answer is the
+    model's greedy continuation, and SIGTERM to the launched process stops both (the port closes)."""
+    import torch
+
+    from megatrain.inference.generation import generate
+    from megatrain.inference.loading import load_model
+
+    proc, port = serve([sys.executable, TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
+                        "--frontend-process", *MEGATRON_FLAGS])
+    try:
+        out = ask(port, {"prompts": ["1 2 3"], "tokens_to_generate": 6, "top_k": 1})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    model, _ = load_model(str(ckpt), torch.device("cpu"))
+    assert out["tokens"][0][3:] == generate(model.eval(), [[1, 2, 3]], 6, eod=30)[0]
+    import socket
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the child notices its parent is gone and stops listening
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the front end's process still listens after its parent ended")
