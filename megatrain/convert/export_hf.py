@@ -4,7 +4,7 @@ The checkpoint is read into one process (DCP reshards whatever layout saved it: 
 layer at a time (`CheckpointTensors`, `StreamingConversion`: about one layer plus the shard being
 written in host memory), mapped to the Hugging Face class its family's adapter chooses (GPT: GPT2LMHeadModel or
 LlamaForCausalLM; BERT: MegatronBertForPreTraining or MegatronBertForMaskedLM; T5:
-T5ForConditionalGeneration) and written as
+T5ForConditionalGeneration; LLaVA: LlavaForConditionalGeneration, with preprocessor_config.json) and written as
 ``config.json``, ``generation_config.json`` (generative families), ``model.safetensors`` (or shards
 plus ``model.safetensors.index.json``) and the tokenizer files. ``transformers`` is not needed to
 export.
@@ -230,6 +230,9 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
         ids.update(hf.special_token_ids(tokenizer))
     config = hf.config_dict(cfg, architecture, vocab_size=rows, dtype=DTYPE_NAMES[dtype], **ids)
     atomic_write_json(os.path.join(output_path, "config.json"), config, indent=2, sort_keys=True)
+    extra_files = getattr(hf, "extra_files", None)  # a family's own files (LLaVA's preprocessor_config.json)
+    for name, content in (extra_files(cfg, saved_args) if extra_files is not None else {}).items():
+        atomic_write_json(os.path.join(output_path, name), content, indent=2, sort_keys=True)
     if hf.generation_config:
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
         for key in ("pad_token_id", "decoder_start_token_id"):

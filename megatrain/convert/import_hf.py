@@ -268,9 +268,11 @@ def import_hf_model(hf_path: str, save: str, *, make_vocab_size_divisible_by: in
     if allow_gelu_approximation:
         print(" note: --allow-gelu-approximation is no longer needed: tanh-approximated GELU converts exactly",
               flush=True)
-    if "vocab_size" not in hf_config:
+    text_config = hf_config.get("text_config")  # a vision-language model's (LLaVA's) text vocabulary
+    vocab = hf_config.get("vocab_size", text_config.get("vocab_size") if isinstance(text_config, dict) else None)
+    if vocab is None:
         raise UnsupportedModelError(f"--hf-path {hf_path}: config.json has no vocab_size")
-    hf_vocab = int(hf_config["vocab_size"])
+    hf_vocab = int(vocab)
     padded = padded_vocab_size(hf_vocab, make_vocab_size_divisible_by, tensor_model_parallel_size)
     family = family_for_hf(hf_config)
     cfg, architecture = family.hf.config_from_hf(hf_config, padded)

@@ -242,3 +242,14 @@ class LlavaConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain fields (the sub-configs as dicts); ``LlavaConfig(**d)`` rebuilds it."""
         return asdict(self)
+
+
+# The language model's shape fields, read through the LLaVA config by the Hugging Face conversion (its
+# log lines, the tokenizer's model_max_length, the pretrain_vlm.py flags an import prints).
+for _name in ("num_layers", "hidden_size", "max_position_embeddings", "norm_epsilon", "init_method_std",
+              "kv_channels", "position_embedding_type", "rotary_base", "normalization", "swiglu", "add_bias_linear",
+              "add_qkv_bias", "gelu_approximation", "qk_layernorm", "untie_embeddings_and_output_weights",
+              "hidden_dropout", "attention_dropout"):
+    setattr(LlavaConfig, _name, property(lambda self, _n=_name: getattr(self.language, _n),
+                                         doc=f"The language model's ``{_name}``."))
+del _name

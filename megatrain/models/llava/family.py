@@ -17,6 +17,7 @@ from megatrain.models.llava.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.llava.config import MEGATRON_IMAGE_TOKEN_ID, LlavaConfig, VisionConfig
 from megatrain.models.llava.flags import add_llava_flags
 from megatrain.models.llava.flops import num_floating_point_operations
+from megatrain.models.llava.hf import FAMILY_ADAPTER
 from megatrain.models.llava.model import LlavaModel, initial_value
 from megatrain.models.llava.objective import PARALLEL_REFUSAL, LlavaObjective
 from megatrain.models.registry import ModelFamily, register
@@ -175,6 +176,7 @@ LLAVA = register(ModelFamily(
     objective=_objective,
     flops=num_floating_point_operations,
     config_checks=CONFIG_CHECKS,
+    hf=FAMILY_ADAPTER,
     datasets=_datasets,
     add_flags=add_llava_flags,
     prepare_args=prepare_llava_args,

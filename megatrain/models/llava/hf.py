@@ -22,7 +22,8 @@ read too.
 What the two share: ``vision_feature_layer`` and ``vision_feature_select_strategy`` mean the same
 (:class:`~megatrain.models.llava.config.LlavaConfig`), the projector is Linear-GELU-Linear of the
 language model's width (``projector_hidden_act`` "gelu"), ``image_token_index`` is our
-``image_token_id`` (a real vocabulary id: Megatron's -200 cannot be exported), and Hugging Face's
+``image_token_id`` (a real vocabulary id: Megatron's -200 cannot be exported by :func:`llava_to_hf`; the family's
+:data:`FAMILY_ADAPTER`, which the folder converters use, writes the tokenizer's ``<image>`` id instead), and Hugging Face's
 input ids already hold ``image_seq_length`` placeholders per image, which our forward takes as
 they are. A Mistral text model with a sliding window goes back as Mistral, one without as Llama
 (the same function). Anything else is refused with one line naming the field.
@@ -30,7 +31,10 @@ they are. A Mistral text model with a sliding window goes back as Mistral, one w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,14 +42,15 @@ import torch
 from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError
 from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.gpt import hf as gpt_hf
-from megatrain.models.llava.config import LlavaConfig
+from megatrain.models.llava.config import MEGATRON_IMAGE_TOKEN_ID, LlavaConfig
 from megatrain.models.llava.hf_clip import (CLIP_VISION_ADAPTER, TensorTaker, clip_vision_architecture,
                                             clip_vision_config_dict, vision_config_from_hf, vision_from_hf_state_dict,
                                             vision_to_hf_state_dict)
 from megatrain.models.llava.model import LlavaModel
 from megatrain.models.llava.vision import VisionEncoder
 
-__all__ = ["ADAPTER", "LLAVA", "hf_architecture", "hf_config_dict", "llava_config_from_hf", "to_hf_state_dict",
+__all__ = ["ADAPTER", "FAMILY_ADAPTER", "LlavaHFAdapter", "LLAVA", "hf_architecture", "hf_config_dict",
+           "llava_config_from_hf", "to_hf_state_dict",
            "from_hf_state_dict", "llava_from_hf", "llava_to_hf", "vision_encoder_from_hf"]
 
 LLAVA = "LlavaForConditionalGeneration"
@@ -282,3 +287,115 @@ def _config_dict(cfg: LlavaConfig, architecture: str, *, vocab_size: int, dtype:
 ADAPTER = HFAdapter(architectures=(LLAVA,), accepts=_accepts, architecture=hf_architecture, config_dict=_config_dict,
                     to_hf_state_dict=to_hf_state_dict, config_from_hf=llava_config_from_hf,
                     from_hf_state_dict=from_hf_state_dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# the family's adapter (tools/convert_checkpoint_to_hf.py, tools/convert_hf_to_checkpoint.py, --load hf:DIR)
+# ---------------------------------------------------------------------------------------------
+def _checked(cfg: LlavaConfig) -> LlavaConfig:
+    """``cfg``, with Megatron's placeholder id (-200, what ``pretrain_vlm.py`` trains with) as some vocabulary
+    id for :func:`hf_architecture`'s checks: the export writes the tokenizer's ``<image>`` token id in its
+    place (:func:`_image_token_ids`), which is the same model (those positions never read an embedding row)."""
+    if cfg.image_token_id != MEGATRON_IMAGE_TOKEN_ID:
+        return cfg
+    import dataclasses
+
+    return dataclasses.replace(cfg, image_token_id=cfg.pad_token_id + 1)
+
+
+def _family_architecture(cfg: LlavaConfig) -> str:
+    return hf_architecture(_checked(cfg))
+
+
+def _family_to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: LlavaConfig, architecture: str = LLAVA,
+                             vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    return to_hf_state_dict(sd, _checked(cfg), architecture, vocab_size)
+
+
+def _image_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The ``<image>`` token's id, written as ``image_token_index`` for a model trained with -200."""
+    from megatrain.data.multimodal.conversation import IMAGE_PLACEHOLDER, _single_token_id
+
+    image = _single_token_id(tokenizer, IMAGE_PLACEHOLDER)
+    return {} if image is None else {"image_token_index": int(image)}
+
+
+def _family_config_dict(cfg: LlavaConfig, architecture: str, *, vocab_size: int, dtype: str,
+                        image_token_index: int | None = None, **ids: Any) -> dict[str, Any]:
+    if cfg.image_token_id == MEGATRON_IMAGE_TOKEN_ID:
+        if image_token_index is None:
+            raise UnsupportedModelError(
+                f"image_token_id {MEGATRON_IMAGE_TOKEN_ID} (Megatron's placeholder) is no vocabulary id: the export "
+                "writes the tokenizer's <image> token as image_token_index, and the tokenizer has no single <image> "
+                "token (or cannot be opened: pass --tokenizer-type / --tokenizer-model)")
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, image_token_id=image_token_index,
+                                  pad_token_id=1 if image_token_index == 0 else 0)
+    config = hf_config_dict(cfg, architecture, vocab_size=vocab_size, dtype=dtype, **ids)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # generation_config.json's, at the top as well
+        config[key] = config["text_config"].get(key)
+    return config
+
+
+def _family_flags(cfg: LlavaConfig) -> list[str]:
+    """``pretrain_vlm.py``'s flags of the vision encoder and the projector (after the language model's)."""
+    v = cfg.vision
+    flags = ["--vision-num-layers", str(v.num_layers), "--vision-hidden-size", str(v.hidden_size),
+             "--vision-num-attention-heads", str(v.num_attention_heads),
+             "--vision-ffn-hidden-size", str(v.ffn_hidden_size), "--patch-dim", str(v.patch_dim),
+             "--img-h", str(v.img_h), "--img-w", str(v.img_w), "--vision-projection-type", cfg.projector_type]
+    if isinstance(cfg.vision_feature_layer, int):
+        flags += ["--vision-feature-layer", str(cfg.vision_feature_layer)]
+    if cfg.disable_vision_class_token:
+        flags += ["--disable-vision-class-token"]
+    return flags
+
+
+def _preprocessor_config(cfg: LlavaConfig, saved_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``preprocessor_config.json`` (transformers' CLIPImageProcessor) for the images the model was trained
+    on: its run's ``--image-processor`` file, else CLIP's defaults at the ViT's ``img_h``, as megatrain's
+    loader and ``tools/generate.py --image`` preprocess."""
+    from megatrain.data.multimodal.image_processing import CLIPImageConfig
+
+    path = saved_args.get("image_processor")
+    if path:
+        file = os.path.join(path, "preprocessor_config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise UnsupportedModelError(f"the checkpoint's --image-processor {path}: no such file (its run "
+                                        "preprocessed the images with it; it is written as preprocessor_config.json)")
+        CLIPImageConfig.from_pretrained(path)  # one that megatrain reads
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    size = cfg.vision.img_h
+    d = CLIPImageConfig.default(size)
+    return {"image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+            "size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size},
+            "do_resize": True, "do_center_crop": True, "do_rescale": True, "do_normalize": True,
+            "do_convert_rgb": True, "resample": d.resample, "rescale_factor": d.rescale_factor,
+            "image_mean": list(d.image_mean), "image_std": list(d.image_std)}
+
+
+def _extra_files(cfg: LlavaConfig, saved_args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """preprocessor_config.json, and processor_config.json: LlavaProcessor's own settings (how many
+    ``<image>`` tokens one image becomes: the patches, plus the class token unless the strategy drops it)."""
+    processor = {"processor_class": "LlavaProcessor", "image_token": "<image>", "patch_size": cfg.vision.patch_dim,
+                 "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
+                 "num_additional_image_tokens": cfg.vision.class_token_len}
+    return {"preprocessor_config.json": _preprocessor_config(cfg, saved_args), "processor_config.json": processor}
+
+
+@dataclass(frozen=True)
+class LlavaHFAdapter(HFAdapter):
+    # Export: (config, the checkpoint's saved args) -> {file name: JSON content} written beside config.json
+    extra_files: Callable[..., dict[str, Any]] | None = None
+
+
+#: What the LLaVA family registers: :data:`ADAPTER` taking ``pretrain_vlm.py``'s -200 image id (exported as
+#: the tokenizer's ``<image>`` id), with ``pretrain_vlm.py``'s flags and the CLIP preprocessor config.
+FAMILY_ADAPTER = LlavaHFAdapter(
+    architectures=(LLAVA,), accepts=_accepts, architecture=_family_architecture, config_dict=_family_config_dict,
+    to_hf_state_dict=_family_to_hf_state_dict, config_from_hf=llava_config_from_hf,
+    from_hf_state_dict=from_hf_state_dict,
+    special_token_ids=_image_token_ids, script="pretrain_vlm.py", family_flags=_family_flags,
+    extra_files=_extra_files)
