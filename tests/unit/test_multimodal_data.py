@@ -349,8 +349,23 @@ def test_bad_images_name_the_line_or_are_skipped(tmp_path, encoder):
     ('{"id": 1, "image": "a.jpg"}', r":2: no \"conversations\" list \(the keys are 'id', 'image'\)"),
     ('[1, 2]', r":2: expected a JSON object with \"conversations\", got list"),
     ('{"conversations": []}', r":2: \"conversations\" must be a non-empty list"),
+    # several images: as many <image> as paths, in the human turns; no empty list, only string paths
     ('{"image": ["a.jpg", "b.jpg"], "conversations": [{"from": "human", "value": "<image>"}, '
-     '{"from": "gpt", "value": "a"}]}', r":2: \"image\" must be a path .* a list"),
+     '{"from": "gpt", "value": "a"}]}', r":2: has 2 images but 1 <image> placeholders in its turns; put one"),
+    ('{"image": ["a.jpg"], "conversations": [{"from": "human", "value": "<image> <image>"}, '
+     '{"from": "gpt", "value": "a"}]}', r":2: has an image but 2 <image> placeholders in its turns"),
+    ('{"image": [], "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "a"}]}',
+     r":2: \"image\" is an empty list: give one or more paths .* or leave \"image\" out \(or null\)"),
+    ('{"image": ["a.jpg", 3], "conversations": [{"from": "human", "value": "<image><image>"}, '
+     '{"from": "gpt", "value": "a"}]}', r":2: \"image\" entry 1 must be a path relative to the image folder, got 3$"),
+    ('{"image": ["a.jpg", ""], "conversations": [{"from": "human", "value": "<image><image>"}, '
+     '{"from": "gpt", "value": "a"}]}', r":2: \"image\" entry 1 must be a path .* got ''$"),
+    ('{"image": {"a": 1}, "conversations": [{"from": "human", "value": "<image>"}, '
+     '{"from": "gpt", "value": "a"}]}', r":2: \"image\" must be a path .* \(or a list of them\), got \{'a': 1\}"),
+    ('{"image": ["a.jpg", "b.jpg"], "conversations": [{"from": "human", "value": "<image>"}, '
+     '{"from": "gpt", "value": "<image> a"}]}', r":2: a \"gpt\" turn holds <image>"),
+    ('{"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "a"}]}',
+     r":2: has no \"image\" but 1 <image> placeholder"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, encoder, line, pattern):
     good = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}
@@ -395,6 +410,104 @@ def test_collate_mixes_text_only_and_image_samples(tmp_path, encoder):
     assert joined.image_counts.tolist() == [1, 0, 0] and joined.pixel_values.shape == (1, 3, 32, 32)
     with pytest.raises(ValueError, match="more than seq_length"):
         MultimodalCollator(pad_id=EOS, seq_length=4)(samples)
+
+
+# ------------------------------------------------------------------------------ several images per sample
+
+TWO_IMAGE_CONV = [{"from": "human", "value": "<image>\nwhat is this ?"}, {"from": "gpt", "value": "a cat ."},
+                  {"from": "human", "value": "<image>\ndescribe"}, {"from": "gpt", "value": "a dog ."}]
+
+
+def multi_image_rows(images: str) -> list:
+    """Line 1: two images (one <image> in each human turn), line 2: one image, line 3: text only."""
+    a = save_image(images, "sub/a.jpg", noise_image("RGB", 41, 29, seed=11))
+    b = save_image(images, "sub/b.png", noise_image("RGBA", 23, 57, seed=12))
+    c = save_image(images, "sub/c.png", noise_image("L", 30, 30, seed=13))
+    return [{"id": "two", "image": [a, b], "conversations": TWO_IMAGE_CONV},
+            {"id": "one", "image": c, "conversations": CONV},
+            {"id": "text", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}]
+
+
+@pytest.mark.parametrize("mode", ["native", "split"])
+def test_several_images_per_sample(tmp_path, tokenizers, mode):
+    path, images = write_llava(tmp_path, [])
+    write_llava(tmp_path, multi_image_rows(images))
+    enc = ConversationEncoder(tokenizers[mode], seq_length=48, image_token_id=None if mode == "native" else IMG)
+    ds = LlavaJsonlDataset(path, images, enc, SMALL, seed=0)
+    samples = [ds.sample_of_line(j) for j in range(3)]
+    assert [s["id"] for s in samples] == ["two", "one", "text"]
+    assert [s["num_images"] for s in samples] == [2, 1, 0]
+    assert samples[0]["pixel_values"].shape == (2, 3, 32, 32) and samples[2]["pixel_values"].shape == (0, 3, 32, 32)
+    # megatrain's template, turn by turn; the i-th <image> is the i-th path, the loss on the answers only
+    two = [USR, NL, IMG, NL, WHAT, SP, IS, SP, THIS, SP, Q, NL, AST, NL, A, SP, CAT, SP, DOT, NL,
+           USR, NL, IMG, NL, DESCRIBE, NL, AST, NL, A, SP, DOG, SP, DOT, NL, EOS]
+    two_targets = [0] * 14 + [1] * 6 + [0] * 8 + [1] * 7
+    text = [USR, NL, HELLO, NL, AST, NL, HI, NL, EOS]
+    text_targets = [0] * 6 + [1] * 3
+    assert samples[0]["tokens"].tolist() == two and samples[0]["targets"].tolist() == two_targets
+    assert samples[1]["tokens"].tolist() == CONV_TOKENS and samples[1]["targets"].tolist() == CONV_TARGETS
+    assert samples[2]["tokens"].tolist() == text and samples[2]["targets"].tolist() == text_targets
+
+    batch = MultimodalCollator(pad_id=EOS, image_shape=(3, 32, 32))(samples)
+    width = len(two)
+    assert batch.tokens.shape == (3, width - 1)
+    assert batch.image_counts.tolist() == [2, 1, 0] and batch.image_offsets.tolist() == [0, 2, 3]
+    # the batch's images in reading order: sample 0's a then b, then sample 1's c
+    expected_pixels = torch.stack([SMALL(Image.open(Path(images) / rel)) for rel in ("sub/a.jpg", "sub/b.png",
+                                                                                     "sub/c.png")])
+    assert torch.equal(batch.pixel_values, expected_pixels)
+    assert [torch.nonzero(batch.tokens[r] == IMG).flatten().tolist() for r in range(3)] == [[2, 22], [2], []]
+    pad = lambda row, n: row + [n] * (width - len(row))  # noqa: E731
+    assert batch.tokens.tolist() == [two[:-1], pad(CONV_TOKENS, EOS)[:-1], pad(text, EOS)[:-1]]
+    assert batch.labels.tolist() == [two[1:], pad(CONV_TOKENS, EOS)[1:], pad(text, EOS)[1:]]
+    assert batch.loss_mask.tolist() == [two_targets[1:], pad(CONV_TARGETS, 0)[1:], pad(text_targets, 0)[1:]]
+    # through the dataset's order and a DataLoader the same samples come out (by id)
+    loader = DataLoader(ds, batch_size=1, collate_fn=lambda x: x[0])
+    by_id = {s["id"]: s for s in loader}
+    assert torch.equal(by_id["two"]["pixel_values"], expected_pixels[:2])
+    assert by_id["two"]["tokens"].tolist() == two
+    # a list of one path is one image
+    one_list = tmp_path / "one.jsonl"
+    one_list.write_text(json.dumps({"image": ["sub/c.png"], "conversations": CONV}) + "\n")
+    s = LlavaJsonlDataset(str(one_list), images, enc, SMALL)[0]
+    assert s["num_images"] == 1 and torch.equal(s["pixel_values"], expected_pixels[2:])
+    # pre-expanded: each image's run of ids
+    s = LlavaJsonlDataset(path, images, ConversationEncoder(tokenizers[mode], 48, IMG, num_image_tokens=3),
+                          SMALL).sample_of_line(0)
+    assert s["tokens"].tolist() == two[:2] + [IMG] * 3 + two[3:22] + [IMG] * 3 + two[23:]
+    assert not (s["targets"][s["tokens"] == IMG]).any()
+
+
+def test_several_images_bad_ones_and_length(tmp_path, encoder):
+    path, images = write_llava(tmp_path, [])
+    rows = multi_image_rows(images)
+    rows.insert(1, {"id": "bad", "image": ["sub/a.jpg", "sub/missing.png"], "conversations": TWO_IMAGE_CONV})
+    write_llava(tmp_path, rows)  # line 2: its second image is missing
+    strict = LlavaJsonlDataset(path, images, encoder, SMALL, seed=0)
+    with pytest.raises(MultimodalDataError, match=rf"^--data-path {re.escape(path)}:2: image "
+                                                  rf"{re.escape(images)}/sub/missing.png: no such file$") as info:
+        strict.sample_of_line(1)
+    assert info.value.kind == "image"
+    with pytest.warns(UserWarning, match="skipped: .*:2: image .*missing.png"):
+        lenient = LlavaJsonlDataset(path, images, encoder, SMALL, seed=0, skip_bad_samples=True)
+        ids = [lenient[i]["id"] for i in range(len(lenient))]
+    assert "bad" not in ids and sorted(lenient.bad_lines) == [2]
+    with pytest.warns(UserWarning, match=r"1 lines with an unreadable image are left out"):
+        checked = LlavaJsonlDataset(path, images, encoder, SMALL, skip_bad_samples=True, check_images=True)
+    assert checked.num_lines == 3 and sorted(checked.bad_lines) == [2]
+    with pytest.raises(MultimodalDataError, match=r"d.jsonl:2: image .*sub/missing.png: no such file"):
+        LlavaJsonlDataset(path, images, encoder, SMALL, check_images=True)
+    # the second image's tokens past seq_length + 1: kind length, skippable as for one image
+    tight = ConversationEncoder(encoder.tokenizer, seq_length=24, num_image_tokens=4)
+    ds = LlavaJsonlDataset(path, images, tight, SMALL, seed=0)
+    with pytest.raises(MultimodalDataError, match=r":1: the last image's tokens end at token 29 but a sample "
+                                                  r"holds seq_length \+ 1 = 25 tokens .* before the images$") as info:
+        ds.sample_of_line(0)
+    assert info.value.kind == "length"
+    with pytest.warns(UserWarning, match="skipped: "):
+        lenient = LlavaJsonlDataset(path, images, tight, SMALL, seed=0, skip_bad_samples=True)
+        ids = {lenient[i]["id"] for i in range(len(lenient))}
+    assert ids == {"one", "text"} and sorted(lenient.bad_lines) == [1, 2]
 
 
 # -------------------------------------------------------------------------------------------- energon

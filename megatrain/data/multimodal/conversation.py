@@ -37,7 +37,8 @@ from megatrain.data.multimodal.errors import MultimodalDataError
 from megatrain.data.sft_dataset import SFTConfig, tokenize_example
 from megatrain.data.tokenizers.sft import IGNORE_INDEX, ConversationError
 
-__all__ = ["IMAGE_PLACEHOLDER", "ROLES", "ConversationEncoder", "EncodedConversation", "to_messages"]
+__all__ = ["IMAGE_PLACEHOLDER", "ROLES", "ConversationEncoder", "EncodedConversation", "check_placeholders",
+           "to_messages"]
 
 #: The image placeholder of LLaVA's data.
 IMAGE_PLACEHOLDER = "<image>"
@@ -65,6 +66,28 @@ def to_messages(conversations: Any, where: str) -> list[dict[str, str]]:
         raise MultimodalDataError("the conversation has no \"gpt\" turn, so nothing to train on", where,
                                   "conversation")
     return messages
+
+
+def check_placeholders(messages: list[dict[str, str]], num_images: int, where: str) -> int:
+    """The number of ``<image>`` placeholders of ``messages`` (from :func:`to_messages`), which must be
+    ``num_images`` and all in human (or system) turns; otherwise :class:`MultimodalDataError` (one line
+    with both counts)."""
+    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if placeholders != num_images:
+        if num_images == 1:
+            msg = (f"has an image but {placeholders} {IMAGE_PLACEHOLDER} placeholders in its turns; "
+                   f"put one {IMAGE_PLACEHOLDER} where the image goes (LLaVA: \"{IMAGE_PLACEHOLDER}\\n\" "
+                   "at the start of the first human turn)")
+        elif num_images:
+            msg = (f"has {num_images} images but {placeholders} {IMAGE_PLACEHOLDER} placeholders in its turns; "
+                   f"put one {IMAGE_PLACEHOLDER} per image, the i-th where the i-th image of \"image\" goes")
+        else:
+            msg = (f"has no \"image\" but {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in its turns")
+        raise MultimodalDataError(msg, where, "conversation")
+    if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] == "assistant"):
+        raise MultimodalDataError(f"a \"gpt\" turn holds {IMAGE_PLACEHOLDER}; images go in the human turns",
+                                  where, "conversation")
+    return placeholders
 
 
 @dataclass
@@ -170,20 +193,9 @@ class ConversationEncoder:
         return np.asarray(ex.tokens, dtype=np.int64), np.asarray(ex.targets, dtype=np.int64)
 
     def encode(self, conversations: Any, num_images: int, where: str) -> EncodedConversation:
-        """Tokens and targets of one sample with ``num_images`` images (0 or 1)."""
+        """Tokens and targets of one sample with ``num_images`` images (the i-th ``<image>`` is image i)."""
         messages = to_messages(conversations, where)
-        placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-        if placeholders != num_images:
-            if num_images:
-                msg = (f"has an image but {placeholders} {IMAGE_PLACEHOLDER} placeholders in its turns; "
-                       f"put one {IMAGE_PLACEHOLDER} where the image goes (LLaVA: \"{IMAGE_PLACEHOLDER}\\n\" "
-                       "at the start of the first human turn)")
-            else:
-                msg = (f"has no \"image\" but {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in its turns")
-            raise MultimodalDataError(msg, where, "conversation")
-        if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] == "assistant"):
-            raise MultimodalDataError(f"a \"gpt\" turn holds {IMAGE_PLACEHOLDER}; images go in the human turns",
-                                      where, "conversation")
+        placeholders = check_placeholders(messages, num_images, where)
         tokens, targets = self._tokenize(messages, where)
         is_image = tokens == self._marker
         if int(is_image.sum()) != placeholders:
@@ -202,9 +214,10 @@ class ConversationEncoder:
         if truncated:
             if is_image[capacity:].any():
                 last = int(np.flatnonzero(is_image)[-1]) + 1
+                which, before = ("image", "the image") if placeholders == 1 else ("last image", "the images")
                 raise MultimodalDataError(
-                    f"the image's tokens end at token {last} but a sample holds seq_length + 1 = {capacity} tokens "
-                    f"(the conversation has {len(tokens)}): raise seq_length or shorten the text before the image",
+                    f"the {which}'s tokens end at token {last} but a sample holds seq_length + 1 = {capacity} tokens "
+                    f"(the conversation has {len(tokens)}): raise seq_length or shorten the text before {before}",
                     where, "length")
             tokens, targets = tokens[:capacity], targets[:capacity]
         targets = targets.copy()

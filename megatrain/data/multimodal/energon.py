@@ -17,6 +17,9 @@ conversation and makes the sample exactly as :class:`LlavaJsonlDataset` makes it
 :class:`MultimodalBatch` (:class:`MultimodalCollator`). :func:`get_train_dataset` is energon's
 ``get_train_dataset`` with this encoder: energon's own order (shard shuffling with a shuffle buffer)
 and its own resumable state (``get_savable_loader(...).save_state_rank()``), not megatrain's index.
+
+Both sample types carry one ``image``, so a sample here has one image (``num_images`` 1); several
+images per sample come from the jsonl dataset only (energon's ``InterleavedSample`` is not read).
 """
 
 from __future__ import annotations

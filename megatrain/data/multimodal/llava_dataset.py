@@ -7,8 +7,10 @@ Each non-blank line is an object::
      "conversations": [{"from": "human", "value": "<image>\\nWhat are the colors of the bus?"},
                        {"from": "gpt", "value": "The bus is white and red."}, ...]}
 
-``image`` is a path relative to ``image_folder`` (or absolute); a line without it (or ``null``) is a
-text-only sample. The conversation is tokenized by
+``image`` is a path relative to ``image_folder`` (or absolute), or a non-empty list of them for
+several images per sample (LLaVA-OneVision / LLaVA-NeXT interleaved data): the ``i``-th ``<image>`` of
+the human turns is the ``i``-th path, and the numbers must be equal. A line without it (or ``null``) is
+a text-only sample; an empty list is refused. The conversation is tokenized by
 :class:`megatrain.data.multimodal.conversation.ConversationEncoder` and the image preprocessed by
 :class:`megatrain.data.multimodal.image_processing.CLIPImageProcessor`.
 
@@ -18,18 +20,20 @@ fixed by the seed and a resumed run continues from its consumed-sample count (me
 starts at that index): nothing else is state.
 
 A sample is a dict: ``tokens`` and ``targets`` (int64 [n], n <= seq_length + 1; see
-:class:`EncodedConversation`), ``pixel_values`` (float32 [k, 3, H, W], k = ``num_images`` = 0 or 1),
-``id`` (the line's ``id`` as a string, else ``FILE:LINE``) and ``skipped`` (bad lines passed over to
-reach it). :class:`megatrain.data.multimodal.collate.MultimodalCollator` batches them.
+:class:`EncodedConversation`), ``pixel_values`` (float32 [k, 3, H, W], k = ``num_images``, the images in
+the order of their placeholders), ``id`` (the line's ``id`` as a string, else ``FILE:LINE``) and
+``skipped`` (bad lines passed over to reach it).
+:class:`megatrain.data.multimodal.collate.MultimodalCollator` batches them.
 
 Errors (:class:`MultimodalDataError`, one line): a line that is not JSON, not an object, lacks
-``conversations`` or has a malformed one stops the dataset when it is built
-(``--data-path FILE:LINE: ...``). A missing or unreadable image stops the run when the sample is read
-(``--data-path FILE:LINE: image PATH: ...``), or, with ``skip_bad_samples``, the sample is passed
-over for the next line of the same epoch's order and counted (``skipped``, and :attr:`bad_lines` in
-the reading process); so are samples whose image tokens do not fit ``seq_length``. ``check_images``
-opens every image when the dataset is built: bad ones stop it then, or are left out of the order and
-counted (exact counts, at the cost of reading every image once).
+``conversations`` or has a malformed one, a malformed ``image`` (an empty list, an entry that is not a
+path) or an ``<image>`` count not matching it stops the dataset when it is built (``--data-path
+FILE:LINE: ...``). A missing or unreadable image (any of a sample's) stops the run when the sample is
+read (``--data-path FILE:LINE: image PATH: ...``), or, with ``skip_bad_samples``, the sample is passed
+over for the next line of the same epoch's order and counted (``skipped``, and :attr:`bad_lines` in the
+reading process); so are samples whose image tokens do not fit ``seq_length``. ``check_images`` opens
+every image when the dataset is built: bad ones stop it then, or are left out of the order and counted
+(exact counts, at the cost of reading every image once).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 from PIL import Image
 
 from megatrain.data.jsonl import iter_jsonl_at, parse_jsonl_line
-from megatrain.data.multimodal.conversation import ConversationEncoder, to_messages
+from megatrain.data.multimodal.conversation import ConversationEncoder, check_placeholders, to_messages
 from megatrain.data.multimodal.errors import MultimodalDataError
 from megatrain.data.multimodal.image_processing import CLIPImageProcessor
 
@@ -67,20 +71,38 @@ def load_image(path: str, where: str) -> Image.Image:
     return image
 
 
-def _check_line(obj: Any, where: str) -> str | None:
-    """The line's image path (None: text only); a line that is not LLaVA's form raises."""
+def _check_line(obj: Any, where: str) -> list[str]:
+    """The line's image paths in order (``[]``: text only); a line that is not LLaVA's form raises.
+
+    ``image`` is one path, a non-empty list of paths (several images, the ``i``-th ``<image>`` of the
+    human turns being the ``i``-th path), or absent / ``null`` (text only); the number of ``<image>``
+    placeholders must equal the number of paths."""
     if not isinstance(obj, dict):
         raise MultimodalDataError(f"expected a JSON object with \"conversations\", got {type(obj).__name__}",
                                   where, "json")
     if "conversations" not in obj:
         keys = ", ".join(map(repr, list(obj)[:5]))
         raise MultimodalDataError(f"no \"conversations\" list (the keys are {keys or 'none'})", where, "json")
-    to_messages(obj["conversations"], where)
+    messages = to_messages(obj["conversations"], where)
     image = obj.get("image")
-    if image is not None and (not isinstance(image, str) or not image):
-        what = "a list (several images per sample are not supported)" if isinstance(image, list) else repr(image)
-        raise MultimodalDataError(f"\"image\" must be a path relative to the image folder, got {what}", where, "json")
-    return image
+    if image is None:
+        images: list[str] = []
+    elif isinstance(image, str) and image:
+        images = [image]
+    elif isinstance(image, list):
+        if not image:
+            raise MultimodalDataError("\"image\" is an empty list: give one or more paths relative to the image "
+                                      "folder, or leave \"image\" out (or null) for a text-only sample", where, "json")
+        for i, item in enumerate(image):
+            if not isinstance(item, str) or not item:
+                raise MultimodalDataError(f"\"image\" entry {i} must be a path relative to the image folder, got "
+                                          f"{item!r}", where, "json")
+        images = list(image)
+    else:
+        raise MultimodalDataError(f"\"image\" must be a path relative to the image folder (or a list of them), got "
+                                  f"{image!r}", where, "json")
+    check_placeholders(messages, len(images), where)
+    return images
 
 
 class LlavaJsonlDataset(torch.utils.data.Dataset):
@@ -99,13 +121,15 @@ class LlavaJsonlDataset(torch.utils.data.Dataset):
         linenos, offsets, lengths = [], [], []
         for lineno, offset, length, obj in iter_jsonl_at(self.path, flag):
             where = f"{flag} {self.path}:{lineno}"
-            image = _check_line(obj, where)
-            if image is not None and self.image_folder is None and not os.path.isabs(image):
-                raise MultimodalDataError(f"\"image\" {image!r} is relative but no image folder was given", where,
-                                          "json")
-            if check_images and image is not None:
+            images = _check_line(obj, where)
+            for image in images:
+                if self.image_folder is None and not os.path.isabs(image):
+                    raise MultimodalDataError(f"\"image\" {image!r} is relative but no image folder was given",
+                                              where, "json")
+            if check_images and images:
                 try:
-                    load_image(self._image_path(image), where).close()
+                    for image in images:
+                        load_image(self._image_path(image), where).close()
                 except MultimodalDataError as e:
                     if not self.skip_bad_samples:
                         raise
@@ -148,6 +172,17 @@ class LlavaJsonlDataset(torch.utils.data.Dataset):
             if warn:
                 warnings.warn(f"skipped: {reason}", stacklevel=3)
 
+    def _pixels(self, rel: str, where: str) -> torch.Tensor:
+        """The preprocessed image ``rel`` ([3, H, W]); a bad one raises naming its path."""
+        path = self._image_path(rel)
+        image = load_image(path, where)
+        try:
+            return self.processor(image)
+        except (OSError, ValueError) as e:  # a truncated file can fail only when decoded further
+            raise MultimodalDataError(f"image {path}: cannot process it ({e})", where, "image") from None
+        finally:
+            image.close()
+
     def order(self, epoch: int) -> np.ndarray:
         """The line indices of ``epoch`` in reading order."""
         if epoch not in self._orders:
@@ -168,18 +203,12 @@ class LlavaJsonlDataset(torch.utils.data.Dataset):
         """The sample of line index ``j`` (errors as the module docstring)."""
         where = self.where(j)
         obj = self.read_line(j)
-        image_rel = _check_line(obj, where)
+        images = _check_line(obj, where)
+        # the text first: a sample that cannot fit (kind "length") is refused before its images are decoded
+        encoded = self.encoder.encode(obj["conversations"], len(images), where)
         pixel_values = torch.empty((0, *self.image_shape), dtype=torch.float32)
-        if image_rel is not None:
-            image = load_image(self._image_path(image_rel), where)
-            try:
-                pixel_values = self.processor(image).unsqueeze(0)
-            except (OSError, ValueError) as e:  # a truncated file can fail only when decoded further
-                raise MultimodalDataError(f"image {self._image_path(image_rel)}: cannot process it ({e})", where,
-                                          "image") from None
-            finally:
-                image.close()
-        encoded = self.encoder.encode(obj["conversations"], 0 if image_rel is None else 1, where)
+        if images:
+            pixel_values = torch.stack([self._pixels(rel, where) for rel in images])
         sample_id = obj.get("id")
         return {"tokens": encoded.tokens, "targets": encoded.targets, "pixel_values": pixel_values,
                 "num_images": int(pixel_values.shape[0]),
