@@ -28,29 +28,49 @@ BEAM_SEARCH = "beam_search"
 GENERATE_BANNING_NEWLINE = "generate_banning_newline_after_colon"
 
 
+SCORE_BATCH_TOKENS = 16384  # padded tokens per scoring forward
+
+
 def score(model: nn.Module, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """For each of ``payload["sequences"]`` (token id lists): the log-probability of every token after
     the first given those before it (``logprobs``, one fewer than the tokens) and, with ``top_n`` > 0,
     the ``top_n`` most likely ids at each of those positions among the first ``vocab_size`` ids
-    (``top``: lists of ``[id, logprob]``). One full forward per sequence, no cache."""
+    (``top``: lists of ``[id, logprob]``). No cache; the sequences run as right-padded batches of up to
+    ``SCORE_BATCH_TOKENS`` padded tokens (longest first): under causal attention a real position never
+    sees the padding after it."""
     top_n = int(payload.get("top_n", 0))
     vocab_size = payload.get("vocab_size")
     device = next(model.parameters()).device
-    out = []
+    sequences = [list(seq) for seq in payload["sequences"]]
+    out: list[dict[str, Any] | None] = [None] * len(sequences)
+    order = sorted((i for i, seq in enumerate(sequences) if len(seq) >= 2), key=lambda i: -len(sequences[i]))
+    for i, seq in enumerate(sequences):
+        if len(seq) < 2:
+            out[i] = {"logprobs": [], "top": [] if top_n else None}
+    batches: list[list[int]] = []
+    for i in order:  # longest first: each batch's width is its first sequence's
+        if batches and (len(batches[-1]) + 1) * (len(sequences[batches[-1][0]]) - 1) <= SCORE_BATCH_TOKENS:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
     with torch.inference_mode():
-        for seq in payload["sequences"]:
-            if len(seq) < 2:
-                out.append({"logprobs": [], "top": [] if top_n else None})
-                continue
-            tokens = torch.tensor([seq], dtype=torch.long, device=device)
-            logp_sv = model(tokens[:, :-1])[0].float().log_softmax(-1)
-            picked = logp_sv.gather(-1, tokens[0, 1:, None])[:, 0].tolist()
-            top = None
-            if top_n:
-                values, ids = logp_sv[:, :vocab_size].topk(top_n, dim=-1)
-                top = [[[i, v] for i, v in zip(row_i, row_v)] for row_i, row_v in zip(ids.tolist(), values.tolist())]
-            out.append({"logprobs": picked, "top": top})
-    return out
+        for batch in batches:
+            width = len(sequences[batch[0]]) - 1
+            inputs = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+            for row, i in enumerate(batch):
+                inputs[row, :len(sequences[i]) - 1] = torch.tensor(sequences[i][:-1], dtype=torch.long)
+            logp_bsv = model(inputs).float().log_softmax(-1)
+            for row, i in enumerate(batch):
+                n = len(sequences[i]) - 1
+                logp_sv = logp_bsv[row, :n]
+                targets = torch.tensor(sequences[i][1:], dtype=torch.long, device=device)
+                picked = logp_sv.gather(-1, targets[:, None])[:, 0].tolist()
+                top = None
+                if top_n:
+                    values, ids = logp_sv[:, :vocab_size].topk(top_n, dim=-1)
+                    top = [[[a, b] for a, b in zip(row_i, row_v)] for row_i, row_v in zip(ids.tolist(), values.tolist())]
+                out[i] = {"logprobs": picked, "top": top}
+    return out  # type: ignore[return-value]
 
 
 def seq2seq_generate(model: nn.Module, payload: dict[str, Any]) -> list[dict[str, Any]]:
