@@ -51,8 +51,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         plan = family_of_config(model.config).tensor_parallel_plan(model, sequence_parallel=sequence_parallel)
     if rng is None:
         rng = TensorParallelRNG(tp_mesh.get_local_rank(), tp_mesh.device_type)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     for path, style in plan.styles:
         parallelize_module(model.get_submodule(path), tp_mesh, style)
+    for name, p in model.named_parameters():  # torch's SequenceParallel re-creates norm parameters
+        if name in frozen:                     # as trainable ones: frozen parts stay frozen
+            p.requires_grad_(False)
     for path in plan.rng_regions:
         rng.fork_module(model.get_submodule(path))
     if plan.vocab_parallel_head:  # the vocab-parallel loss never gathers the logits

@@ -101,7 +101,7 @@ def test_frozen_parts_have_no_gradients_no_optimizer_state_and_do_not_change(pat
 
 
 @pytest.mark.parametrize("extra,line", [
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1 is not supported for the LLaVA family"),
+    (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported for the LLaVA family"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1 is not supported for the LLaVA"),
     (["--use-tiling"], "--use-tiling: not supported by pretrain_vlm.py (image tiling"),
     (["--num-frames", "8"], "--num-frames 8: not supported by pretrain_vlm.py (video"),

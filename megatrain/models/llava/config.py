@@ -217,8 +217,8 @@ class LlavaConfig:
     def projector_input_size(self) -> int:
         return self.vision.hidden_size * len(self.feature_layers)
 
-    # The language model's shape, which the parallel layout's checks read (tensor parallelism is not
-    # built for this family, so they only see a size of 1).
+    # The language model's shape, which the parallel layout's checks read (tensor parallelism shards
+    # the language model only; the vision encoder and projector are replicated).
     @property
     def num_attention_heads(self) -> int:
         return self.language.num_attention_heads

@@ -1,8 +1,10 @@
 """The LLaVA family's registry entry (``pretrain_vlm.py``): the config from the flags, the model with
 its frozen parts, the objective, the datasets, and the script's flag preparation and checks.
 
-Single process and data parallel only: tensor, pipeline, context and expert parallelism are refused
-with one line naming the flag, before anything is built. What Megatron's multimodal example has and
+One process, data parallel, and tensor / sequence parallel (the language model sharded by the GPT
+family's plan, the vision encoder and projector replicated on every tensor-parallel rank:
+:mod:`megatrain.models.llava.parallelize`); pipeline, context and expert parallelism are refused with
+one line naming the flag, before anything is built. What Megatron's multimodal example has and
 megatrain has not built (tiling, video frames, pixel shuffle, image tags, other vision encoders) is
 refused with why.
 """
@@ -20,12 +22,12 @@ from megatrain.models.llava.flops import num_floating_point_operations
 from megatrain.models.llava.hf import FAMILY_ADAPTER
 from megatrain.models.llava.model import LlavaModel, initial_value
 from megatrain.models.llava.objective import PARALLEL_REFUSAL, LlavaObjective
+from megatrain.models.llava.parallelize import tensor_parallel_plan
 from megatrain.models.registry import ModelFamily, register
 
 __all__ = ["LLAVA", "llava_config_from_args", "prepare_llava_args", "check_llava_args"]
 
-_PARALLEL_FLAGS = (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                   ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+_PARALLEL_FLAGS = (("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                    ("context_parallel_size", "--context-parallel-size"),
                    ("expert_model_parallel_size", "--expert-model-parallel-size"))
 
@@ -57,8 +59,6 @@ def prepare_llava_args(args: argparse.Namespace) -> None:
     for dest, flag in _PARALLEL_FLAGS:
         if (getattr(args, dest, 1) or 1) > 1:
             raise ValueError(PARALLEL_REFUSAL.format(flag=flag))
-    if getattr(args, "sequence_parallel", False):
-        raise ValueError("--sequence-parallel is not supported for the LLaVA family (it needs tensor parallelism)")
     if args.vision_model_type != "clip":
         raise ValueError(f"--vision-model-type {args.vision_model_type}: only clip (a CLIP ViT) is built; "
                          "Megatron's siglip, radio and internvit encoders are not")
@@ -161,10 +161,6 @@ def _build_stage(config: LlavaConfig, layer_ids: Sequence[int], *, stage_index: 
     raise ValueError(PARALLEL_REFUSAL.format(flag="--pipeline-model-parallel-size"))
 
 
-def _tensor_parallel_plan(model: Any, *, sequence_parallel: bool) -> NoReturn:
-    raise ValueError(PARALLEL_REFUSAL.format(flag="--tensor-model-parallel-size"))
-
-
 LLAVA = register(ModelFamily(
     name="llava",
     config_class=LlavaConfig,
@@ -172,7 +168,7 @@ LLAVA = register(ModelFamily(
     build_model=LlavaModel,
     build_stage=_build_stage,
     initial_value=initial_value,
-    tensor_parallel_plan=_tensor_parallel_plan,
+    tensor_parallel_plan=tensor_parallel_plan,
     objective=_objective,
     flops=num_floating_point_operations,
     config_checks=CONFIG_CHECKS,

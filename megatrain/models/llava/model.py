@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.gpt.model import GPTModel
@@ -68,6 +69,22 @@ class LlavaModel(nn.Module):
     def layer_stacks(self) -> dict[str, nn.ModuleDict]:
         """The two stacks of transformer layers, in forward order (models/common/layer_stacks.py)."""
         return {"vision_model.layers": self.vision_model.layers, "language_model.layers": self.language_model.layers}
+
+    # ---- the language model's head, for the parallel code ------------------------------------------
+
+    @property
+    def loss_head(self):
+        """The language model's loss head (``GPTModel.loss_head``): the parallel code puts the
+        vocab-parallel cross entropy (tensor parallelism) or the chunked one there through this slot."""
+        return self.language_model.loss_head
+
+    @loss_head.setter
+    def loss_head(self, head) -> None:
+        self.language_model.loss_head = head
+
+    def output_weight(self) -> torch.Tensor:
+        """The language model's output weight [V, h] (``GPTModel.output_weight``)."""
+        return self.language_model.output_weight()
 
     # ---- the steps of the forward pass ------------------------------------------------------------
 
@@ -140,7 +157,15 @@ class LlavaModel(nn.Module):
                              f"expanded has {length}")
         features = self.image_features(images) if images is not None else None
         hidden = self.embed(layout, features, position_ids)
-        if features is None and torch.is_grad_enabled():
+        if features is None and any(isinstance(p, DTensor) for p in self.vision_model.parameters()):
+            # A text-only batch with the encoder sharded (FSDP2: --use-distributed-optimizer, or data
+            # parallel with tensor parallelism): the encoder and projector run on one blank image,
+            # with weight 0, so that this rank takes part in their parameters' gathers and gradient
+            # reductions as the ranks whose batches have images do.
+            cfg = self.config.vision
+            blank = torch.zeros(1, cfg.num_channels, cfg.img_h, cfg.img_w, device=tokens.device)
+            hidden = hidden + self.image_features(blank).sum().to(hidden.dtype) * 0.0
+        elif features is None and torch.is_grad_enabled():
             # A text-only batch: the trained encoder/projector parameters take part with weight 0, so
             # that every trained parameter has a gradient in every backward (data parallelism's
             # reduction waits for all of them).
