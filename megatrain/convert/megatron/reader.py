@@ -6,8 +6,13 @@
   megatron-core's sharded keys: global, layout-independent tensors, the transformer layers stacked
   along a first dim of ``num_layers`` (``decoder.layers.self_attention.linear_qkv.weight`` is
   [L, (n + 2g) d, h]) and SwiGLU's ``linear_fc1`` already as [gate; up]. Any TP/PP layout reads alike.
-* ``torch`` (legacy): ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``, one pickle per
-  tensor- x pipeline-parallel rank; each stage numbers its layers from 0, each TP rank holds its shard.
+* ``torch`` (legacy): ``iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, one pickle per
+  tensor- x pipeline- (x expert-) parallel rank; each stage numbers its layers from 0, each TP rank holds
+  its shard, each expert-parallel rank its experts (local 0..E/EP-1, global ``ep_rank * E/EP + local``;
+  the other weights replicated, expert rank 0's read). A virtual-pipeline (interleaved schedule) file
+  holds ``model0``, ``model1``, ... (one per chunk); the global layers run chunk 0 of every stage, then
+  chunk 1 of every stage, ... The optimizer state of virtual-pipeline and expert-parallel files is not
+  mapped (a note; Adam starts fresh).
 
 `read_megatron_checkpoint` returns a `MegatronCheckpoint`: canonical Megatron tensors
 (`megatrain.convert.megatron.names`), the stored ``args``, iteration and consumed samples, Adam's
@@ -41,7 +46,7 @@ __all__ = ["MegatronCheckpoint", "TRACKER", "find_megatron_iteration", "is_megat
            "read_megatron_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
@@ -178,80 +183,172 @@ def read_sharded_key(d: str, md: Any, stored: str, key: str) -> dict[str, torch.
     return out
 
 
-def _stage_model(sd: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
-    if "model" not in sd:
-        if any(k.startswith("model") and k[5:].isdigit() for k in sd):
-            raise UnsupportedMegatronModel(f"{path}: a virtual-pipeline checkpoint (model0, model1, ...); convert it "
-                                           "without --num-layers-per-virtual-pipeline-stage first")
-        raise CheckpointError(f"{path}: holds no 'model' entry")
-    model = sd["model"]
-    if not isinstance(model, dict):
-        raise CheckpointError(f"{path}: its 'model' entry is not a state dict")
-    if any(k.startswith("language_model.") for k in model):
-        raise UnsupportedMegatronModel(f"{path}: a checkpoint of Megatron-LM's legacy (non-core) GPT model "
-                                       "(language_model.*); only megatron-core models convert")
-    out = {}
-    for k, v in model.items():
-        name = canonical_name(k)
-        if name is not None and isinstance(v, torch.Tensor):
-            out[name] = v
+def _stage_models(sd: dict[str, Any], path: str) -> list[dict[str, torch.Tensor]]:
+    """The model chunks of one rank file: ``[model]``, or a virtual-pipeline file's ``model0``, ``model1``, ...
+    (one per virtual chunk, in chunk order), each by canonical name with the chunk's local layer numbers."""
+    if "model" in sd:
+        entries = [sd["model"]]
+    else:
+        vp = sorted(int(k[5:]) for k in sd if isinstance(k, str) and k.startswith("model") and k[5:].isdigit())
+        if not vp:
+            raise CheckpointError(f"{path}: holds no 'model' entry")
+        if vp != list(range(len(vp))):
+            raise CheckpointError(f"{path}: virtual-pipeline chunks {vp[:6]} (not model0..model{len(vp) - 1})")
+        entries = [sd[f"model{i}"] for i in vp]
+    out = []
+    for model in entries:
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{path}: its 'model' entry is not a state dict")
+        if any(k.startswith("language_model.") for k in model):
+            raise UnsupportedMegatronModel(f"{path}: a checkpoint of Megatron-LM's legacy (non-core) GPT model "
+                                           "(language_model.*); only megatron-core models convert")
+        chunk = {}
+        for k, v in model.items():
+            name = canonical_name(k)
+            if name is not None and isinstance(v, torch.Tensor):
+                chunk[name] = v
+        out.append(chunk)
     return out
 
 
-def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
-    ranks: dict[tuple[int, int], str] = {}
+def _rank_layout(d: str, loaded: dict[str, Any]) -> tuple[dict[tuple[int, int, int], str], int, int, int]:
+    """The rank files of a legacy directory by (pipeline, expert, tensor) rank, and PP, EP, TP. Megatron-LM
+    names them ``mp_rank_{tp:02d}``, ``_{pp:03d}`` with pipeline parallelism, then ``_{ep:03d}`` with expert
+    parallelism; ``mp_rank_TT_XXX`` is told apart (PP or EP) by the run's args (the file read for them is
+    kept in ``loaded``, by path)."""
+    found: dict[tuple[int, int | None, int | None], str] = {}
     for n in os.listdir(d):
         m = _RANK_DIR.match(n)
         if m:
-            ranks[(int(m.group(2) or 0), int(m.group(1)))] = os.path.join(d, n, "model_optim_rng.pt")
+            found[(int(m.group(1)), None if m.group(2) is None else int(m.group(2)),
+                   None if m.group(3) is None else int(m.group(3)))] = os.path.join(d, n, "model_optim_rng.pt")
         elif n.startswith("mp_rank_"):
-            raise UnsupportedMegatronModel(f"{d}/{n}: an expert-parallel rank directory; only TP x PP legacy "
-                                           "checkpoints convert")
-    pp = 1 + max(p for p, _ in ranks)
-    tp = 1 + max(t for _, t in ranks)
-    if len(ranks) != pp * tp:
-        raise CheckpointError(f"{d}: has {len(ranks)} mp_rank_* directories, not TP {tp} x PP {pp}")
+            raise CheckpointError(f"{d}/{n}: not a Megatron-LM rank directory name (mp_rank_TT[_PPP][_EEE])")
+    kinds = {(a is None, b is None) for _, a, b in found}
+    if len(kinds) != 1:
+        raise CheckpointError(f"{d}: mp_rank_* directories of mixed forms")
+    two, one = kinds.pop() == (False, False), any(a is not None for _, a, _ in found)
+    as_ep = False
+    if one and not two:
+        first = found.get((0, 0, None))
+        if first is None or not os.path.isfile(first):
+            raise CheckpointError(f"{d}: no mp_rank_00_000 rank file")
+        loaded[first] = load_megatron_pt(first)
+        args = loaded[first].get("args") if isinstance(loaded[first], dict) else None
+        ep_size = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        pp_size = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        as_ep = ep_size > 1 and pp_size == 1
+    ranks: dict[tuple[int, int, int], str] = {}
+    for (t, a, b), path in found.items():
+        if two:
+            ranks[(a, b, t)] = path
+        elif as_ep:
+            ranks[(0, a or 0, t)] = path
+        else:
+            ranks[(a or 0, 0, t)] = path
+    pp, ep, tp = (1 + max(k[i] for k in ranks) for i in range(3))
+    if len(ranks) != pp * ep * tp:
+        raise CheckpointError(f"{d}: has {len(ranks)} mp_rank_* directories, not TP {tp} x PP {pp} x EP {ep}")
     for path in ranks.values():
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: missing")
+    return ranks, pp, ep, tp
+
+
+def _with_expert(name: str, offset: int) -> str:
+    """``...mlp.experts.local_experts.L.rest`` as global expert ``offset + L`` (megatron-core numbers an expert
+    rank's local experts from ``ep_rank * num_local_experts``)."""
+    m = _EXPERT.match(name)
+    return f"{m.group(1)}{offset + int(m.group(2))}{m.group(3)}" if m else name
+
+
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
+    loaded: dict[str, Any] = {}
+    ranks, pp, ep, tp = _rank_layout(d, loaded)
     ck: MegatronCheckpoint | None = None
-    offset = 0
     optim: _LegacyAdam | None = None
-    bar = tqdm(total=pp * tp, desc="reading mp_rank files", disable=not progress)
+    vp: int | None = None
+    chunks: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, chunk): local layer numbers
+    stage_opt: dict[int, list[Any]] = {}
+    bar = tqdm(total=pp * ep * tp, desc="reading mp_rank files", disable=not progress)
     for stage in range(pp):
-        shards: list[dict[str, torch.Tensor]] = []
-        opt_shards: list[Any] = []
-        for r in range(tp):
-            path = ranks[(stage, r)]
-            sd = load_megatron_pt(path)
-            if not isinstance(sd, dict):
-                raise CheckpointError(f"{path}: not a dict")
-            if ck is None:
-                args = sd.get("args")
-                ck = MegatronCheckpoint(d, "torch", _iteration(d, sd),
-                                        args if isinstance(args, argparse.Namespace) else None, {})
-                _counters(ck, sd)
-                optim = _LegacyAdam.start(ck, sd, path)
-            shards.append(_stage_model(sd, path))
+        for e in range(ep):
+            shards: list[list[dict[str, torch.Tensor]]] = []
+            opt_shards: list[Any] = []
+            for r in range(tp):
+                path = ranks[(stage, e, r)]
+                sd = loaded.pop(path) if path in loaded else load_megatron_pt(path)
+                if not isinstance(sd, dict):
+                    raise CheckpointError(f"{path}: not a dict")
+                models = _stage_models(sd, path)
+                if ck is None:
+                    args = sd.get("args")
+                    ck = MegatronCheckpoint(d, "torch", _iteration(d, sd),
+                                            args if isinstance(args, argparse.Namespace) else None, {})
+                    _counters(ck, sd)
+                    vp = len(models)
+                    etp = getattr(ck.args, "expert_tensor_parallel_size", None)
+                    if ep > 1 and etp is not None and int(etp) != tp:
+                        raise UnsupportedMegatronModel(f"{d}: --expert-tensor-parallel-size {etp} differs from the "
+                                                       f"tensor-parallel size {tp}; only equal ones convert")
+                    if vp > 1 or ep > 1:
+                        if sd.get("optimizer") is not None:
+                            what = "virtual-pipeline" if vp > 1 else "expert-parallel"
+                            ck.left_out.append(f"optimizer state (a legacy {what} checkpoint's, not mapped: "
+                                               "Adam starts fresh)")
+                    else:
+                        optim = _LegacyAdam.start(ck, sd, path)
+                if len(models) != vp:
+                    raise CheckpointError(f"{path}: holds {len(models)} model chunks, other rank files {vp}")
+                shards.append(models)
+                if optim is not None:
+                    opt_shards.append(optim.rank(sd, path))
+                del sd
+                bar.update(1)
+            assert ck is not None and vp is not None
+            swiglu = bool(getattr(ck.args, "swiglu", False))
+            num_local = None
+            for c in range(vp):
+                names = list(shards[0][c])
+                target = chunks.setdefault((stage, c), {})
+                if ep > 1:
+                    local = {int(m.group(2)) for m in map(_EXPERT.match, names) if m}
+                    num_local = max(local) + 1 if local else 0
+                    n_all = getattr(ck.args, "num_experts", None)
+                    if local and n_all is not None and int(n_all) != num_local * ep:
+                        raise CheckpointError(f"{d}: {num_local} local experts per rank x EP {ep}, its args say "
+                                              f"--num-experts {n_all}")
+                for name in names:
+                    expert = _EXPERT.match(name) is not None
+                    if ep > 1 and e > 0 and not expert:
+                        continue  # replicated across expert-parallel ranks: expert rank 0's copy
+                    if any(name not in s[c] for s in shards):
+                        raise CheckpointError(f"{d}: {name} is missing from some tensor-parallel ranks of stage "
+                                              f"{stage}")
+                    t = merge_tp(name, [s[c][name] for s in shards], swiglu)
+                    target[_with_expert(name, e * num_local) if expert and ep > 1 else name] = t
             if optim is not None:
-                opt_shards.append(optim.rank(sd, path))
-            del sd
-            bar.update(1)
-        args = ck.args
-        swiglu = bool(getattr(args, "swiglu", False))
-        names = list(shards[0])
-        layers = sorted({layer_of(n) for n in names if layer_of(n) is not None})
-        for name in names:
-            if any(name not in s for s in shards):
-                raise CheckpointError(f"{d}: {name} is missing from some tensor-parallel ranks of stage {stage}")
-            t = merge_tp(name, [s[name] for s in shards], swiglu)
-            local = layer_of(name)
-            ck.tensors[with_layer(name, offset + local) if local is not None else name] = t
-        if optim is not None and optim.ok:
-            optim.merge(opt_shards, swiglu, offset)
-        offset += len(layers)
+                stage_opt[stage] = opt_shards
     bar.close()
-    assert ck is not None
+    assert ck is not None and vp is not None
+    # Megatron's interleaved schedule: global layers run chunk 0 of every stage, then chunk 1 of every stage, ...
+    # (megatron-core's get_transformer_layer_offset: vp_stage * L / vp + pp_rank * L / (pp * vp) when even)
+    offset = 0
+    for c in range(vp):
+        for stage in range(pp):
+            part = chunks[(stage, c)]
+            layers = sorted({layer_of(n) for n in part if layer_of(n) is not None})
+            if layers != list(range(len(layers))):
+                raise CheckpointError(f"{d}: stage {stage} chunk {c} holds layers {layers[:6]} (not 0..n-1)")
+            for name, t in part.items():
+                local = layer_of(name)
+                ck.tensors[with_layer(name, offset + local) if local is not None else name] = t
+            if optim is not None and optim.ok and stage in stage_opt:
+                optim.merge(stage_opt[stage], bool(getattr(ck.args, "swiglu", False)), offset)
+            offset += len(layers)
     if optim is not None:
         ck.optimizer = optim.finish()
     return ck
