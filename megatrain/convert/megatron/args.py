@@ -46,6 +46,8 @@ def config_from_megatron_args(saved: argparse.Namespace | dict[str, Any], where:
             raise UnsupportedMegatronModel(f"{where}: its args have no {name}")
     if "norm_epsilon" not in values and "layernorm_epsilon" in values:  # before Megatron-LM renamed it
         values["norm_epsilon"] = values["layernorm_epsilon"]
+    if values.get("position_embedding_type") is None and values.get("use_rotary_position_embeddings"):
+        values["position_embedding_type"] = "rope"  # legacy models' --use-rotary-position-embeddings, before the type
     for name, default in _DEFAULTS.items():
         if values.get(name) is None:
             values[name] = default

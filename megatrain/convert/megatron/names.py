@@ -31,7 +31,8 @@ from collections.abc import Mapping
 import torch
 
 __all__ = ["canonical_name", "to_megatron", "from_megatron", "tp_dim", "merge_tp", "split_tp",
-           "layer_of", "with_layer", "UnsupportedMegatronModel"]
+           "layer_of", "with_layer", "UnsupportedMegatronModel", "flatten_state_dict", "is_legacy_model",
+           "legacy_name", "legacy_qkv_fix"]
 
 
 class UnsupportedMegatronModel(ValueError):
@@ -181,3 +182,82 @@ def split_tp(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Te
         gate, up = t.chunk(2, dim=0)
         return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
     return [c.clone() for c in t.chunk(tp, dim=dim)]
+
+
+# Megatron-LM's pre-core ("legacy", ``--use-legacy-models``) GPT model's names, within one layer, -> megatron-core's
+# (older vintages: ``attention`` for ``self_attention``); the embedding, final norm and output weights below
+_LEGACY_LAYER = {"input_layernorm": "input_layernorm",
+                 "self_attention.query_key_value": "self_attention.linear_qkv",
+                 "attention.query_key_value": "self_attention.linear_qkv",
+                 "self_attention.dense": "self_attention.linear_proj",
+                 "attention.dense": "self_attention.linear_proj",
+                 "post_attention_layernorm": "pre_mlp_layernorm",
+                 "mlp.dense_h_to_4h": "mlp.linear_fc1",
+                 "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+_LEGACY_TOP = {"language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+               "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+               "language_model.output_layer.weight": "output_layer.weight",
+               # a tied model's last pipeline stage keeps its copy of the embedding so
+               "word_embeddings_for_head.weight": "output_layer.weight"}
+_LEGACY_BLOCK = re.compile(r"^language_model\.(?:encoder|transformer)\.(.*)$")
+_LEGACY_IN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def flatten_state_dict(d: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+    """A (nested) state dict with dotted keys, in its own order (Megatron-LM's legacy models save
+    ``model['language_model']['embedding']['word_embeddings']['weight']`` in some vintages, flat keys in others)."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten_state_dict(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def is_legacy_model(model: Mapping[str, object]) -> bool:
+    """A rank file's ``model`` entry holds Megatron-LM's pre-core GPT model (``language_model``, nested or flat)."""
+    return any(isinstance(k, str) and (k == "language_model" or k.startswith("language_model.")) for k in model)
+
+
+def legacy_name(name: str) -> str | None:
+    """megatron-core's name of one (flattened) legacy GPT model key, None for ``_extra_state`` and buffers that hold
+    no weights; raises `UnsupportedMegatronModel` for a key with no megatron-core counterpart here."""
+    if name.endswith("_extra_state") or name.endswith(".inv_freq"):
+        return None
+    if name in _LEGACY_TOP:
+        return _LEGACY_TOP[name]
+    b = _LEGACY_BLOCK.match(name)
+    if b:
+        rest = b.group(1)
+        if rest in ("final_layernorm.weight", "final_layernorm.bias", "final_norm.weight", "final_norm.bias"):
+            return "decoder.final_layernorm." + rest.rsplit(".", 1)[1]
+        m = _LEGACY_IN_LAYER.match(rest)
+        if m and m.group(2) in _LEGACY_LAYER:
+            return f"decoder.layers.{m.group(1)}.{_LEGACY_LAYER[m.group(2)]}.{m.group(3)}"
+    raise UnsupportedMegatronModel(f"{name}: a legacy (pre-core) Megatron-LM GPT weight with no megatron-core "
+                                   "counterpart megatrain maps (token types, pooler, MoE and Transformer Engine "
+                                   "layers of legacy models are not converted)")
+
+
+def legacy_qkv_fix(version: float, heads_per_rank: int, head_dim: int):
+    """Megatron-LM's ``fix_query_key_value_ordering`` (megatron/training/checkpointing.py) for one tensor-parallel
+    rank's legacy ``query_key_value`` weight or bias: checkpoint_version 0 stores it [3, np, hn, ...], 1.0
+    [np, hn, 3, ...]; both become [np, 3, hn, ...] (2.0 and later, megatron-core's MHA layout). None for 2.0+."""
+    if version >= 2.0:
+        return None
+    if version not in (0, 1.0):
+        raise UnsupportedMegatronModel(f"checkpoint_version {version}: not one Megatron-LM knows (0, 1.0, 2.0+)")
+
+    def fix(t: torch.Tensor) -> torch.Tensor:
+        shape = t.shape
+        if shape[0] != 3 * heads_per_rank * head_dim:
+            raise UnsupportedMegatronModel(f"a checkpoint_version {version} query_key_value of {shape[0]} rows, not "
+                                           f"3 x {heads_per_rank} heads x {head_dim}")
+        if version == 0:
+            t = t.reshape(3, heads_per_rank, head_dim, *shape[1:]).transpose(0, 1)
+        else:
+            t = t.reshape(heads_per_rank, head_dim, 3, *shape[1:]).transpose(1, 2)
+        return t.contiguous().reshape(shape)
+    return fix

@@ -12,7 +12,9 @@
   the other weights replicated, expert rank 0's read). A virtual-pipeline (interleaved schedule) file
   holds ``model0``, ``model1``, ... (one per chunk); the global layers run chunk 0 of every stage, then
   chunk 1 of every stage, ... The optimizer state of virtual-pipeline and expert-parallel files is not
-  mapped (a note; Adam starts fresh).
+  mapped (a note; Adam starts fresh). Megatron-LM's pre-core ("legacy" model) GPT files, ``language_model.*``
+  nested or flat, are renamed to megatron-core's names first (`names.legacy_name`; a checkpoint_version < 2.0
+  file's ``query_key_value`` reordered as Megatron-LM's ``fix_query_key_value_ordering`` does).
 
 `read_megatron_checkpoint` returns a `MegatronCheckpoint`: canonical Megatron tensors
 (`megatrain.convert.megatron.names`), the stored ``args``, iteration and consumed samples, Adam's
@@ -38,7 +40,9 @@ from megatrain.checkpoint.dcp_reader import load_dcp
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.ranks import single_process_quiet
 from megatrain.convert.megatron.legacy_optim import LegacyOptimizerRefused, grad_scaler_state, rank_optimizer_state
-from megatrain.convert.megatron.names import UnsupportedMegatronModel, canonical_name, layer_of, merge_tp, with_layer
+from megatrain.convert.megatron.names import (UnsupportedMegatronModel, canonical_name, flatten_state_dict,
+                                             is_legacy_model, layer_of, legacy_name, legacy_qkv_fix, merge_tp,
+                                             with_layer)
 from megatrain.convert.megatron.optim import MegatronOptimizerState, read_optimizer_state
 from megatrain.convert.megatron.pickles import load_megatron_dcp_metadata, load_megatron_pt
 
@@ -183,7 +187,54 @@ def read_sharded_key(d: str, md: Any, stored: str, key: str) -> dict[str, torch.
     return out
 
 
-def _stage_models(sd: dict[str, Any], path: str) -> list[dict[str, torch.Tensor]]:
+def _renamed_legacy(sd: dict[str, Any], model: dict[str, Any], path: str, tp: int) -> dict[str, Any]:
+    """A pre-core ("legacy", ``language_model.*``) GPT model entry, nested or flat, flattened and renamed to
+    megatron-core's names in its own order (`names.legacy_name`), a ``checkpoint_version`` < 2.0 file's
+    ``query_key_value`` reordered per head as Megatron-LM's ``fix_query_key_value_ordering`` does."""
+    version = sd.get("checkpoint_version", 0)  # Megatron-LM reads a file without one as version 0
+    try:
+        version = float(version)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path}: checkpoint_version {version!r} is not a number") from None
+    fix = None
+    if version < 2.0:
+        args = sd.get("args")
+        heads = int(getattr(args, "num_attention_heads", 0) or 0)
+        if not heads or heads % tp:
+            raise UnsupportedMegatronModel(f"{path}: checkpoint_version {version} and no --num-attention-heads "
+                                           f"dividing over TP {tp} in its args: its query_key_value order is unknown")
+        if getattr(args, "group_query_attention", False):
+            raise UnsupportedMegatronModel(f"{path}: checkpoint_version {version} with --group-query-attention")
+        head_dim = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // heads)
+        try:
+            fix = legacy_qkv_fix(version, heads // tp, head_dim)
+        except UnsupportedMegatronModel as e:
+            raise UnsupportedMegatronModel(f"{path}: {e}") from None
+    out: dict[str, Any] = {}
+    for k, v in flatten_state_dict(model).items():
+        try:
+            name = legacy_name(k)
+        except UnsupportedMegatronModel as e:
+            raise UnsupportedMegatronModel(f"{path}: {e}") from None
+        if name is None or not isinstance(v, torch.Tensor):
+            continue
+        if name in out:
+            raise CheckpointError(f"{path}: two legacy weights read as {name}")
+        if fix is not None and name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+            try:
+                v = fix(v)
+            except UnsupportedMegatronModel as e:
+                raise UnsupportedMegatronModel(f"{path}: {e}") from None
+        out[name] = v
+    if fix is not None:
+        out[_QKV_FIX] = fix  # not a tensor: read by `_read_legacy` for Adam's moments, left out of the weights
+    return out
+
+
+_QKV_FIX = "__legacy_qkv_fix__"
+
+
+def _stage_models(sd: dict[str, Any], path: str, tp: int = 1) -> list[dict[str, torch.Tensor]]:
     """The model chunks of one rank file: ``[model]``, or a virtual-pipeline file's ``model0``, ``model1``, ...
     (one per virtual chunk, in chunk order), each by canonical name with the chunk's local layer numbers."""
     if "model" in sd:
@@ -199,9 +250,10 @@ def _stage_models(sd: dict[str, Any], path: str) -> list[dict[str, torch.Tensor]
     for model in entries:
         if not isinstance(model, dict):
             raise CheckpointError(f"{path}: its 'model' entry is not a state dict")
-        if any(k.startswith("language_model.") for k in model):
-            raise UnsupportedMegatronModel(f"{path}: a checkpoint of Megatron-LM's legacy (non-core) GPT model "
-                                           "(language_model.*); only megatron-core models convert")
+        if is_legacy_model(model):
+            model = _renamed_legacy(sd, model, path, tp)
+            if "model" in sd:
+                sd["model"] = model  # the optimizer's parameter order: the file's own, under the new names
         chunk = {}
         for k, v in model.items():
             name = canonical_name(k)
@@ -283,7 +335,7 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
                 sd = loaded.pop(path) if path in loaded else load_megatron_pt(path)
                 if not isinstance(sd, dict):
                     raise CheckpointError(f"{path}: not a dict")
-                models = _stage_models(sd, path)
+                models = _stage_models(sd, path, tp)
                 if ck is None:
                     args = sd.get("args")
                     ck = MegatronCheckpoint(d, "torch", _iteration(d, sd),
@@ -386,7 +438,14 @@ class _LegacyAdam:
         if sd.get("optimizer") is None:
             return self._refuse(f"{path}: holds no optimizer entry (other rank files do)")
         try:
-            return rank_optimizer_state(sd, sd["model"], self.ck.args, path)
+            out = rank_optimizer_state(sd, sd["model"], self.ck.args, path)
+            fix = sd["model"].get(_QKV_FIX)
+            if fix is not None:  # a checkpoint_version < 2.0 legacy model's moments: reordered as its weights
+                for kind in ("exp_avg", "exp_avg_sq", "main"):
+                    for name in out[kind]:
+                        if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+                            out[kind][name] = fix(out[kind][name])
+            return out
         except LegacyOptimizerRefused as e:
             return self._refuse(str(e))
         except (TypeError, ValueError, KeyError, AttributeError) as e:  # a malformed entry: one line, not a trace
