@@ -91,6 +91,7 @@ def test_pipeline_fp16_overflow_is_agreed_across_stages():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~85 s; fp8 against bf16 in one process stays in the default set (test_fast_path_parity.py)
 def test_fp8_under_pipeline_parallelism_trains_like_one_fp8_process():
     """--fp8-format converts each pipeline stage's layers; PP=2 logs the losses of one fp8 process."""
     pytest.importorskip("torchao.float8")
