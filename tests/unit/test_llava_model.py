@@ -321,17 +321,30 @@ def test_initialisation_is_deterministic_and_layout_independent():
         initial_value("other.weight", (2,), cfg, 0)
 
 
-def test_flops_match_torchs_counter():
-    cfg = llava_config(vision_feature_layer=-2)
+@pytest.mark.parametrize("frozen", [(), ("vision",), ("projector",), ("vision", "projector"), ("language",),
+                                    ("language", "vision")])
+def test_flops_match_torchs_counter_over_forward_and_backward(frozen):
+    """Our count of the encoder and projector equals torch's counter over the forward and the backward
+    autograd runs with those parts frozen (weight gradients skipped, no backward before the first
+    trained part); the language model is the GPT formula, without weight gradients when frozen."""
+    cfg = llava_config(vision_feature_layer=-2, freeze_vision_model="vision" in frozen,
+                       freeze_projector="projector" in frozen, freeze_language_model="language" in frozen)
     model = model_of(cfg)
+    model.apply_freezing()
     x = images(2, cfg)
     # the math kernel, whose matmuls torch's counter sees (it counts no fused CPU attention kernel)
-    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-        model.image_features(x)
-    # torch counts the forward pass (matmuls, the convolution, attention); ours is forward + backward
-    assert 3 * counter.get_total_flops() == vision_flops(cfg, 2) + projector_flops(cfg, 2)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        features = model.image_features(x)
+        if features.requires_grad:  # what the language model's backward sends into the features
+            features.backward(torch.randn_like(features))
+    assert counter.get_total_flops() == vision_flops(cfg, 2) + projector_flops(cfg, 2)
     total = num_floating_point_operations(cfg, 4, 50, images_per_sample=1)
-    assert total == transformer_flops(cfg.language, 4, 50) + vision_flops(cfg, 4) + projector_flops(cfg, 4)
+    lm = transformer_flops(cfg.language, 4, 50)
+    if "language" in frozen:
+        c = cfg.language
+        attention = 6 * 4 * 50 * 50 * c.num_layers * c.num_attention_heads * c.kv_channels
+        lm = (lm - attention) * 4 / 6 + attention
+    assert total == pytest.approx(lm + vision_flops(cfg, 4) + projector_flops(cfg, 4), rel=1e-12)
 
 
 def test_config_round_trips_through_a_dict():
