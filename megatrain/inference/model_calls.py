@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatrain.inference.beam_search import beam_search
+from megatrain.inference.engine.plan import PlanChannel, StepPlan
 from megatrain.inference.generation import sample_next_tokens
 from megatrain.models.common.attention import KVCache
 from megatrain.inference.seq2seq import generate_seq2seq, sequence_logprobs
@@ -142,19 +143,46 @@ def register_model_calls(engine: Any) -> None:
 
 
 class CallOnlyEngine:
-    """The engine of a model the batching engine does not run (an encoder-decoder, T5), in one
-    process: registered calls run one at a time on a worker thread; :meth:`submit` refuses."""
+    """The engine of a model the batching engine does not run (an encoder-decoder, T5): registered
+    calls run one at a time on a worker thread; there are no KV-cache slots or decode steps, and
+    :meth:`submit` refuses.
 
-    def __init__(self, model: nn.Module, max_sequence_length: int | None = None) -> None:
+    Under tensor parallelism (``group``: the model's tensor-parallel process group, every rank builds
+    the engine and registers the same calls) rank 0 runs the worker thread and broadcasts each call as
+    a :class:`~megatrain.inference.engine.plan.StepPlan` (calls only, JSON payload) before it runs it;
+    the other ranks run :meth:`follow`, which runs the same calls on their shards in the same order,
+    until :meth:`close`. When idle, rank 0 sends an empty plan every ``heartbeat_s`` so that the
+    followers' broadcast never times out. In one process (``group`` None) nothing is broadcast.
+    """
+
+    def __init__(self, model: nn.Module, max_sequence_length: int | None = None, *, group: Any = None,
+                 heartbeat_s: float = 60.0) -> None:
         import queue
         import threading
 
         self.model = model.eval()
         self.max_sequence_length = max_sequence_length
+        self.group = group
+        self.world = 1
+        self.rank = 0
+        self.channel = None
+        self.heartbeat_s = heartbeat_s
+        if group is not None:
+            import torch.distributed as dist
+
+            from megatrain.inference.engine.engine import _local_device_and_dtype
+
+            self.world = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+            if self.world > 1:
+                self.channel = PlanChannel(group, _local_device_and_dtype(model)[0])
         self._functions: dict[str, Any] = {}
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="model-calls", daemon=True)
-        self._thread.start()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self.rank == 0:
+            self._thread = threading.Thread(target=self._serve, name="model-calls", daemon=True)
+            self._thread.start()
 
     def submit(self, job: Any, on_event: Any) -> Any:
         raise ValueError("this model generates through registered calls only (an encoder-decoder model)")
@@ -163,25 +191,77 @@ class CallOnlyEngine:
         self._functions[name] = fn
 
     def call(self, name: str, payload: dict[str, Any]) -> Future:
+        if self.rank != 0:
+            raise RuntimeError("call on rank 0; the other tensor-parallel ranks run follow()")
         if name not in self._functions:
             raise ValueError(f"no function registered as {name!r} (known: {sorted(self._functions)})")
+        if self.channel is not None:
+            import json
+
+            try:
+                payload = json.loads(json.dumps(payload, allow_nan=False))  # what every rank will see
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"call {name!r}: the payload must be plain JSON ({e})") from None
+            if self._closed:
+                raise RuntimeError("the engine is closed")
         future: Future = Future()
-        self._queue.put((self._functions[name], payload, future))
+        self._queue.put((name, payload, future))
         return future
 
-    def _serve(self) -> None:
+    def follow(self) -> None:
+        """On a rank other than 0: run every call rank 0 broadcasts until it closes."""
+        if self.rank == 0 or self.channel is None:
+            raise RuntimeError("follow() is for the tensor-parallel ranks other than 0")
+        import logging
+
         while True:
-            item = self._queue.get()
-            if item is None:
+            plan = self.channel.receive()
+            if plan.stop:
                 return
-            fn, payload, future = item
+            for name, payload in plan.calls:
+                try:
+                    self._functions[name](self.model, payload)
+                except Exception:  # noqa: BLE001 - rank 0's caller gets its own copy of the error
+                    logging.getLogger(__name__).debug("call %r failed on a follower", name, exc_info=True)
+
+    def _serve(self) -> None:
+        import queue
+
+        while True:
+            try:
+                item = self._queue.get(timeout=self.heartbeat_s if self.channel is not None else None)
+            except queue.Empty:  # idle under tensor parallelism: keep the followers' broadcast alive
+                self.channel.send(StepPlan())
+                continue
+            if item is None:
+                self._shut_down()
+                return
+            name, payload, future = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(self.model, payload))
+                if self.channel is not None:
+                    self.channel.send(StepPlan(calls=[(name, payload)]))
+                future.set_result(self._functions[name](self.model, payload))
             except BaseException as e:  # noqa: BLE001 - the caller gets it
                 future.set_exception(e)
 
+    def _shut_down(self) -> None:
+        while True:  # calls queued behind the close never run
+            try:
+                item = self._queue.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty
+                break
+            if item is not None and item[2].set_running_or_notify_cancel():
+                item[2].set_exception(RuntimeError("the engine closed before this call ran"))
+        if self.channel is not None:
+            self.channel.send(StepPlan(stop=True))
+
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -10,7 +10,8 @@ A vision-language (LLaVA) model: the engine batches text-only requests on its la
 with images run through a registered call (:mod:`.vision`, :mod:`.vision_requests`), one at a time.
 
 Under tensor parallelism every rank builds the engine and registers the calls; rank 0 serves HTTP and
-the others run ``engine.follow()``.
+the others run ``engine.follow()`` (an encoder-decoder's :class:`CallOnlyEngine` too: its calls run on
+every rank's shard).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def build_engine(model: nn.Module, max_requests: int = 16, max_sequence_length: 
     """The engine for ``model`` with the server's calls registered (on every rank): the batching
     engine for a decoder-only model (``max_requests`` sequences decoding at once, each of at most
     ``max_sequence_length`` tokens; ``group``: the tensor-parallel process group), :class:`CallOnlyEngine`
-    for an encoder-decoder (one process). A vision-language model's engine runs its language model, and
-    its image generation is a registered call. ``compile_forwards``: the engine's decode and prefill
+    for an encoder-decoder (T5: registered calls only, broadcast to the ``group``'s ranks as the batching
+    engine's are). A vision-language model's engine runs its language model, and its image generation is
+    a registered call. ``compile_forwards``: the engine's decode and prefill
     forwards through torch.compile."""
     vision_model = model if is_vision_model(model) else None
     if vision_model is not None:
@@ -44,10 +46,7 @@ def build_engine(model: nn.Module, max_requests: int = 16, max_sequence_length: 
     if max_sequence_length is None:  # the cache holds max_requests x this many tokens per layer
         max_sequence_length = min(model.config.max_position_embeddings, 4096)
     if is_encoder_decoder(model):
-        if group is not None:
-            raise SystemExit("error: an encoder-decoder (T5) checkpoint is served by one process; "
-                             "drop --tensor-model-parallel-size")
-        engine: Any = CallOnlyEngine(model, None)
+        engine: Any = CallOnlyEngine(model, None, group=group)
     else:
         from megatrain.inference.engine.engine import EngineConfig, GenerationEngine
 
