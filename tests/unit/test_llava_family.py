@@ -82,6 +82,12 @@ def test_frozen_parts_have_no_gradients_no_optimizer_state_and_do_not_change(pat
     cfg = t.model_config
     assert (cfg.freeze_language_model, cfg.freeze_vision_model, cfg.freeze_projector) == (
         "language_model." not in trained, "vision_model." not in trained, "projector." not in trained)
+    # the log line's FLOPs: the language model over the expanded positions (the text's placeholder
+    # standing for the image's tokens), the parts as autograd runs them frozen
+    from megatrain.models.llava.flops import num_floating_point_operations
+
+    positions = args.seq_length - 1 + cfg.tokens_per_image
+    assert t.flops_per_iteration == num_floating_point_operations(cfg, args.global_batch_size, positions)
     before = {k: v.detach().clone() for k, v in t.module.named_parameters()}
     in_optimizer = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     for name, p in t.module.named_parameters():

@@ -157,6 +157,13 @@ def _start_parts(args: Any) -> list:
     return parts
 
 
+def _flops(config: LlavaConfig, batch_size: int, seq_length: int) -> float:
+    """The log line's FLOPs: ``seq_length`` is the text's (``--seq-length``), one placeholder per sample
+    standing for an image's ``tokens_per_image`` positions, so the language model runs
+    ``seq_length - 1 + tokens_per_image`` positions per sample with one image each."""
+    return num_floating_point_operations(config, batch_size, seq_length - 1 + config.tokens_per_image)
+
+
 def _build_stage(config: LlavaConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> NoReturn:
     raise ValueError(PARALLEL_REFUSAL.format(flag="--pipeline-model-parallel-size"))
 
@@ -170,7 +177,7 @@ LLAVA = register(ModelFamily(
     initial_value=initial_value,
     tensor_parallel_plan=tensor_parallel_plan,
     objective=_objective,
-    flops=num_floating_point_operations,
+    flops=_flops,
     config_checks=CONFIG_CHECKS,
     hf=FAMILY_ADAPTER,
     datasets=_datasets,
