@@ -20,7 +20,7 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "pretrain"])
+@pytest.mark.parametrize("stage", ["sft", pytest.param("pretrain", marks=pytest.mark.long)])
 def test_tiny_cpu_run_prints_both_rows(tmp_path, stage):
     pytest.importorskip("transformers")
     pytest.importorskip("PIL")
