@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+_REPO = Path(__file__).resolve().parents[1]
+
 RESULT_PREFIX = "RESULT "
 
 
@@ -89,3 +91,29 @@ def timed_hf_steps(step_model: Any, model: Any, opt: Any, batches: list[dict[str
         if i >= warmup:
             times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3, peak, float(loss)
+
+
+def versions() -> str:
+    """Python, torch and transformers versions, the platform, the host and the git commit (dirty or not)."""
+    import torch
+
+    try:
+        import transformers
+        tv = transformers.__version__
+    except ImportError:
+        tv = "not installed"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit += " (+ uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return (f"Python {platform.python_version()}, torch {torch.__version__}, transformers {tv}, "
+            f"{platform.platform()}, {platform.node()}, commit {commit}")
+
+
+def num(x: float) -> str:
+    """TFLOP/s to one decimal, small (CPU) rates to three significant digits."""
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -65,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import print_worker_result, run_worker, timed_hf_steps  # noqa: E402
+from common import num, print_worker_result, run_worker, timed_hf_steps, versions  # noqa: E402
 from throughput import measure_matmul_peak  # noqa: E402
 
 # encoder layers, decoder layers, hidden, heads, kv-channels, ffn, encoder seq, decoder seq, micro-batch
@@ -233,31 +232,6 @@ def run_transformers(shape: str, iters: int, warmup: int, device: str, vocab: in
     cmd += ["--untied"] if untied else []
     name = f"transformers T5ForConditionalGeneration ({attn})"
     return run_worker(cmd, REPO, name, timeout)
-
-
-def versions() -> str:
-    import torch
-
-    try:
-        import transformers
-        tv = transformers.__version__
-    except ImportError:
-        tv = "not installed"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit += " (+ uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return (f"Python {platform.python_version()}, torch {torch.__version__}, transformers {tv}, "
-            f"{platform.platform()}, {platform.node()}, commit {commit}")
-
-
-def num(x: float) -> str:
-    """TFLOP/s to one decimal, small (CPU) rates to three significant digits."""
-    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
 
 def main(argv: list[str] | None = None) -> None:

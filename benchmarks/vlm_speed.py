@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -62,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import emit_table, print_worker_result, run_worker, timed_hf_steps  # noqa: E402
+from common import emit_table, num, print_worker_result, run_worker, timed_hf_steps, versions  # noqa: E402
 from throughput import measure_matmul_peak  # noqa: E402
 
 # The shapes: the vision tower, the language model, the batch.
@@ -248,31 +247,6 @@ def run_transformers(shape: str, stage: str, iters: int, warmup: int, device: st
            "--iters", str(iters), "--warmup", str(warmup), "--device", device, "--vocab", str(vocab),
            "--image-id", str(image_id)] + ([] if compile_ else ["--no-compile"])
     return run_worker(cmd, REPO, f"transformers LlavaForConditionalGeneration ({stage})", timeout)
-
-
-def versions() -> str:
-    import torch
-
-    try:
-        import transformers
-        tv = transformers.__version__
-    except ImportError:
-        tv = "not installed"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit += " (+ uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return (f"Python {platform.python_version()}, torch {torch.__version__}, transformers {tv}, "
-            f"{platform.platform()}, {platform.node()}, commit {commit}")
-
-
-def num(x: float) -> str:
-    """TFLOP/s to one decimal, small (CPU) rates to three significant digits."""
-    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
 
 def main(argv: list[str] | None = None) -> None:
