@@ -178,6 +178,23 @@ def convert_linears(modules: Iterable[nn.Module]) -> list[FusedGradLinear]:
     return out
 
 
+def _plain_attribute_dict(holder: Any, name: str) -> dict | None:
+    """``holder.__dict__`` where setting ``holder.<name>`` is a plain instance-dict write (an
+    ``nn.Module`` whose ``name`` is no parameter, buffer or submodule, or a plain object), else None."""
+    d = getattr(holder, "__dict__", None)
+    if d is None:
+        return None
+    setter = type(holder).__setattr__
+    if setter is nn.Module.__setattr__:
+        if any(name in getattr(holder, k, {}) for k in ("_parameters", "_buffers", "_modules")):
+            return None
+    elif setter is not object.__setattr__:
+        return None
+    if isinstance(getattr(type(holder), name, None), property):
+        return None
+    return d
+
+
 class GradAccumulationFusion:
     """The per-step protocol of a model's fused layers: its :class:`FusedGradLinear` modules and,
     optionally, further holders of a weight that follow the same convention (``half_weight`` and
@@ -208,30 +225,57 @@ class GradAccumulationFusion:
         fused = {id(w) for _, w in self.slots}
         self.others = [p for p in others if p.requires_grad and id(p) not in fused]
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient so far)
+        # Per-slot state, read once: the weights, and the holders' instance dicts where a holder's
+        # main_grad_in is a plain instance attribute (``nn.Module.__setattr__`` costs ~1 us a call,
+        # three calls per weight and micro-batch), else None (set through setattr).
+        self._weights = [w for _, w in self.slots]
+        self._dicts = [_plain_attribute_dict(h, "main_grad_in") for h, _ in self.slots]
+        self._fast_attrs = all(d is not None for d in self._dicts)
+        self._halves: list[torch.Tensor] | None = None  # the holders' half_weight, as refresh made them
+
+    def _set_main_grads(self, grads: list[torch.Tensor | None] | None) -> None:
+        if self._fast_attrs:
+            if grads is None:
+                for d in self._dicts:
+                    d["main_grad_in"] = None
+            else:
+                for d, g in zip(self._dicts, grads):
+                    d["main_grad_in"] = g
+        else:
+            for (holder, _), g in zip(self.slots, grads or [None] * len(self.slots)):
+                holder.main_grad_in = g
 
     @torch.no_grad()
     def refresh(self) -> None:
-        masters = [w.detach() for _, w in self.slots]
-        for (holder, _), w in zip(self.slots, masters):
-            if holder.half_weight is None or holder.half_weight.device != w.device:
-                holder.half_weight = torch.empty_like(w, dtype=self.dtype)
-        halves = [holder.half_weight for holder, _ in self.slots]
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(halves, masters)
+        halves = self._halves
+        if halves is None or not all(holder.half_weight is h and h.device == w.device
+                                     for (holder, w), h in zip(self.slots, halves)):
+            for holder, w in self.slots:
+                if holder.half_weight is None or holder.half_weight.device != w.device:
+                    holder.half_weight = torch.empty_like(w, dtype=self.dtype)
+            halves = self._halves = [holder.half_weight for holder, _ in self.slots]
+        if hasattr(torch, "_foreach_copy_"):  # (no_grad: the parameters themselves are the sources)
+            torch._foreach_copy_(halves, self._weights)
         else:  # pragma: no cover - old torch
-            for h, w in zip(halves, masters):
+            for h, w in zip(halves, self._weights):
                 h.copy_(w)
 
     def stage(self, hold_others: bool = False) -> None:
-        empty = [w for _, w in self.slots if w.grad is None]
-        if empty:  # the step's first micro-batch starts from zeros (one multi-tensor fill)
-            zeros = [torch.empty_like(w) for w in empty]
-            torch._foreach_zero_(zeros)
-            for w, z in zip(empty, zeros):
-                w.grad = z
-        for holder, w in self.slots:
-            holder.main_grad_in = w.grad
-            w.grad = None
+        ws = self._weights
+        grads = [w.grad for w in ws]
+        if all(g is None for g in grads):  # the step's first micro-batch: one multi-tensor fill
+            grads = [torch.empty_like(w) for w in ws]
+            torch._foreach_zero_(grads)
+        else:
+            empty = [i for i, g in enumerate(grads) if g is None]
+            if empty:  # some start from zeros (one multi-tensor fill)
+                zeros = [torch.empty_like(ws[i]) for i in empty]
+                torch._foreach_zero_(zeros)
+                for i, z in zip(empty, zeros):
+                    grads[i] = z
+            for w in ws:
+                w.grad = None
+        self._set_main_grads(grads)
         assert not self._held, "merge_held() was not called after the last backward"
         if hold_others:
             self._held = [(p, p.grad) for p in self.others if p.grad is not None]
@@ -239,8 +283,7 @@ class GradAccumulationFusion:
                 p.grad = None
 
     def release(self) -> None:
-        for holder, _ in self.slots:
-            holder.main_grad_in = None
+        self._set_main_grads(None)
 
     @torch.no_grad()
     def merge_held(self) -> None:
@@ -257,3 +300,4 @@ class GradAccumulationFusion:
         """Free the half-precision copies (they come back with the next ``refresh``)."""
         for holder, _ in self.slots:
             holder.half_weight = None
+        self._halves = None

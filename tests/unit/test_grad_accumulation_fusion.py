@@ -233,3 +233,44 @@ def test_held_gradients_of_the_other_parameters_sum_like_autograd(untie):
             fusion.merge_held()
     for (name, a), b in zip(models[1].named_parameters(), models[0].parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_each_step_starts_from_zeros_and_the_staged_gradient_becomes_grad():
+    """After ``zero_grad(set_to_none=True)`` the first micro-batch's gradients start from zeros again
+    and become ``.grad`` without a copy; each step's gradients are those of a fresh accumulation."""
+    ref, fused, fusion = _pair(True, torch.float32)
+    torch.manual_seed(1)
+    steps = [[torch.randn(4, 24) for _ in range(2)] for _ in range(3)]
+    for xs in steps:
+        for m in (ref, fused):
+            m.zero_grad(set_to_none=True)
+        _accumulate(ref, xs, None)
+        fusion.refresh()
+        for x in xs:
+            fusion.stage()
+            staged = [m.main_grad_in.data_ptr() for m in fusion.linears]
+            loss = fused(x).square().sum()
+            fusion.release()
+            loss.backward()
+            assert [m.weight.grad.data_ptr() for m in fusion.linears] == staged
+        for a, b in zip(ref.parameters(), fused.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5)
+        assert all(m.main_grad_in is None for m in fusion.linears)
+    fusion.drop_half_weights()
+    assert all(m.half_weight is None for m in fusion.linears)
+    fused.zero_grad(set_to_none=True)
+    _accumulate(fused, steps[0], fusion)  # the copies come back with the next refresh
+    assert all(m.weight.grad is not None for m in fusion.linears)
+
+
+def test_a_weight_with_a_gradient_keeps_it_when_others_start_from_zeros():
+    """Mixed: one weight's gradient set, another's None; the set one is accumulated into, not reset."""
+    _, fused, fusion = _pair(False, torch.float32)
+    _accumulate(fused, [torch.randn(4, 24)], fusion)
+    kept = fusion.linears[0].weight.grad.clone()
+    fusion.linears[1].weight.grad = None
+    fusion.stage()
+    assert torch.equal(fusion.linears[0].main_grad_in, kept)
+    assert torch.count_nonzero(fusion.linears[1].main_grad_in) == 0
+    assert all(m.weight.grad is None for m in fusion.linears)
+    fusion.release()
