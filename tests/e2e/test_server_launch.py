@@ -60,7 +60,10 @@ MEGATRON_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-h
 
 
 @pytest.mark.slow
-def test_tensor_parallel_server_answers_as_one_process(ckpt):
+@pytest.mark.parametrize("frontend", [[], ["--frontend-process"]], ids=["one_process", "frontend_process"])
+def test_tensor_parallel_server_answers_as_one_process(ckpt, frontend):
+    """torchrun TP=2 answers as one process, also with ``--frontend-process`` (rank 0's engine behind the
+    child's HTTP app, the other rank following); a registered call (beam search) runs on both ranks."""
     body = {"prompts": ["1 2 3", "4 5"], "tokens_to_generate": 6, "top_k": 1, "logprobs": True}
     one, port = serve([sys.executable, TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
                        *MEGATRON_FLAGS])
@@ -71,7 +74,7 @@ def test_tensor_parallel_server_answers_as_one_process(ckpt):
         one.wait(timeout=30)
     two, port = serve([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                        TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
-                       "--tensor-model-parallel-size", "2", *MEGATRON_FLAGS])
+                       "--tensor-model-parallel-size", "2", *frontend, *MEGATRON_FLAGS])
     try:
         got = ask(port, body)
         beam = ask(port, {"prompts": ["1 2"], "tokens_to_generate": 4, "beam_width": 2})  # a call on both ranks
@@ -124,28 +127,3 @@ def test_frontend_process_server_answers_and_stops_with_its_parent(ckpt):
         time.sleep(0.2)
     else:
         raise AssertionError("the front end's process still listens after its parent ended")
-
-
-@pytest.mark.slow
-def test_tensor_parallel_server_with_its_frontend_process_answers_as_one_process(ckpt):
-    """--frontend-process under torchrun TP=2: rank 0's engine behind the child's HTTP app, the other rank
-    following; the same tokens as one process, and a registered call (beam search) on both ranks."""
-    body = {"prompts": ["1 2 3", "4 5"], "tokens_to_generate": 6, "top_k": 1, "logprobs": True}
-    one, port = serve([sys.executable, TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
-                       *MEGATRON_FLAGS])
-    try:
-        want = ask(port, body)
-    finally:
-        one.terminate()
-        one.wait(timeout=30)
-    two, port = serve([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                       TOOL, "--load", str(ckpt), "--port", "0", "--quiet", "--device", "cpu",
-                       "--tensor-model-parallel-size", "2", "--frontend-process", *MEGATRON_FLAGS])
-    try:
-        got = ask(port, body)
-        assert len(ask(port, {"prompts": ["1 2"], "tokens_to_generate": 4, "beam_width": 2})["text"]) == 2
-    finally:
-        two.terminate()
-        two.wait(timeout=60)
-    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
-    assert got["logprobs"] == [pytest.approx(lp, abs=1e-4) for lp in want["logprobs"]]

@@ -40,6 +40,18 @@ def _ours(tmp_path, shape) -> tuple[str, GPTConfig]:
                       None, {}, argparse.Namespace(seq_length=16), cfg, save_optim=False, save_rng=False)
     return save, cfg
 
+def import_equals_ours(megatron_dir: str, back: str, ours: str, cfg):
+    """Import ``megatron_dir`` into ``back``: the config and every weight equal ``ours``' exactly; the report."""
+    report = import_megatron(megatron_dir, back, progress=False, quiet=True)
+    assert report.config == cfg
+    a = load_full_state_dict(C.find_checkpoint(ours), cfg)
+    b = load_full_state_dict(report.path, report.config)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    return report
+
+
 
 @pytest.mark.parametrize("shape", [GPT2, LLAMA], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("saver,tp,pp", [("mcore", 1, 1), ("megatron", 1, 1), ("megatron", 2, 1),
@@ -55,13 +67,7 @@ def test_round_trip_is_bit_exact(tmp_path, shape, saver, tp, pp):
     else:
         want = {f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)}
         assert set(os.listdir(it_dir)) == want
-    report = import_megatron(out, str(tmp_path / "back"), progress=False, quiet=True)
-    assert report.config == cfg
-    a = load_full_state_dict(C.find_checkpoint(ours), cfg)
-    b = load_full_state_dict(report.path, report.config)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    report = import_equals_ours(out, str(tmp_path / "back"), ours, cfg)
     ts = C.read_meta(report.path)["train_state"]
     assert (ts["iteration"], ts["consumed_train_samples"], ts["consumed_valid_samples"]) == (7, 56, 4)
 
@@ -218,8 +224,4 @@ def test_moe_round_trip_is_bit_exact(tmp_path, saver, tp, pp):
     ck = read_megatron_checkpoint(out, progress=False)
     assert "decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight" in ck.tensors
     assert "decoder.layers.0.mlp.shared_experts.gate_weight" in ck.tensors
-    report = import_megatron(out, str(tmp_path / "back"), progress=False, quiet=True)
-    assert report.config == cfg
-    a = load_full_state_dict(C.find_checkpoint(ours), cfg)
-    b = load_full_state_dict(report.path, report.config)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    import_equals_ours(out, str(tmp_path / "back"), ours, cfg)

@@ -11,14 +11,12 @@ import re
 import pytest
 import torch
 
-from megatrain import checkpoint as C
-from megatrain.convert.export_hf import load_full_state_dict
-from megatrain.convert.megatron.bridge import export_megatron, import_megatron
+from megatrain.convert.megatron.bridge import export_megatron
 from megatrain.convert.megatron.names import UnsupportedMegatronModel
 from megatrain.convert.megatron.pickles import load_megatron_pt
 from megatrain.convert.megatron.reader import read_megatron_checkpoint
 
-from tests.unit.test_megatron_ckpt import GPT2, LLAMA, MOE, _ours
+from tests.unit.test_megatron_ckpt import GPT2, LLAMA, MOE, _ours, import_equals_ours
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -85,13 +83,7 @@ def _check(tmp_path, shape, tp, pp, vp, ep):
     out = _relayout(flat, str(tmp_path / "megatron"), tp, pp, vp, ep, cfg.num_layers, cfg.num_moe_experts or 0)
     ck = read_megatron_checkpoint(out, progress=False)
     assert not [x for x in ck.left_out if "optimizer" in x]  # saved without one: nothing to note
-    report = import_megatron(out, str(tmp_path / "back"), progress=False, quiet=True)
-    assert report.config == cfg
-    a = load_full_state_dict(C.find_checkpoint(ours), cfg)
-    b = load_full_state_dict(report.path, report.config)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    import_equals_ours(out, str(tmp_path / "back"), ours, cfg)
     return out, ck
 
 
