@@ -117,3 +117,18 @@ def versions() -> str:
 def num(x: float) -> str:
     """TFLOP/s to one decimal, small (CPU) rates to three significant digits."""
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def last_error_line(row: dict[str, Any]) -> str:
+    """The last non-empty line of a failed row's ``error`` (200 characters at most), for its table cell."""
+    last = [x for x in row["error"].splitlines() if x.strip()]
+    return last[-1][:200] if last else ""
+
+
+def rate_cells(row: dict[str, Any], flops: float, peak: float | None, device: str) -> tuple[float, str, str]:
+    """A row's TFLOP/s (``flops`` per iteration over its ms/iter), its share of the matmul rate ``peak``
+    ("-" without one) and its peak GiB ("-" on the CPU)."""
+    tflops = flops / (row["ms/iter"] / 1e3) / 1e12
+    frac = f"{tflops / peak:.2f}" if peak else "-"
+    mem = f"{row.get('peak GiB', 0.0):.1f}" if device != "cpu" else "-"
+    return tflops, frac, mem

@@ -64,7 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import num, print_worker_result, run_worker, timed_hf_steps, versions  # noqa: E402
+from common import (last_error_line, num, print_worker_result, rate_cells, run_worker,  # noqa: E402
+                    timed_hf_steps, versions)
 from throughput import measure_matmul_peak  # noqa: E402
 
 # encoder layers, decoder layers, hidden, heads, kv-channels, ffn, encoder seq, decoder seq, micro-batch
@@ -314,13 +315,10 @@ def main(argv: list[str] | None = None) -> None:
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            last = [x for x in r["error"].splitlines() if x.strip()]
-            out.append(f"| {r['row']} | error: {last[-1][:200] if last else ''} |||||")
+            out.append(f"| {r['row']} | error: {last_error_line(r)} |||||")
             continue
-        tflops = flops / (r["ms/iter"] / 1e3) / 1e12
+        tflops, frac, mem = rate_cells(r, flops, peak, a.device)
         ratio = f"{ref / r['tokens/s']:.2f}" if ref else "-"
-        frac = f"{tflops / peak:.2f}" if peak else "-"
-        mem = f"{r.get('peak GiB', 0.0):.1f}" if a.device != "cpu" else "-"
         out.append(f"| {r['row']} | {r['ms/iter']:.1f} | {r['tokens/s']:.0f} | {ratio} | {num(tflops)} | {frac} | "
                    f"{mem} |")
     notes = [f"- {r['row']}: lm loss {r['lm loss']:.3f} at the last iteration"

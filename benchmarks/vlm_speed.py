@@ -61,7 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import emit_table, num, print_worker_result, run_worker, timed_hf_steps, versions  # noqa: E402
+from common import (emit_table, last_error_line, num, print_worker_result, rate_cells, run_worker,  # noqa: E402
+                    timed_hf_steps, versions)
 from throughput import measure_matmul_peak  # noqa: E402
 
 # The shapes: the vision tower, the language model, the batch.
@@ -316,13 +317,10 @@ def main(argv: list[str] | None = None) -> None:
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            last = [x for x in r["error"].splitlines() if x.strip()]
-            out.append(f"| {r['row']} | error: {last[-1][:200] if last else ''} ||||||")
+            out.append(f"| {r['row']} | error: {last_error_line(r)} ||||||")
             continue
-        tflops = flops / (r["ms/iter"] / 1e3) / 1e12
+        tflops, frac, mem = rate_cells(r, flops, peak, a.device)
         ratio = f"{ref / r['samples/s']:.2f}" if ref else "-"
-        frac = f"{tflops / peak:.2f}" if peak else "-"
-        mem = f"{r.get('peak GiB', 0.0):.1f}" if a.device != "cpu" else "-"
         out.append(f"| {r['row']} | {r['ms/iter']:.1f} | {r['samples/s']:.2f} | {num(tflops)} | {frac} | {mem} | "
                    f"{ratio} |")
     notes = [f"- {r['row']}: loss {r['lm loss']:.3f} at the last iteration"
