@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -377,8 +378,6 @@ class FrontendProcess:
         self._launch()
         self._thread = threading.Thread(target=self._host.run, name="engine-host", daemon=True)
         self._thread.start()
-        import time
-
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline and self._child.is_alive():
             try:

@@ -65,8 +65,7 @@ class SlotKVCache(AttendingKVCache):
         self.values = {n: torch.zeros(size, dtype=dtype, device=device) for n in shape.layer_numbers}
         self._key_positions = torch.arange(shape.max_sequence_length, device=device)
         self._mode: str | None = None
-        self._slots: list[int] = []
-        self._lengths: list[int] = []
+        self._segments: list[tuple[int, int]] = []
         self._rows = 0
         self._key_length = 0
         self._longest = 0
@@ -90,20 +89,17 @@ class SlotKVCache(AttendingKVCache):
             if not 0 < length <= self.shape.max_sequence_length:
                 raise ValueError(f"a prompt of {length} tokens does not fit a slot of "
                                  f"{self.shape.max_sequence_length}")
-        self._mode, self._slots, self._lengths, self._longest = "prefill", list(slots), list(lengths), 0
-        self._mask = None
+        self._mode, self._longest, self._mask = "prefill", 0, None
+        ends = list(itertools.accumulate(lengths))
+        self._segments = list(zip([0] + ends[:-1], ends))  # each prompt's tokens in the packed sequence
         device = self._key_positions.device
-        # where each packed token's key/value goes: (its prompt's slot, its position in the prompt)
         counts = torch.tensor(lengths, device=device)
+        # where each packed token's key/value goes: (its prompt's slot, its position in the prompt)
         self._row_index = torch.repeat_interleave(torch.tensor(slots, device=device), counts)
-        self._positions = torch.cat([self._key_positions[:n] for n in lengths]) if len(lengths) > 1 \
-            else self._key_positions[:lengths[0]]
+        self._positions = torch.cat([self._key_positions[:n] for n in lengths])
         if len(slots) > 1 and self.packed_attention == "mask":  # block-diagonal causal: each prompt sees itself
-            device = self._key_positions.device
-            prompt_of = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                                torch.tensor(lengths, device=device))
-            total = prompt_of.shape[0]
-            causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+            prompt_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
+            causal = torch.ones(ends[-1], ends[-1], dtype=torch.bool, device=device).tril()
             self._mask = ((prompt_of[:, None] == prompt_of[None, :]) & causal)[None, None]
 
     def begin_decode(self, positions_b1: torch.Tensor, key_length: int, longest: int,
@@ -152,11 +148,10 @@ class SlotKVCache(AttendingKVCache):
             values[self._row_index, :, self._positions] = v[0].transpose(0, 1)
             # causal over each prompt (and the window, if any: within a prompt, packed positions keep
             # their distances)
-            if len(self._lengths) == 1 or self._mask is not None:
+            if len(self._segments) == 1 or self._mask is not None:
                 return core_attention(q, k, v, self._mask, 0)
-            ends = list(itertools.accumulate(self._lengths))
             return torch.cat([core_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, 0)
-                              for a, b in zip([0] + ends[:-1], ends)], dim=2)
+                              for a, b in self._segments], dim=2)
         assert self._mode == "decode", "begin_prefill or begin_decode before the forward"
         assert self._positions is not None and self._row_index is not None and self._mask is not None
         rows, heads, s, d = q.shape
