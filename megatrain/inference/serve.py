@@ -179,13 +179,12 @@ def _serve(args: argparse.Namespace, device: Any, tp_mesh: Any) -> None:
         if args.frontend_process:
             from megatrain.inference.frontend_process import FrontendProcess
 
-            if ctx.vision is not None:
-                engine.close()
-                raise SystemExit("error: --frontend-process serves text models; a vision-language checkpoint "
-                                 "is served in one process (drop the flag)")
             server = FrontendProcess(ctx, tokenizer_args, args.host, args.port, quiet=args.quiet)
         else:
             server = make_server(ctx, args.host, args.port, quiet=args.quiet)
+    except ValueError as e:  # what --frontend-process cannot serve
+        engine.close()
+        raise SystemExit(f"error: --frontend-process: {e} (drop the flag)")
     except OSError as e:
         engine.close()
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port} ({e.strerror})")
