@@ -9,7 +9,9 @@ A random-weight model of ``--shape`` (`benchmarks/generation.py`'s shapes) and t
 into one forward (``ModelRunner.prefill``, what a step of the engine runs when requests join), with
 the cache's ``packed_attention`` set to ``segments`` (attention per prompt through the fused causal
 SDPA), to ``mask`` (one SDPA over the pack with a block-diagonal bool mask) and ``mask-compiled``
-(that forward through torch.compile with a dynamic token count: ``EngineConfig.compile_prefill``).
+(that forward through torch.compile with a dynamic token count: ``EngineConfig.compile_prefill``)
+and ``graphs`` (the pack padded to the next token bucket and replayed as a recorded CUDA graph:
+``EngineConfig.prefill_graphs``, the default with CUDA graphs; the first run of a bucket records it).
 ``--busy-thread``: a second Python thread does pure-Python work the whole time (as a server's event
 loop does under load), so the table shows what sharing the interpreter lock costs each mode. Reported: the median
 time of the forward (device-synchronised), prompt tokens/s, and TFLOP/s by 2 x parameters x tokens plus
@@ -37,7 +39,7 @@ from megatrain.inference.engine.runner import ModelRunner  # noqa: E402
 from megatrain.inference.engine.slot_cache import CacheShape, SlotKVCache  # noqa: E402
 from megatrain.models.common.attention import SelfAttention  # noqa: E402
 
-MODES = ("segments", "mask", "mask-compiled")
+MODES = ("segments", "mask", "mask-compiled", "graphs")
 
 
 def busy_loop(stop: threading.Event) -> None:
@@ -95,10 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
     slots = max(n for n, _ in args.packs)
     longest = max(length for _, length in args.packs)
-    shape = CacheShape(layers, model.config.num_query_groups, model.config.kv_channels, slots, longest)
+    shape = CacheShape(layers, model.config.num_query_groups, model.config.kv_channels, slots, longest + 1)
+    if "graphs" in args.modes and device.type != "cuda":
+        p.error("--modes graphs records CUDA graphs: it needs --device cuda")
     runners = {mode: ModelRunner(model, SlotKVCache(shape, DTYPES[args.dtype], device,
-                                                    packed_attention=mode.split("-")[0]),
-                                 device, cuda_graphs=False, compile_prefill=mode.endswith("compiled"))
+                                                    packed_attention="mask" if mode == "graphs" else mode.split("-")[0]),
+                                 device, cuda_graphs=mode == "graphs", compile_prefill=mode.endswith("compiled"),
+                                 prefill_graphs=mode == "graphs", prefill_tokens=max(n * length for n, length in args.packs))
                for mode in args.modes}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"### Engine prefill, {args.shape}, {args.dtype}, random weights", "",

@@ -220,7 +220,8 @@ def start_server(args: argparse.Namespace, max_prompt: int, max_new: int):
                                                   max_waiting=max(256, 2 * args.clients),
                                                   compile_decode=args.compile_decode,
                                                   compile_prefill=args.compile_prefill,
-                                                  capture_graphs_at_start=not args.lazy_graphs))
+                                                  capture_graphs_at_start=not args.lazy_graphs,
+                                                  prefill_graphs=False if args.no_prefill_graphs else None))
     register_model_calls(engine)
     limits = ServerLimits(max_prompt_tokens=max_prompt, max_tokens_to_generate=max_new,
                           max_request_bytes=max(1 << 20, 16 * max_prompt))
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--lazy-graphs", action="store_true",
                    help="record each decode graph on first use instead of all at start-up (as the server does)")
+    p.add_argument("--no-prefill-graphs", action="store_true",
+                   help="eager prefill forwards (default: recorded CUDA graphs per token bucket where the decode has them)")
     p.add_argument("--output", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.duration is not None and args.requests_per_client is not None:
@@ -347,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
            else f"{args.duration:g} s of load")
     config = (f"engine {args.max_requests} slots, max sequence {info['seq']}, "
               f"CUDA graphs {'on' if info['cuda_graphs'] else 'off'}, compile_decode {'on' if args.compile_decode else 'off'}, "
-              f"compile_prefill {'on' if args.compile_prefill else 'off'}"
+              f"compile_prefill {'on' if args.compile_prefill else 'off'}, "
+              f"prefill graphs {'off' if args.no_prefill_graphs or not info['cuda_graphs'] else 'on'}"
               + (", HTTP in its own process" if args.frontend_process else ""))
     lines = [f"### Serving load, {args.shape}, {info['dtype']}, greedy, random weights, streamed /v1/completions", "",
              f"{datetime.date.today()} · {info['device_name']} · torch {info['torch']} · {config}", "",

@@ -187,7 +187,10 @@ class _RemoteHandle:
         self.engine, self.ident = engine, ident
 
     def cancel(self) -> None:
-        self.engine._send({"op": "cancel", "id": self.ident})
+        try:
+            self.engine._send({"op": "cancel", "id": self.ident})
+        except RuntimeError:  # the engine is gone or closed: nothing runs to cancel
+            pass
 
 
 class RemoteEngine:
@@ -209,7 +212,10 @@ class RemoteEngine:
     def _send(self, message: dict[str, Any]) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
-        self.channel.send(message)
+        try:
+            self.channel.send(message)
+        except OSError:  # a broken pipe: the engine's process has ended
+            raise RuntimeError("the engine's process is gone") from None
 
     def submit(self, job: GenerateJob, on_event: Callable[[TokenEvent], None]) -> _RemoteHandle:
         ident = next(self._ids)

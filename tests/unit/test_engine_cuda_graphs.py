@@ -77,7 +77,8 @@ def test_capture_all_and_seeded_sampling_on_cuda():
     engine = GenerationEngine(model, EngineConfig(max_requests=5, max_sequence_length=40, length_bucket=16))
     try:
         assert engine.runner.cuda_graphs
-        assert engine.runner.capture_all() == len(engine.runner.batch_buckets) * len(engine.runner.length_buckets)
+        decode_graphs = len(engine.runner.batch_buckets) * len(engine.runner.length_buckets)
+        assert engine.runner.capture_all() == decode_graphs + len(engine.runner.static_prefill.token_buckets)
         job = GenerateJob(PROMPTS[0], 12, Sampling(temperature=1.2, top_p=0.95, seed=5))
         (alone,) = generate_blocking(engine, [job])
         crowded = generate_blocking(engine, [GenerateJob(p, 12, Sampling(seed=i)) for i, p in enumerate(PROMPTS)]
@@ -130,7 +131,9 @@ def test_graphs_recorded_at_start_serve_every_bucket_without_recording():
     try:
         (first,) = generate_blocking(engine, [GenerateJob(PROMPTS[0], 2, Sampling(greedy=True))])
         count = len(engine.runner.batch_buckets) * len(engine.runner.length_buckets)
-        assert engine.stats.graphs == len(engine.runner._graphs) == count and engine.stats.capture_s > 0
+        prefill_graphs = len(engine.runner.static_prefill.token_buckets)
+        assert len(engine.runner._graphs) == count and len(engine.runner.static_prefill._shapes) == prefill_graphs
+        assert engine.stats.graphs == count + prefill_graphs and engine.stats.capture_s > 0
         events = generate_blocking(engine, [GenerateJob(p, 14, Sampling(greedy=True)) for p in PROMPTS])
         assert len(engine.runner._graphs) == count
     finally:

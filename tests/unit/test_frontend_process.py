@@ -99,3 +99,24 @@ def test_a_client_leaving_mid_stream_frees_its_slot(servers):
         conn.close()
     status, out = post(remote.port, "/v1/completions", {"prompt": [[5, 6]], "max_tokens": 8, "temperature": 0})
     assert status == 200 and [int(t) for t in out["choices"][0]["text"].split()] == greedy(model, [5, 6], 8)
+
+
+def test_the_engine_process_gone_is_a_clear_error_not_a_broken_pipe():
+    """The model's process ended (its end of the pipe closed): a submission gets one RuntimeError,
+    a cancel of a running handle is nothing to do, and nothing raises BrokenPipeError."""
+    import multiprocessing
+
+    from megatrain.inference.engine.api import GenerateJob, Sampling
+    from megatrain.inference.frontend_process import RemoteEngine, _RemoteHandle
+
+    ours, theirs = multiprocessing.Pipe()
+    engine = RemoteEngine(ours, max_sequence_length=32)
+    theirs.close()
+    engine._reader.join(5)
+    handle = _RemoteHandle(engine, 0)
+    handle.cancel()
+    with pytest.raises(RuntimeError, match="gone|closed"):
+        engine.submit(GenerateJob([1, 2], 4, Sampling(greedy=True)), lambda event: None)
+    engine._closed = False  # a send on the broken pipe itself
+    with pytest.raises(RuntimeError, match="gone"):
+        engine._send({"op": "cancel", "id": 1})

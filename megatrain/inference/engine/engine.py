@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from megatrain.inference.engine import lookahead
 from megatrain.inference.engine.api import EngineFull, GenerateJob, JobHandle, TokenEvent
 from megatrain.inference.engine.plan import PlanChannel, StepPlan
+from megatrain.inference.engine.prefill_graphs import accepts_logit_positions
 from megatrain.inference.engine.runner import ModelRunner
 from megatrain.inference.engine.sampler import Choice, JobSampler, check_job, sample_rows
 from megatrain.inference.engine.scheduler import Request, Scheduler
@@ -72,7 +73,9 @@ class EngineConfig:
     engine thread before the first step, as a server wants: no request waits for a recording (or a
     compilation of a new shape) in the middle of a load; requests submitted meanwhile wait in the queue.
     ``compile_prefill``: the packed prefill forward through torch.compile (dynamic token count; the
-    prompts of a pack attend through one block-diagonal mask).
+    prompts of a pack attend through one block-diagonal mask). ``prefill_graphs``: packs of up to
+    ``prefill_tokens`` tokens replay CUDA graphs recorded per token bucket (None: wherever the decode
+    runs CUDA graphs in one process; ``engine/prefill_graphs.py``).
     """
 
     max_requests: int = 16
@@ -87,6 +90,7 @@ class EngineConfig:
     lookahead: bool = True
     capture_graphs_at_start: bool = False
     compile_prefill: bool = False
+    prefill_graphs: bool | None = None
 
 
 @dataclass
@@ -161,9 +165,13 @@ class GenerationEngine:
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda" and group is None
+        prefill_graphs = config.prefill_graphs
+        if prefill_graphs is None:
+            prefill_graphs = cuda_graphs and group is None and accepts_logit_positions(model)
         self.runner = ModelRunner(model, self.cache, device, cuda_graphs=cuda_graphs,
                                   length_bucket=config.length_bucket, compile_decode=config.compile_decode,
-                                  compile_prefill=config.compile_prefill)
+                                  compile_prefill=config.compile_prefill, prefill_graphs=prefill_graphs,
+                                  prefill_tokens=config.prefill_tokens)
         self.channel = PlanChannel(group, device) if group is not None and self.world > 1 else None
         self.scheduler = Scheduler(config.max_requests, config.max_waiting, config.retry_after_s)
         self._functions: dict[str, Callable[[Any, dict[str, Any]], Any]] = {}
@@ -247,7 +255,7 @@ class GenerationEngine:
         except Exception:  # noqa: BLE001 - the graphs are then recorded on first use
             log.exception("recording the decode graphs at start-up failed")
         self.stats.capture_s = time.perf_counter() - start
-        log.info("engine: %d decode graphs recorded in %.1f s", self.stats.graphs, self.stats.capture_s)
+        log.info("engine: %d graphs (decode and prefill) recorded in %.1f s", self.stats.graphs, self.stats.capture_s)
 
     def _serve(self) -> None:
         with torch.inference_mode():

@@ -10,7 +10,10 @@ them up front by :meth:`ModelRunner.capture_all`. ``compile_decode`` runs the de
 runs the packed prefill forward through ``torch.compile`` with a dynamic token count (one compilation
 for every pack; the cache's packed attention must then be its ``"mask"`` mode, whose shapes do not
 depend on the prompts' lengths): fewer host operations per prefill, which matters most when the
-host is shared with a server's threads.
+host is shared with a server's threads. ``prefill_graphs`` (CUDA graphs on): a pack of prompts of up to
+``prefill_tokens`` tokens replays a prefill graph recorded at the next token bucket
+(:mod:`megatrain.inference.engine.prefill_graphs`): one launch instead of ~1,000 operations. The
+eager prefill computes the logits of each prompt's last token only (``GPTModel``'s ``logit_positions``).
 
 Rows without a request (padding) feed token 0 at the scratch position ``max_sequence_length - 1``:
 a position that no running request has stored yet (a request holding that many tokens has
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatrain.inference.engine.prefill_graphs import StaticPrefill, accepts_logit_positions
 from megatrain.inference.engine.slot_cache import SlotKVCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -57,7 +61,8 @@ class ModelRunner:
     """Prefill and decode forwards of ``model`` over ``cache`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, cache: SlotKVCache, device: torch.device, *, cuda_graphs: bool,
-                 length_bucket: int = 256, compile_decode: bool = False, compile_prefill: bool = False) -> None:
+                 length_bucket: int = 256, compile_decode: bool = False, compile_prefill: bool = False,
+                 prefill_graphs: bool = False, prefill_tokens: int = 2048) -> None:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {device}")
         if length_bucket <= 0:
@@ -85,12 +90,22 @@ class ModelRunner:
                                  else self._prefill_logits)
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.logit_positions = accepts_logit_positions(model)  # the prefill computes only the logits it reads
+        self.static_prefill: StaticPrefill | None = None
+        if prefill_graphs:
+            if not (cuda_graphs and self.logit_positions):
+                raise ValueError("prefill_graphs needs cuda_graphs and a model whose forward takes logit_positions")
+            # their own memory pool: a replay must not reuse the memory of the decode graphs' outputs
+            self.static_prefill = StaticPrefill(model, cache, device, max_tokens=prefill_tokens, record=True,
+                                                pool=torch.cuda.graph_pool_handle())
 
     # ---- prefill --------------------------------------------------------------------------------
 
     def prefill(self, items: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Store each (slot, prompt)'s keys/values in its slot, the prompts packed into one forward;
         return the logits after each prompt's last token [prompts, V]."""
+        if self.static_prefill is not None and self.static_prefill.covers(items):
+            return self.static_prefill.run(items)
         lengths = [len(prompt) for _, prompt in items]
         tokens = torch.tensor([[t for _, prompt in items for t in prompt]], dtype=torch.long, device=self.device)
         positions = torch.tensor([[p for n in lengths for p in range(n)]], dtype=torch.long, device=self.device)
@@ -102,6 +117,9 @@ class ModelRunner:
             self.cache.end()
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        if self.logit_positions:
+            return full_logits(self.model(tokens, position_ids=positions, kv_cache=self.cache,
+                                          logit_positions=ends))[0]
         logits = self.model(tokens, position_ids=positions, kv_cache=self.cache)
         return full_logits(logits)[0].index_select(0, ends)
 
@@ -176,10 +194,12 @@ class ModelRunner:
         return _DecodeGraph(graph, staged, inputs, logits_bv, torch.cuda.Event())
 
     def capture_all(self) -> int:
-        """Record every decode graph now (instead of on first use); returns how many there are."""
+        """Record every decode graph (and prefill graph) now instead of on first use; returns how many
+        there are."""
         if not self.cuda_graphs:
             raise ValueError("capture_all: this runner decodes eagerly (cuda_graphs=False)")
         for batch in self.batch_buckets:
             for length in self.length_buckets:
                 self._graph(batch, length)
-        return len(self._graphs)
+        prefills = self.static_prefill.capture_all() if self.static_prefill is not None else 0
+        return len(self._graphs) + prefills

@@ -11,7 +11,8 @@ is (:meth:`SlotKVCache.begin_prefill` or :meth:`SlotKVCache.begin_decode`) and e
   Prompts packed into one sequence share the forward's matmuls; attention runs per prompt through
   the plain causal SDPA (the fused kernels, no mask: ``packed_attention="segments"``, the default),
   or for all of them at once through a block-diagonal causal mask (``"mask"``: a dense [s, s] mask,
-  which keeps SDPA off its fused kernels).
+  which keeps SDPA off its fused kernels). :meth:`SlotKVCache.begin_prefill_tokens` takes the
+  layout as device tensors instead (a recorded prefill graph's inputs: ``engine/prefill_graphs.py``).
 - Decode (one new token for each of slots 0..rows-1): each row's key/value is written at that row's
   own position by one indexed write (no host sync, fixed shapes: CUDA-graph safe), then its query
   attends to the slot's keys 0..position (a bool mask built once per forward from the positions)
@@ -79,9 +80,8 @@ class SlotKVCache(AttendingKVCache):
 
     # ---- what the next forward is ---------------------------------------------------------------
 
-    def begin_prefill(self, slots: list[int], lengths: list[int]) -> None:
-        """The next forward is the prompts of ``lengths`` tokens of the requests in ``slots``, packed
-        one after another into one sequence."""
+    def check_prefill(self, slots: list[int], lengths: list[int]) -> None:
+        """A prefill of prompts of ``lengths`` tokens into ``slots`` fits the cache (else ValueError)."""
         assert len(slots) == len(lengths) > 0
         for slot, length in zip(slots, lengths):
             if not 0 <= slot < self.shape.max_requests:
@@ -89,6 +89,11 @@ class SlotKVCache(AttendingKVCache):
             if not 0 < length <= self.shape.max_sequence_length:
                 raise ValueError(f"a prompt of {length} tokens does not fit a slot of "
                                  f"{self.shape.max_sequence_length}")
+
+    def begin_prefill(self, slots: list[int], lengths: list[int]) -> None:
+        """The next forward is the prompts of ``lengths`` tokens of the requests in ``slots``, packed
+        one after another into one sequence."""
+        self.check_prefill(slots, lengths)
         self._mode, self._longest, self._mask = "prefill", 0, None
         ends = list(itertools.accumulate(lengths))
         self._segments = list(zip([0] + ends[:-1], ends))  # each prompt's tokens in the packed sequence
@@ -101,6 +106,14 @@ class SlotKVCache(AttendingKVCache):
             prompt_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
             causal = torch.ones(ends[-1], ends[-1], dtype=torch.bool, device=device).tril()
             self._mask = ((prompt_of[:, None] == prompt_of[None, :]) & causal)[None, None]
+
+    def begin_prefill_tokens(self, row_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
+        """The next forward is a packed prefill given by device tensors (fixed shapes: what a recorded
+        prefill graph reads): token t's key/value goes to slot ``row_index[t]`` at ``positions[t]``,
+        and its query sees the keys ``mask`` [1, 1, s, s] (bool) allows."""
+        self._mode, self._longest, self._mask = "prefill", 0, mask
+        self._segments = [(0, int(row_index.shape[0]))]
+        self._row_index, self._positions = row_index, positions
 
     def begin_decode(self, positions_b1: torch.Tensor, key_length: int, longest: int,
                      window: tuple[int, int] | None = None) -> None:

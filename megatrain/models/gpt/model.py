@@ -129,6 +129,7 @@ class GPTModel(nn.Module):
         kv_cache: KVCache | None = None,
         *,
         decoder_input: torch.Tensor | None = None,
+        logit_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, V], or with ``labels`` the per-token loss [b, s] in float32.
 
@@ -137,6 +138,8 @@ class GPTModel(nn.Module):
         decoder_input: hidden states [b, s, h] that the first layer takes instead of the embedded
         ``input_ids`` (which may then be None), as Megatron's ``decoder_input``: a vision-language
         model's text embeddings with image features in place (``megatrain.models.llava``).
+        logit_positions: int64 [n] indices into the sequence: only those positions' logits are
+        computed, [b, n, V] (an inference prefill reads each prompt's last one, not all s x V).
         """
         first = input_ids if decoder_input is None else decoder_input
         seq_length = first.shape[1]
@@ -161,6 +164,9 @@ class GPTModel(nn.Module):
             hidden = layer(hidden, position_ids, attention_mask, kv_cache, rotary=rotary)
         if self.final_layernorm is None:
             return hidden
+        if logit_positions is not None:
+            assert labels is None, "logit_positions is for logits, not a loss"
+            hidden = hidden.index_select(1, logit_positions)
         return self.head(hidden, labels)
 
     # ---- parameters -----------------------------------------------------------------------------
