@@ -246,7 +246,7 @@ def engine_work(before: dict[str, Any], after: dict[str, Any]) -> str:
     rows = d["decode_rows"] / d["decode_steps"] if d["decode_steps"] else 0.0
     return (f"{d['decode_steps']} decode steps (mean {rows:.1f} running rows, {d['steps_ahead']} launched ahead), "
             f"{d['prefills']} prompts prefilled in {d['prefill_forwards']} forwards ({d['prefill_tokens']} tokens, "
-            f"{d['prefill_s']:.2f} s), {after['graphs']} decode graphs"
+            f"{d['prefill_s']:.2f} s), {after['graphs']} graphs (decode and prefill)"
             + (f" (recorded at start-up in {after['capture_s']:.1f} s)" if after["capture_s"] else ""))
 
 

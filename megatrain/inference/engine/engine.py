@@ -104,7 +104,7 @@ class EngineStats:
     prefill_forwards: int = 0  # packed prefill forwards
     prefill_tokens: int = 0
     prefill_s: float = 0.0  # host time in prefill forwards (a CUDA prefill is timed to its last launch)
-    graphs: int = 0  # decode graphs recorded so far
+    graphs: int = 0  # graphs recorded at start-up (decode and prefill)
     capture_s: float = 0.0  # time spent recording graphs at start-up
 
 
