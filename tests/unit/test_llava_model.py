@@ -367,3 +367,13 @@ def test_config_round_trips_through_a_dict():
 def test_bad_configs_name_the_field(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_the_attention_probe_reads_the_language_models_attention():
+    """On CUDA the parallel code probes the model's attention kernels from its config
+    (runtime/attention_backends.py); a LLaVA config answers with its language model's shape."""
+    from megatrain.runtime.attention_backends import AttentionCase
+
+    cfg = llava_config()
+    case = AttentionCase.from_config(cfg, torch.bfloat16)
+    assert (case.head_dim, case.heads_per_group) == (cfg.language.head_dim, cfg.language.heads_per_group)

@@ -249,7 +249,7 @@ class LlavaConfig:
 for _name in ("num_layers", "hidden_size", "max_position_embeddings", "norm_epsilon", "init_method_std",
               "kv_channels", "position_embedding_type", "rotary_base", "normalization", "swiglu", "add_bias_linear",
               "add_qkv_bias", "gelu_approximation", "qk_layernorm", "untie_embeddings_and_output_weights",
-              "hidden_dropout", "attention_dropout"):
+              "hidden_dropout", "attention_dropout", "head_dim", "heads_per_group"):
     setattr(LlavaConfig, _name, property(lambda self, _n=_name: getattr(self.language, _n),
                                          doc=f"The language model's ``{_name}``."))
 del _name
