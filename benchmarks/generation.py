@@ -31,6 +31,7 @@ and the row's share of it. Median of ``--repeats`` runs after one warm-up run.
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import statistics
 import sys
@@ -247,7 +248,8 @@ def step_bytes(model: GPTModel, batch: int, context: float) -> float:
 
 # ---- the table -------------------------------------------------------------------------------------
 
-def measure_replay(model, prompts, new_tokens: int, repeats: int, compile_decode: bool = False) -> dict[str, float]:
+def measure_replay(model, prompts, new_tokens: int, repeats: int, compile_decode: bool = False,
+                   profile_path: str | None = None) -> dict[str, float]:
     """The engine's own runner (slot cache, CUDA graphs) driven by the least host work there is: the
     prompts prefilled once, then ``new_tokens - 1`` decode steps replayed back to back with the tokens
     the first step chose, one synchronisation at the end. Its step time is what the device needs per
@@ -277,6 +279,12 @@ def measure_replay(model, prompts, new_tokens: int, repeats: int, compile_decode
 
         timed(new_tokens - 1)  # warm-up: every graph the steps need
         decode = max(median_of(lambda: timed(new_tokens - 1), repeats), 1e-9)
+        if profile_path is not None:  # the same steps under the profiler: its kernels, inside the graphs too
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                timed(new_tokens - 1)
+            os.makedirs(os.path.dirname(profile_path) or ".", exist_ok=True)
+            prof.export_chrome_trace(profile_path)
     return {"ttft_ms": float("nan"), "step_ms": decode / (new_tokens - 1) * 1e3,
             "decode_tok_s": len(prompts) * (new_tokens - 1) / decode}
 
@@ -297,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", nargs="+", choices=ROWS + ("all",), default=None,
                    help="default: all of them on CUDA, generate and engine on the CPU")
     p.add_argument("--hf-timeout", type=int, default=900, help="seconds for one transformers row (its process)")
+    p.add_argument("--profile-dir", default=None,
+                   help="replay rows: also write a profiler trace of one run of the steps there "
+                        "(read it with benchmarks/trace_kernels.py --iterations NEW_TOKENS-1)")
     p.add_argument("--output", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.new_tokens < 2:
@@ -330,8 +341,10 @@ def main(argv: list[str] | None = None) -> None:
                 if row == "generate":
                     r = measure_generate(model, prompts, args.new_tokens, args.repeats, device)
                 elif row.startswith("replay"):
+                    trace = (os.path.join(args.profile_dir, f"{row}_{shape}_b{batch}.json.gz")
+                             if args.profile_dir else None)
                     r = measure_replay(model, prompts, args.new_tokens, args.repeats,
-                                       compile_decode=row == "replay-compile")
+                                       compile_decode=row == "replay-compile", profile_path=trace)
                 elif row.startswith("engine"):
                     r = measure_engine(model, prompts, args.new_tokens, args.repeats, max(args.batch_sizes),
                                        compile_decode=row.startswith("engine-compile"),

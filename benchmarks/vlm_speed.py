@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import random
 import statistics
 import subprocess
@@ -157,7 +158,7 @@ def model_flops(s: dict, stage: str, paths: dict[str, str]) -> tuple[float, int]
 
 
 def run_megatrain(s: dict, stage: str, iters: int, warmup: int, device: str, paths: dict[str, str],
-                  timeout: int) -> dict:
+                  timeout: int, extra: list[str] | None = None) -> dict:
     from megatrain.training.logging import parse_train_log_line
 
     name = f"megatrain pretrain_vlm.py ({stage})"
@@ -171,6 +172,7 @@ def run_megatrain(s: dict, stage: str, iters: int, warmup: int, device: str, pat
            "--num-workers", "4" if device != "cpu" else "0"]
     if device != "cpu":
         cmd.append("--bf16")
+    cmd += extra or []
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="megatrain,transformers", help="comma list of: megatrain, transformers")
     ap.add_argument("--no-compile", action="store_true",
                     help="the transformers row without torch.compile (the CPU smoke run)")
+    ap.add_argument("--extra", action="append", default=[],
+                    help="extra pretrain_vlm.py flags (appendable), e.g. \"--profile --profile-dir prof\"")
     ap.add_argument("--output", default=None, help="also write the table to this file")
     ap.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
@@ -293,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         paths = write_llava_data(tmp_path, s, samples=a.iters * s["batch"] + 2 * s["batch"])
         flops, vocab = model_flops(s, a.stage, paths)
         if "megatrain" in wanted:
-            rows.append(run_megatrain(s, a.stage, a.iters, a.warmup, a.device, paths, a.timeout))
+            rows.append(run_megatrain(s, a.stage, a.iters, a.warmup, a.device, paths, a.timeout,
+                                      [x for e in a.extra for x in shlex.split(e)]))
             rows[-1]["key"] = "megatrain"
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}), flush=True)
     if "transformers" in wanted:

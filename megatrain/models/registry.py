@@ -9,7 +9,8 @@ callables and data (compare torchtitan's ``ModelSpec`` and Megatron's ``model_pr
 * ``initial_value``: its layout-independent initialisation rules;
 * ``tensor_parallel_plan``: its TP/SP plan by module path;
 * ``objective``: what a training batch is and what loss it gives;
-* ``flops`` and ``memory``: the formulas of the log line and the start-up memory report;
+* ``flops`` and ``memory``: the formulas of the log line and the start-up memory report
+  (``batch_flops``, optional: the log line's FLOPs counted per micro-batch read instead);
 * ``config_checks``: how each config field is compared between a checkpoint and the flags;
 * ``datasets``: its train/valid/test datasets (None: Megatron's GPT token datasets);
 * ``hf``: its Hugging Face adapter (None when it has none);
@@ -72,6 +73,9 @@ class ModelFamily:
     # dict, from a Hugging Face folder. None: no such parts.
     start_parts: Callable[[Any], list] | None = None
     script: str = ""  # its training script when not pretrain_<name>.py (LLaVA's: pretrain_vlm.py)
+    # (args, config) -> (a training micro-batch as the loader gives it, on the host) -> its FLOPs: the log
+    # line counts what each iteration read (LLaVA's images per sample vary); None: ``flops`` of the batch
+    batch_flops: Callable[..., Callable[[Any], float]] | None = None
 
 
 _REGISTRY: dict[str, ModelFamily] = {}

@@ -1,10 +1,14 @@
 """FLOPs per training iteration (the model family's formula), the per-device peak table, and model
-FLOPs utilisation (MFU). The GPT family's formula is in :mod:`megatrain.models.gpt.flops`."""
+FLOPs utilisation (MFU). The GPT family's formula is in :mod:`megatrain.models.gpt.flops`.
+
+A family whose iterations differ in cost (``ModelFamily.batch_flops``: LLaVA's images per sample)
+has its training micro-batches counted as the loader gives them (:class:`CountedFlops`, on the
+host: no device sync), and the log line divides what the interval's iterations ran."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -30,6 +34,28 @@ def num_floating_point_operations(cfg: Any, batch_size: int, seq_length: int) ->
     """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens (the
     family of ``cfg`` gives the formula)."""
     return family_of_config(cfg).flops(cfg, batch_size, seq_length)
+
+
+class CountedFlops:
+    """An iterator of training micro-batches (``batches``) that adds up ``count(micro_batch)``, each
+    micro-batch's FLOPs as the loader gives it, until :meth:`take`."""
+
+    def __init__(self, batches: Iterator[Any], count: Callable[[Any], float]):
+        self._batches, self._count = batches, count
+        self.flops = 0.0
+
+    def __iter__(self) -> "CountedFlops":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        self.flops += float(self._count(batch))
+        return batch
+
+    def take(self) -> float:
+        """The FLOPs of the micro-batches read since the last call."""
+        flops, self.flops = self.flops, 0.0
+        return flops
 
 
 def tflops_per_gpu(flops: float, iteration_seconds: float, world_size: int) -> float:

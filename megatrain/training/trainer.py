@@ -38,14 +38,14 @@ from megatrain.training.builders import choose_device, padded_vocab_size
 from megatrain.training.console import print_rank0, print_rank_last, setup_logging
 from megatrain.training.evaluation import EvaluationMixin
 from megatrain.training.exits import ExitRequest
-from megatrain.training.flops import device_peak_tflops
+from megatrain.training.flops import CountedFlops, device_peak_tflops
 from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import MetricsWriter, format_train_log_line
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megatrain.training.lr_schedule import LRScheduler
 from megatrain.optimizer import build_optimizer
 from megatrain.training.run_config import RunConfig
-from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep
+from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep, summed
 
 __all__ = ["Trainer", "pretrain", "print_rank0", "print_rank_last", "StepResult", "ExitRequest"]
 
@@ -238,6 +238,8 @@ class Trainer(StepMixin, EvaluationMixin):
                                                       data_sharding=a.data_sharding))
 
         self.train_iter = loader(self.train_ds, self.state.consumed_train_samples)
+        if self.family.batch_flops is not None and self.train_iter is not None:  # the log line counts what ran
+            self.train_iter = CountedFlops(self.train_iter, self.family.batch_flops(a, self.model_config))
         # A split with no samples (BERT/T5 under --eval-iters 0 ask for none) gets no loader: its sampler
         # would refuse. Every other validation split keeps its loader even without evaluation, because
         # starting a loader draws its base seed from torch's global generator, and the dropout masks
@@ -455,11 +457,23 @@ class Trainer(StepMixin, EvaluationMixin):
                 for i, value in enumerate(values):
                     self.writer.add_scalar(f"moe/{name}_layer_{i}", value, iteration)
 
+    def _iteration_flops(self, stats: IntervalStats) -> float:
+        """The model FLOPs of one iteration of the log interval: the family's formula for the current
+        global batch or, where the family counts its micro-batches (``batch_flops``), the mean over the
+        interval's iterations of what the data-parallel ranks read (one sum over them per log line)."""
+        if not isinstance(self.train_iter, CountedFlops):
+            return self.flops_per_iteration * self.current_global_batch_size / self.args.global_batch_size
+        flops = self.train_iter.take()
+        if self.dp_size > 1:
+            total = torch.tensor([flops], dtype=torch.float64, device=self.device)
+            flops = float(summed(total, self.dp_size, lambda: self.dims.submesh("dp")).item())
+        return flops / max(stats.iterations, 1)
+
     def _log(self, stats: IntervalStats, seconds_per_iter: float, train_iters: int,
              moe: MoEReport | None = None) -> None:
         a = self.args
         batch = self.current_global_batch_size
-        tflops = self.flops_per_iteration * batch / a.global_batch_size / (seconds_per_iter * 1e12 * self.world_size)
+        tflops = self._iteration_flops(stats) / (seconds_per_iter * 1e12 * self.world_size)
         tokens_per_gpu = batch * a.seq_length / seconds_per_iter / self.world_size
         mem_gib = (torch.cuda.max_memory_allocated(self.device) / 2**30) if self.device.type == "cuda" else None
         mfu = tflops / self.peak_tflops if self.peak_tflops else None

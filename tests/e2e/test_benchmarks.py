@@ -62,3 +62,28 @@ def test_idle_gaps_are_filed_under_the_kernel_that_ended_the_wait():
     rows = idle_gaps(launched)
     assert [(r["launcher"], r["total_us"]) for r in rows] == [("aten::zero_ < aten::zeros", 100.0), ("aten::fill_", 20.0)]
     assert "d  <- aten::zero_ < aten::zeros" in render_gaps(rows, steps=2, top=5)
+
+
+def test_trace_kernels_table_of_a_chrome_trace(tmp_path):
+    """benchmarks/trace_kernels.py on a written-out trace: per-iteration kernel times, categories, the
+    busy time with overlapping streams counted once, and one clear line for a file that is no trace."""
+    import gzip
+
+    events = [{"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 150, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": 200, "dur": 100},  # overlaps the 2nd
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 390, "dur": 10},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]  # host: not counted
+    trace = tmp_path / "trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = run_cmd([sys.executable, "benchmarks/trace_kernels.py", str(trace), "--iterations", "2"], timeout=60).stdout
+    assert "per iteration: span 0.20 ms, device busy 0.13 ms (65% of the span)" in out
+    assert "| `sm90_xmma_gemm_bf16` | 1 | 0.100 | 64.5% | 100.0 |" in out
+    assert "| matmul | 0.100 | 64.5% |" in out and "| attention | 0.050 | 32.3% |" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "benchmarks/trace_kernels.py", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not a readable Chrome trace" in proc.stderr and "Traceback" not in proc.stderr

@@ -108,7 +108,10 @@ def test_frozen_parts_have_no_gradients_no_optimizer_state_and_do_not_change(pat
 
 @pytest.mark.parametrize("extra,line", [
     (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported for the LLaVA family"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1 is not supported for the LLaVA"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 is not supported for the LLaVA family"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "--num-virtual-stages-per-pipeline-rank: the LLaVA family (pretrain_vlm.py) runs one pipeline stage per rank"),
+    (["--pipeline-model-parallel-size", "2", "--freeze-LM"], "--freeze-LM with --pipeline-model-parallel-size > 1"),
     (["--use-tiling"], "--use-tiling: not supported by pretrain_vlm.py (image tiling"),
     (["--num-frames", "8"], "--num-frames 8: not supported by pretrain_vlm.py (video"),
     (["--image-tag-type", "nvlm"], "--image-tag-type nvlm: not supported"),

@@ -13,7 +13,10 @@ reader), each ``tokens``/``targets`` int64 [n_i] and ``pixel_values`` [k_i, 3, H
   is (one id per image, or the pre-expanded run);
 * ``attention_mask`` is None: padding sits at the end of each row, so causal attention already keeps
   it away from the real tokens (as megatrain's SFT batches); ``lengths`` [b] are the rows' real input
-  lengths for a model that wants them.
+  lengths for a model that wants them;
+* packed rows (samples with ``segments``, :mod:`megatrain.data.multimodal.packing`): ``segments``
+  [b, S] numbers the sample (1, 2, ...; 0 on padding) of every position of the sequence the language
+  model runs, each image expanded to ``tokens_per_image`` positions; None for unpacked batches.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from megatrain.data.batch import Batch
+from megatrain.data.multimodal.packing import expand_segments
 
 __all__ = ["MultimodalBatch", "MultimodalCollator"]
 
@@ -42,6 +46,7 @@ class MultimodalBatch(Batch):
     image_counts: torch.Tensor
     lengths: torch.Tensor
     attention_mask: Optional[torch.Tensor] = None
+    segments: Optional[torch.Tensor] = None  # packed rows: [b, S] over the expanded sequence
 
     sequence_fields: ClassVar[tuple[str, ...]] = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -57,12 +62,15 @@ class MultimodalCollator:
     ``pad_id``: the pad token (the tokenizer's pad, else its eod). ``seq_length``: pad every batch to
     ``seq_length`` inputs (None: to the batch's longest). ``image_shape``: (3, H, W) of the images, for
     the empty ``pixel_values`` of a batch without images (None: taken from a sample; a batch with no
-    image then gets ``[0, 3, 0, 0]``)."""
+    image then gets ``[0, 3, 0, 0]``). ``tokens_per_image`` and ``image_token_id``: how the model expands
+    an image, for the ``segments`` of packed samples (needed only for them)."""
 
-    def __init__(self, pad_id: int, seq_length: int | None = None, image_shape: Sequence[int] | None = None):
+    def __init__(self, pad_id: int, seq_length: int | None = None, image_shape: Sequence[int] | None = None,
+                 tokens_per_image: int | None = None, image_token_id: int | None = None):
         self.pad_id = int(pad_id)
         self.seq_length = None if seq_length is None else int(seq_length)
         self.image_shape = tuple(image_shape) if image_shape is not None else None
+        self.tokens_per_image, self.image_token_id = tokens_per_image, image_token_id
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> MultimodalBatch:
         if not samples:
@@ -79,6 +87,15 @@ class MultimodalCollator:
         for r, (row, s) in enumerate(zip(rows, samples)):
             ids[r, :len(row)] = row
             targets[r, :len(row)] = np.asarray(s["targets"], dtype=np.int64)
+        packed = ["segments" in s for s in samples]
+        segments = np.zeros((len(rows), width), dtype=np.int64) if any(packed) else None
+        if segments is not None:
+            if not all(packed):
+                raise ValueError("cannot collate packed samples (with segments) and unpacked ones together")
+            if self.tokens_per_image is None or self.image_token_id is None:
+                raise ValueError("packed samples need the collator's tokens_per_image and image_token_id")
+            for r, (row, s) in enumerate(zip(rows, samples)):
+                segments[r, :len(row)] = np.asarray(s["segments"], dtype=np.int64)
         ids_t, targets_t = torch.from_numpy(ids), torch.from_numpy(targets)
         images = [torch.as_tensor(s["pixel_values"], dtype=torch.float32) for s in samples]
         counts = torch.tensor([int(i.shape[0]) for i in images], dtype=torch.int64)
@@ -93,8 +110,13 @@ class MultimodalCollator:
             pixel_values = torch.empty((0, *shape), dtype=torch.float32)
         seq = width - 1
         lengths = torch.tensor([min(len(r), width) - 1 for r in rows], dtype=torch.int64)
+        tokens = ids_t[:, :-1].contiguous()
+        expanded = None
+        if segments is not None:  # the input positions' samples, laid out as the model expands the images
+            expanded = expand_segments(tokens, torch.from_numpy(segments[:, :-1]), int(counts.sum()),
+                                       int(self.image_token_id), int(self.tokens_per_image))
         return MultimodalBatch(
-            tokens=ids_t[:, :-1].contiguous(), labels=ids_t[:, 1:].contiguous(),
+            tokens=tokens, labels=ids_t[:, 1:].contiguous(),
             loss_mask=targets_t[:, 1:].float().contiguous(),
             position_ids=torch.arange(seq, dtype=torch.int64).expand(len(rows), seq).contiguous(),
-            pixel_values=pixel_values, image_counts=counts, lengths=lengths)
+            pixel_values=pixel_values, image_counts=counts, lengths=lengths, segments=expanded)

@@ -11,7 +11,11 @@ loader worker) decoding the samples it passes over: fine for modest datasets and
 savable loader (``megatrain.data.multimodal.energon.get_train_dataset``) shards instead.
 
 A sample energon cannot read, or that the encoder refuses, stops the run with one line naming the
-energon sample (energon's default, logging and skipping it, is switched off).
+energon sample (energon's default, logging and skipping it, is switched off). A dataset whose
+``dataset.yaml`` declares a sample type megatrain does not read
+(:data:`megatrain.data.multimodal.energon.READ_SAMPLE_TYPES`) stops when it is built, with one line
+naming the type and the folder. Samples have one or several images (``SimilarityInterleavedSample``,
+a ``VQASample`` with a list of images), as the task encoder makes them.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class EnergonSamples(torch.utils.data.Dataset):
             raise MultimodalDataError("an energon dataset needs megatron-energon: pip install 'megatrain[multimodal]'",
                                       f"{flag} {path}")
         self.path, self.flag, self.seed = os.fspath(path), flag, int(seed)
+        mm_energon.check_sample_type(self.path, f"{flag} {self.path}")
         self.num_samples = int(num_samples)
         self.shuffle_buffer_size = shuffle_buffer_size
         self.task_encoder = mm_energon.LlavaTaskEncoder(encoder, processor)
@@ -67,10 +72,12 @@ class EnergonSamples(torch.utils.data.Dataset):
             ds = mm_energon.get_train_dataset(self.path, self.task_encoder, worker_config=config,
                                               shuffle_buffer_size=self.shuffle_buffer_size,
                                               max_samples_per_sequence=self.shuffle_buffer_size)
+        except MultimodalDataError:
+            raise
         except (OSError, ValueError, KeyError) as e:
             raise MultimodalDataError(f"cannot open the energon dataset ({type(e).__name__}: {e})",
                                       f"{self.flag} {self.path}") from None
-        return iter(energon.get_loader(ds, worker_config=config, watchdog_timeout_seconds=None))
+        return iter(energon.get_loader(ds, watchdog_timeout_seconds=None))  # the dataset carries its worker config
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < self.num_samples:

@@ -21,8 +21,9 @@ starts at that index): nothing else is state.
 
 A sample is a dict: ``tokens`` and ``targets`` (int64 [n], n <= seq_length + 1; see
 :class:`EncodedConversation`), ``pixel_values`` (float32 [k, 3, H, W], k = ``num_images``, the images in
-the order of their placeholders), ``id`` (the line's ``id`` as a string, else ``FILE:LINE``) and
-``skipped`` (bad lines passed over to reach it).
+the order of their placeholders), ``id`` (the line's ``id`` as a string, else ``FILE:LINE``),
+``where`` (``FLAG FILE:LINE``, for error lines) and ``skipped`` (bad lines passed over to reach it).
+:meth:`LlavaJsonlDataset.text_sample` is a sample without its images (packing measures samples by it).
 :class:`megatrain.data.multimodal.collate.MultimodalCollator` batches them.
 
 Errors (:class:`MultimodalDataError`, one line): a line that is not JSON, not an object, lacks
@@ -213,12 +214,30 @@ class LlavaJsonlDataset(torch.utils.data.Dataset):
         return {"tokens": encoded.tokens, "targets": encoded.targets, "pixel_values": pixel_values,
                 "num_images": int(pixel_values.shape[0]),
                 "id": f"{self.path}:{int(self.linenos[j])}" if sample_id is None else str(sample_id),
-                "skipped": 0}
+                "where": where, "skipped": 0}
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def text_sample(self, index: int) -> dict[str, Any]:
+        """Sample ``index``'s ``tokens``, ``targets``, ``num_images``, ``id`` and ``where``, its images left
+        unread (with ``skip_bad_samples`` the whole sample is read: a bad image decides which line stands in)."""
+        if self.skip_bad_samples:
+            return {k: v for k, v in self[index].items() if k != "pixel_values"}
+        epoch, pos = divmod(self._checked(index), self.num_lines)
+        j = int(self.order(epoch)[pos])
+        where = self.where(j)
+        obj = self.read_line(j)
+        images = _check_line(obj, where)
+        encoded = self.encoder.encode(obj["conversations"], len(images), where)
+        return {"tokens": encoded.tokens, "targets": encoded.targets, "num_images": len(images),
+                "id": f"{self.path}:{int(self.linenos[j])}" if obj.get("id") is None else str(obj["id"]),
+                "where": where}
+
+    def _checked(self, index: int) -> int:
         if not -self.num_samples <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        epoch, pos = divmod(int(index) % self.num_samples, self.num_lines)
+        return int(index) % self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        epoch, pos = divmod(self._checked(index), self.num_lines)
         order = self.order(epoch)
         for attempt in range(self.num_lines):
             j = int(order[(pos + attempt) % self.num_lines])

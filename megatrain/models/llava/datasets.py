@@ -9,6 +9,10 @@ folder, or a megatron-energon dataset folder, as map-style datasets whose ``coll
 * ``--data-path DIR`` with ``DIR/.nv-meta`` (an energon dataset ``energon prepare`` wrote):
   :class:`megatrain.data.multimodal.energon_samples.EnergonSamples`, energon's seeded stream read in
   order (a resume reads past the consumed samples again).
+* ``--packing-buffer-size B --packing-seq-length P``: the dataset (either kind) wrapped in
+  :class:`megatrain.data.multimodal.packing.PackedSamples`, so that a sample of the run (the loader's
+  index, the consumed-sample count) is one pack of several samples; the underlying dataset is given
+  ``B`` times the run's samples, more than its packs can read.
 
 The tokens: each ``--special-tokens`` entry must be one token of the tokenizer. With ``<image>`` one
 token, it is tokenized in place; without it (a plain BPE tokenizer) the text around it is tokenized
@@ -25,7 +29,9 @@ from megatrain.data.multimodal.collate import MultimodalCollator
 from megatrain.data.multimodal.conversation import IMAGE_PLACEHOLDER, ConversationEncoder, _single_token_id
 from megatrain.data.multimodal.image_processing import CLIPImageProcessor
 from megatrain.data.multimodal.llava_dataset import LlavaJsonlDataset
+from megatrain.data.multimodal.packing import PackedSamples
 from megatrain.models.llava.config import MEGATRON_IMAGE_TOKEN_ID
+from megatrain.models.llava.flags import check_packing_args
 
 __all__ = ["build_llava_datasets", "image_processor_from_args", "conversation_encoder"]
 
@@ -60,7 +66,12 @@ def _one_path(paths: Sequence[str] | None, flag: str) -> str | None:
 
 
 def _dataset(path: str, args: Any, encoder: ConversationEncoder, processor: CLIPImageProcessor,
-             num_samples: int | None, flag: str, seed: int) -> Any:
+             num_samples: int | None, flag: str, seed: int, tokens_per_image: int | None = None) -> Any:
+    """The dataset at ``path``; packed (``tokens_per_image`` given) into ``num_samples`` packs."""
+    packs = None
+    if tokens_per_image is not None:
+        packs = int(num_samples or 1)
+        num_samples = packs * args.packing_buffer_size
     if os.path.isdir(path):
         if not os.path.isdir(os.path.join(path, ".nv-meta")):
             raise ValueError(f"{flag} {path}: a folder without .nv-meta is not an energon dataset "
@@ -73,7 +84,11 @@ def _dataset(path: str, args: Any, encoder: ConversationEncoder, processor: CLIP
         folder = args.image_folder if args.image_folder is not None else os.path.dirname(os.path.abspath(path))
         ds = LlavaJsonlDataset(path, folder, encoder, processor, num_samples=num_samples, seed=seed, flag=flag)
     pad = tokenizer_pad(encoder.tokenizer)
-    ds.collate_fn = MultimodalCollator(pad_id=pad, image_shape=processor.output_shape)
+    ds.collate_fn = MultimodalCollator(pad_id=pad, image_shape=processor.output_shape,
+                                       tokens_per_image=tokens_per_image, image_token_id=encoder.image_token_id)
+    if packs is not None and tokens_per_image is not None:
+        ds = PackedSamples(ds, packing_seq_length=args.packing_seq_length, buffer_size=args.packing_buffer_size,
+                           tokens_per_image=tokens_per_image, image_token_id=encoder.image_token_id, num_samples=packs)
     return ds
 
 
@@ -87,13 +102,19 @@ def build_llava_datasets(args: Any, tokenizer: Any, num_samples: Sequence[int | 
     (module docstring); valid and test are None without their flags."""
     encoder = conversation_encoder(args, tokenizer)
     processor = image_processor_from_args(args)
+    tokens_per_image = None
+    if check_packing_args(args):
+        from megatrain.models.llava.family import llava_config_from_args
+
+        tokens_per_image = llava_config_from_args(args, 1).tokens_per_image
     train_flag = "--train-data-path" if args.train_data_path else "--data-path"
     train = _one_path(args.train_data_path or args.data_path, train_flag)
     if train is None:
         raise ValueError("--data-path: give a LLaVA jsonl file (with --image-folder) or an energon dataset folder")
-    out = [_dataset(train, args, encoder, processor, num_samples[0], train_flag, args.seed)]
+    out = [_dataset(train, args, encoder, processor, num_samples[0], train_flag, args.seed, tokens_per_image)]
     for flag, paths, n in (("--valid-data-path", args.valid_data_path, num_samples[1]),
                            ("--test-data-path", getattr(args, "test_data_path", None), num_samples[2])):
         path = _one_path(paths, flag)
-        out.append(None if path is None or not n else _dataset(path, args, encoder, processor, n, flag, args.seed))
+        out.append(None if path is None or not n else _dataset(path, args, encoder, processor, n, flag, args.seed,
+                                                               tokens_per_image))
     return out[0], out[1], out[2]

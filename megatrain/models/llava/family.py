@@ -1,10 +1,13 @@
 """The LLaVA family's registry entry (``pretrain_vlm.py``): the config from the flags, the model with
 its frozen parts, the objective, the datasets, and the script's flag preparation and checks.
 
-One process, data parallel, and tensor / sequence parallel (the language model sharded by the GPT
+One process, data parallel, tensor / sequence parallel (the language model sharded by the GPT
 family's plan, the vision encoder and projector replicated on every tensor-parallel rank:
-:mod:`megatrain.models.llava.parallelize`); pipeline, context and expert parallelism are refused with
-one line naming the flag, before anything is built. What Megatron's multimodal example has and
+:mod:`megatrain.models.llava.parallelize`) and pipeline parallel (the vision encoder and projector on
+the first stage, the language model's layers split as the GPT family's, one sequence length per run:
+:mod:`megatrain.models.llava.stage`); context and expert parallelism, and virtual pipeline stages or
+``--freeze-LM`` with pipeline parallelism, are refused with one line naming the flag, before anything
+is built. What Megatron's multimodal example has and
 megatrain has not built (tiling, video frames, pixel shuffle, image tags, other vision encoders) is
 refused with why.
 """
@@ -12,23 +15,23 @@ refused with why.
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 from megatrain.models.gpt.config import gpt_config_from_args
 from megatrain.models.llava.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.llava.config import MEGATRON_IMAGE_TOKEN_ID, LlavaConfig, VisionConfig
 from megatrain.models.llava.flags import add_llava_flags
-from megatrain.models.llava.flops import num_floating_point_operations
+from megatrain.models.llava.flops import batch_flops_counter, num_floating_point_operations
 from megatrain.models.llava.hf import FAMILY_ADAPTER
 from megatrain.models.llava.model import LlavaModel, initial_value
 from megatrain.models.llava.objective import PARALLEL_REFUSAL, LlavaObjective
 from megatrain.models.llava.parallelize import tensor_parallel_plan
+from megatrain.models.llava.stage import LlavaStage, pipeline_length
 from megatrain.models.registry import ModelFamily, register
 
 __all__ = ["LLAVA", "llava_config_from_args", "prepare_llava_args", "check_llava_args"]
 
-_PARALLEL_FLAGS = (("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-                   ("context_parallel_size", "--context-parallel-size"),
+_PARALLEL_FLAGS = (("context_parallel_size", "--context-parallel-size"),
                    ("expert_model_parallel_size", "--expert-model-parallel-size"))
 
 
@@ -59,6 +62,20 @@ def prepare_llava_args(args: argparse.Namespace) -> None:
     for dest, flag in _PARALLEL_FLAGS:
         if (getattr(args, dest, 1) or 1) > 1:
             raise ValueError(PARALLEL_REFUSAL.format(flag=flag))
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        pp, per_stage = args.pipeline_model_parallel_size, getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        virtual = [flag for flag, given in (
+            ("--num-virtual-stages-per-pipeline-rank", (getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+                                                        or 1) > 1),
+            ("--num-layers-per-virtual-pipeline-stage", bool(per_stage) and args.num_layers // pp > per_stage))
+            if given]
+        if virtual:
+            raise ValueError(f"{virtual[0]}: the LLaVA family (pretrain_vlm.py) runs one pipeline stage per rank "
+                             "(the vision encoder on the first)")
+        if getattr(args, "freeze_LM", False):
+            raise ValueError("--freeze-LM with --pipeline-model-parallel-size > 1: the stages after the first hold "
+                             "only language-model layers, which would have nothing to train; train with "
+                             "--pipeline-model-parallel-size 1 (data or tensor parallel)")
     if args.vision_model_type != "clip":
         raise ValueError(f"--vision-model-type {args.vision_model_type}: only clip (a CLIP ViT) is built; "
                          "Megatron's siglip, radio and internvit encoders are not")
@@ -131,7 +148,12 @@ def check_llava_args(args: argparse.Namespace) -> None:
 
 
 def _objective(args: Any, tokenizer: Any) -> LlavaObjective:
-    return LlavaObjective()
+    """Under pipeline parallelism the objective lays micro-batches out for the stages (``stage.py``)."""
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1:
+        return LlavaObjective()
+    config = llava_config_from_args(args, getattr(args, "padded_vocab_size", None) or 1)
+    multiple = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
+    return LlavaObjective(pipeline=(config, pipeline_length(config, args.seq_length, multiple)))
 
 
 def _datasets(args: Any, tokenizer: Any, num_samples: Sequence[int | None]):
@@ -158,14 +180,15 @@ def _start_parts(args: Any) -> list:
 
 
 def _flops(config: LlavaConfig, batch_size: int, seq_length: int) -> float:
-    """The log line's FLOPs: ``seq_length`` is the text's (``--seq-length``), one placeholder per sample
-    standing for an image's ``tokens_per_image`` positions, so the language model runs
-    ``seq_length - 1 + tokens_per_image`` positions per sample with one image each."""
+    """The nominal FLOPs of a batch: ``seq_length`` is the text's (``--seq-length``), one placeholder per
+    sample standing for an image's ``tokens_per_image`` positions, so the language model runs
+    ``seq_length - 1 + tokens_per_image`` positions per sample with one image each. The log line counts
+    the images and positions each iteration ran instead (``batch_flops``: :func:`batch_flops_counter`)."""
     return num_floating_point_operations(config, batch_size, seq_length - 1 + config.tokens_per_image)
 
 
-def _build_stage(config: LlavaConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> NoReturn:
-    raise ValueError(PARALLEL_REFUSAL.format(flag="--pipeline-model-parallel-size"))
+def _build_stage(config: LlavaConfig, layer_ids: Sequence[int], *, stage_index: int, num_stages: int) -> LlavaStage:
+    return LlavaStage(config, layer_ids, stage_index=stage_index, num_stages=num_stages)
 
 
 LLAVA = register(ModelFamily(
@@ -178,6 +201,7 @@ LLAVA = register(ModelFamily(
     tensor_parallel_plan=tensor_parallel_plan,
     objective=_objective,
     flops=_flops,
+    batch_flops=batch_flops_counter,
     config_checks=CONFIG_CHECKS,
     hf=FAMILY_ADAPTER,
     datasets=_datasets,

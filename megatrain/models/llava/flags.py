@@ -13,7 +13,9 @@ the projector by the language model type; megatrain's ``--vision-num-layers``,
 ``--vision-feature-layer``, ``--vision-projection-type`` and ``--image-folder`` make them flags
 (their defaults are Megatron's CLIP and LLaVA-1.5's choices); ``--language-model-checkpoint`` and
 ``--vision-model-checkpoint`` start a fresh model's parts from a GPT checkpoint and a CLIP folder;
-``--decoder-seq-length`` is Megatron's multimodal language-model length. Every other flag is the general
+``--decoder-seq-length`` is Megatron's multimodal language-model length; ``--packing-buffer-size`` and
+``--packing-seq-length`` pack several samples into one row (Megatron's; :func:`check_packing_args`,
+``megatrain/data/multimodal/packing.py``). Every other flag is the general
 pre-training command line; the language model's shape is its usual ``--num-layers``,
 ``--hidden-size``, ... flags.
 """
@@ -24,7 +26,7 @@ import argparse
 
 from megatrain.flags import flag_section
 
-__all__ = ["add_llava_flags", "LLAVA_FLAGS"]
+__all__ = ["add_llava_flags", "check_packing_args", "LLAVA_FLAGS"]
 
 LLAVA_FLAGS = ("--vision-model-type", "--patch-dim", "--img-h", "--img-w", "--num-channels",
                "--disable-vision-class-token", "--vision-num-layers", "--vision-hidden-size",
@@ -32,7 +34,8 @@ LLAVA_FLAGS = ("--vision-model-type", "--patch-dim", "--img-h", "--img-w", "--nu
                "--vision-projection-type", "--freeze-LM", "--freeze-ViT", "--freeze-vision-projection",
                "--language-model-type", "--tokenizer-prompt-format", "--special-tokens", "--image-tag-type",
                "--num-frames", "--use-tiling", "--max-num-tiles", "--use-thumbnail", "--pixel-shuffle",
-               "--decoder-seq-length", "--language-model-checkpoint", "--vision-model-checkpoint", "--image-folder", "--image-processor", "--prompt-path", "--dataloader-save",
+               "--decoder-seq-length", "--language-model-checkpoint", "--vision-model-checkpoint", "--image-folder",
+               "--image-processor", "--packing-buffer-size", "--packing-seq-length", "--prompt-path", "--dataloader-save",
                "--allow-missing-vision-projection-checkpoint", "--use-te",
                "--no-use-tokenizer-model-from-checkpoint-args", "--log-params-norm", "--log-num-zeros-in-grad")
 
@@ -105,6 +108,13 @@ def add_llava_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--image-processor", default=None,
                    help="a preprocessor_config.json (or its folder) for CLIP's image preprocessing "
                         "(default: CLIP's at --img-h)")
+    g.add_argument("--packing-buffer-size", type=int, default=None,
+                   help="pack several samples into one row of the micro-batch: the samples are read in buffers of "
+                        "this many and each buffer is split into packs of at most --packing-seq-length positions "
+                        "(Megatron's; a sample of the run is then one pack)")
+    g.add_argument("--packing-seq-length", type=int, default=0,
+                   help="with --packing-buffer-size: the positions of a packed row, each image counting its tokens "
+                        "(a longer sample is cut to it, as Megatron does)")
     g.add_argument("--prompt-path", default=None,
                    help="Megatron's captioning prompts (accepted; captions use one fixed prompt)")
     g.add_argument("--dataloader-save", default=None,
@@ -128,3 +138,25 @@ def add_llava_flags(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # Megatron's multimodal tokenizer name (an SFTTokenizer here)
         if action.dest == "tokenizer_type" and action.choices is not None:
             action.choices = [*action.choices, "MultimodalTokenizer"]
+
+
+def check_packing_args(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for packing (``--packing-buffer-size`` > 0); a bad combination raises one line."""
+    size = getattr(args, "packing_buffer_size", None)
+    if size is None or size == 0:
+        return False
+    if size < 0:
+        raise ValueError(f"--packing-buffer-size {size}: give a positive buffer size (or leave it out: no packing)")
+    length = args.packing_seq_length
+    if length is None or length < 2:
+        raise ValueError(f"--packing-buffer-size {size} needs --packing-seq-length (the positions of a packed row, "
+                         f"at least 2), got {length}")
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError("--packing-buffer-size with --sequence-parallel: not supported (packed rows need an "
+                         "attention mask, which the sequence-parallel language model does not take)")
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise ValueError("--packing-buffer-size with --pipeline-model-parallel-size > 1: not supported (the "
+                         "pipeline stages take causal rows)")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ValueError("--packing-buffer-size with --context-parallel-size > 1: not supported")
+    return True

@@ -131,6 +131,26 @@ class LlavaModel(nn.Module):
         layout = ImageTokens(tokens=tokens, image_mask=image_mask, lengths=lengths)
         return self.embed(layout, image_features, position_ids)
 
+    def text_only_term(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` of a batch without images, with the encoder and projector taking part in its graph
+        at weight 0 (every trained parameter then has a gradient in every backward)."""
+        if any(isinstance(p, DTensor) for p in self.vision_model.parameters()):
+            # A text-only batch with the encoder sharded (FSDP2: --use-distributed-optimizer, or data
+            # parallel with tensor parallelism): the encoder and projector run on one blank image,
+            # with weight 0, so that this rank takes part in their parameters' gathers and gradient
+            # reductions as the ranks whose batches have images do.
+            cfg = self.config.vision
+            blank = torch.zeros(1, cfg.num_channels, cfg.img_h, cfg.img_w, device=hidden.device)
+            hidden = hidden + self.image_features(blank).sum().to(hidden.dtype) * 0.0
+        elif torch.is_grad_enabled():
+            # A text-only batch: the trained encoder/projector parameters take part with weight 0, so
+            # that every trained parameter has a gradient in every backward (data parallelism's
+            # reduction waits for all of them).
+            trained = [p for part in (self.vision_model, self.projector) for p in part.parameters() if p.requires_grad]
+            if trained:
+                hidden = hidden + sum(p.reshape(-1)[0] for p in trained).to(hidden.dtype) * 0.0
+        return hidden
+
     def forward(self, tokens: torch.Tensor, images: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,21 +177,8 @@ class LlavaModel(nn.Module):
                              f"expanded has {length}")
         features = self.image_features(images) if images is not None else None
         hidden = self.embed(layout, features, position_ids)
-        if features is None and any(isinstance(p, DTensor) for p in self.vision_model.parameters()):
-            # A text-only batch with the encoder sharded (FSDP2: --use-distributed-optimizer, or data
-            # parallel with tensor parallelism): the encoder and projector run on one blank image,
-            # with weight 0, so that this rank takes part in their parameters' gathers and gradient
-            # reductions as the ranks whose batches have images do.
-            cfg = self.config.vision
-            blank = torch.zeros(1, cfg.num_channels, cfg.img_h, cfg.img_w, device=tokens.device)
-            hidden = hidden + self.image_features(blank).sum().to(hidden.dtype) * 0.0
-        elif features is None and torch.is_grad_enabled():
-            # A text-only batch: the trained encoder/projector parameters take part with weight 0, so
-            # that every trained parameter has a gradient in every backward (data parallelism's
-            # reduction waits for all of them).
-            trained = [p for part in (self.vision_model, self.projector) for p in part.parameters() if p.requires_grad]
-            if trained:
-                hidden = hidden + sum(p.reshape(-1)[0] for p in trained).to(hidden.dtype) * 0.0
+        if features is None:
+            hidden = self.text_only_term(hidden)
         return self.language_model(None, position_ids, attention_mask, labels=layout.labels, decoder_input=hidden)
 
     # ---- parameters -----------------------------------------------------------------------------

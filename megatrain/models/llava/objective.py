@@ -8,6 +8,11 @@ labels with it, and returns the per-token loss of the expanded sequence (0 where
 expansion keeps every label the mask keeps (an image's own label moves to its last position, and the
 positions whose target is a placeholder are outside the mask already), so the loss's count is the
 mask's sum.
+
+Under pipeline parallelism (``pipeline=``: the config and the run's fixed length) each micro-batch is
+laid out for the stages instead (:func:`megatrain.models.llava.stage.pipeline_batch`): the first stage
+takes the expanded text, its image mask, the images per row and the positions; the last stage the
+expanded labels; the loss target is the expanded loss mask (the same count).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from megatrain.models.llava.tokens import IGNORE_INDEX
 
 __all__ = ["LlavaObjective", "PARALLEL_REFUSAL"]
 
-PARALLEL_REFUSAL = ("{flag} > 1 is not supported for the LLaVA family (pretrain_vlm.py): it trains in one process "
-                    "or data parallel (torchrun --nproc-per-node N, --use-distributed-optimizer)")
+PARALLEL_REFUSAL = ("{flag} > 1 is not supported for the LLaVA family (pretrain_vlm.py): it trains in one process, "
+                    "data, tensor or pipeline parallel (torchrun --nproc-per-node N)")
 
 
 class LlavaObjective(Objective):
@@ -31,12 +36,25 @@ class LlavaObjective(Objective):
     loss_names = ("lm loss",)
     batches_in_cuda_graph = False  # the images' count varies from batch to batch
 
+    def __init__(self, pipeline: tuple[Any, int] | None = None) -> None:
+        self.pipeline = pipeline  # (LlavaConfig, the stages' sequence length) under pipeline parallelism
+
     def make_batch(self, samples: Any) -> Any:
-        return samples
+        if self.pipeline is None:
+            return samples
+        from megatrain.models.llava.stage import pipeline_batch
+
+        return pipeline_batch(samples, *self.pipeline)
 
     def forward(self, model: Any, batch: Any) -> torch.Tensor:
         labels = batch.labels.masked_fill(batch.loss_mask == 0, IGNORE_INDEX)
-        return model(batch.tokens, batch.pixel_values, labels=labels)
+        if getattr(batch, "segments", None) is None:
+            return model(batch.tokens, batch.pixel_values, labels=labels)
+        # packed rows: positions restart and attention stays within each sample (data/multimodal/packing.py)
+        from megatrain.data.multimodal.packing import packed_attention
+
+        position_ids, attention_mask = packed_attention(batch.segments)
+        return model(batch.tokens, batch.pixel_values, position_ids, attention_mask, labels=labels)
 
     def loss_target(self, batch: Any) -> torch.Tensor:
         return batch.loss_mask
@@ -45,4 +63,12 @@ class LlavaObjective(Objective):
         return [(output.float().sum(), target.float().sum())]
 
     def stage_inputs(self, batch: Any, *, first: bool, last: bool) -> tuple[tuple, dict[str, Any]]:
-        raise ValueError(PARALLEL_REFUSAL.format(flag="--pipeline-model-parallel-size"))
+        """A :class:`megatrain.models.llava.stage.LlavaPipelineBatch`'s stage inputs (module docstring)."""
+        from megatrain.models.llava.stage import image_rows
+
+        kwargs: dict[str, Any] = {"position_ids": batch.position_ids, "labels": batch.labels if last else None}
+        if not first:
+            return (), kwargs
+        kwargs.update(image_mask=batch.image_mask, images=image_rows(batch.pixel_values, batch.image_counts),
+                      image_counts=batch.image_counts)
+        return (batch.tokens,), kwargs

@@ -22,6 +22,11 @@ scatter (padded at the end to a multiple of the tensor-parallel size: the padded
 after every real one, so causal attention keeps them out of the real positions, and their labels
 are ignored).
 
+Under pipeline parallelism the first stage (:class:`megatrain.models.llava.stage.LlavaStage`) splits its
+input after the scatter itself (:class:`SequenceSplitAfterScatter` gives it the mesh): the run's fixed
+length is a multiple of the tensor-parallel size, so nothing is padded, and the later stages run the
+GPT plan on their parts as GPT's stages do.
+
 The replicated parts need no gradient reduction: every rank runs them on the same images, and the
 gradient reaching the image features is the whole, identical one on every rank (without sequence
 parallelism the column-parallel layers all-reduce their input's gradient; with it the split's
@@ -44,7 +49,7 @@ from megatrain.models.common.tp_plan import TensorParallelPlan
 from megatrain.models.gpt.plan import tensor_parallel_plan as gpt_tensor_parallel_plan
 from megatrain.models.llava.tokens import IGNORE_INDEX
 
-__all__ = ["tensor_parallel_plan", "SequenceParallelDecoderInput"]
+__all__ = ["tensor_parallel_plan", "SequenceParallelDecoderInput", "SequenceSplitAfterScatter"]
 
 
 def tensor_parallel_plan(model: Any, *, sequence_parallel: bool) -> TensorParallelPlan:
@@ -53,7 +58,10 @@ def tensor_parallel_plan(model: Any, *, sequence_parallel: bool) -> TensorParall
     prefix = "language_model."
     styles = [(prefix + path, style) for path, style in lm.styles
               if not (sequence_parallel and path == "embedding")]  # the split comes after the image scatter
-    if sequence_parallel:
+    if sequence_parallel and getattr(model, "num_stages", None) is not None:  # a pipeline stage (stage.py)
+        if model.is_first:
+            styles.insert(0, ("language_model", SequenceSplitAfterScatter()))
+    elif sequence_parallel:
         styles.insert(0, ("language_model", SequenceParallelDecoderInput()))
     return TensorParallelPlan(styles=styles, rng_regions=[prefix + path for path in lm.rng_regions],
                               vocab_parallel_head=lm.vocab_parallel_head)
@@ -101,3 +109,22 @@ class SequenceParallelDecoderInput(ParallelStyle):
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         module.register_forward_hook(post_hook, with_kwargs=True)
         return module
+
+
+class SequenceSplitAfterScatter(ParallelStyle):
+    """The first pipeline stage's ``language_model`` (a :class:`megatrain.models.llava.stage.LlavaStage`
+    part): records the mesh on which the stage splits its whole input, after the image scatter, on the
+    sequence for the layers (``Replicate`` -> ``Shard(1)``; the run's fixed length is a multiple of
+    the mesh size, so nothing is padded here). The later stages get their parts from the previous one."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.sequence_split_mesh = device_mesh
+        return module
+
+
+def split_sequence(hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``hidden`` [b, S, h], the same on every rank of ``mesh`` -> this rank's part of the sequence."""
+    if hidden.shape[1] % mesh.size():
+        raise ValueError(f"--sequence-parallel: {hidden.shape[1]} positions do not split over {mesh.size()} ranks")
+    hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    return hidden.redistribute(mesh, [Shard(1)]).to_local()

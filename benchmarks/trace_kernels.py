@@ -1,0 +1,98 @@
+"""The kernel table of a torch.profiler Chrome trace (``--profile`` of the training scripts writes one).
+
+    python benchmarks/trace_kernels.py profile/trace_rank0_iters10-12.json --iterations 2
+    python benchmarks/trace_kernels.py trace.json.gz --top 30 --output kernels.md
+
+Reads the trace's device events (``cat``: kernel, gpu_memcpy, gpu_memset), and prints per iteration:
+the top ``--top`` kernels by device time (calls, ms, share, mean us), the sum per category
+(``benchmarks/profile_step.py``'s categories: matmul, attention, copies, ...), the device's busy time
+and the span from the first to the last device event, so busy / span says how much of the window the
+GPU worked (the rest: it waited for the host, or for a synchronisation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals`` (us): concurrent streams counted once."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def table(events: list[dict], iterations: int, top: int) -> list[str]:
+    from profile_step import category
+
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        per_name[e["name"]].append(float(e["dur"]))
+    total = sum(sum(v) for v in per_name.values())
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in events])
+    lines = [f"{len(events)} device events over {iterations} iteration(s); per iteration: span "
+             f"{span / iterations / 1e3:.2f} ms, device busy {busy / iterations / 1e3:.2f} ms "
+             f"({busy / span:.0%} of the span)", "",
+             "| kernel | calls/iter | ms/iter | share | mean us |", "|---|---:|---:|---:|---:|"]
+    ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, durations in ranked[:top]:
+        t = sum(durations)
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short}` | {len(durations) / iterations:g} | {t / iterations / 1e3:.3f} | "
+                     f"{t / total:.1%} | {t / len(durations):.1f} |")
+    per_category: dict[str, float] = defaultdict(float)
+    for name, durations in per_name.items():
+        per_category[category(name)] += sum(durations)
+    lines += ["", "| category | ms/iter | share |", "|---|---:|---:|"]
+    for cat, t in sorted(per_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {cat} | {t / iterations / 1e3:.3f} | {t / total:.1%} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="a Chrome trace (.json or .json.gz) of torch.profiler")
+    p.add_argument("--iterations", type=int, default=1, help="iterations the trace covers (the table is per one)")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--output", default=None, help="also write the table here")
+    a = p.parse_args(argv)
+    if a.iterations < 1:
+        p.error("--iterations must be at least 1")
+    try:
+        events = load_events(a.trace)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(f"{a.trace}: not a readable Chrome trace ({type(e).__name__}: {e})")
+    if not events:
+        p.error(f"{a.trace}: no device events (profiled without CUDA?)")
+    text = "\n".join(table(events, a.iterations, a.top))
+    print(text)
+    if a.output:
+        Path(a.output).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

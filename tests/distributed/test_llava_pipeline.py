@@ -1,0 +1,174 @@
+"""LLaVA under pipeline parallelism trains exactly like one process: per-step losses, gradient norms,
+final parameters and the validation loss (fp32, CPU, gloo, relative error < 1e-5).
+
+The real trainer (``pretrain_vlm.py``'s command line, :class:`megatrain.training.trainer.Trainer` with
+the ``llava`` family, 4 iterations of AdamW with active clipping) on a tiny LLaVA (2-layer GPT-2 style
+language model, 1-layer CLIP ViT on 16 x 16 images); the harness feeds synthetic samples through the
+multimodal collator: every global batch mixes text-only rows, one-image rows and rows with two images,
+and the micro-batches' text lengths differ (the stages still exchange one shape: the run's fixed
+length). Layouts: PP=2 (1F1B; GPipe with the first stage holding the vision encoder and no language
+layer; --freeze-ViT; untied embeddings), PP=2 x DP=2 (DDP and the distributed optimizer) and
+PP=2 x TP=2 (with and without --sequence-parallel). Every rank's parameters (its stages') must agree with one process's, and together the
+ranks hold every parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dist_harness import CLIP, SEED, Run, full_parameters, relative_errors, run_alone_then_workers
+from megatrain.training.trainer import Trainer
+
+TOLERANCE = 1e-5
+SEQ, MICRO, GLOBAL, STEPS = 16, 2, 8, 4
+IMAGE = -200  # Megatron's placeholder id (megatrain.models.llava.config.MEGATRON_IMAGE_TOKEN_ID)
+PAD = 0
+PP2 = "--pipeline-model-parallel-size 2"
+
+
+def sample(index: int) -> dict[str, Any]:
+    """Sample ``index``: in even global batches the images of ``index % 4`` are 1, 0, 2, 1 (the last at
+    the start), in odd ones 0, 0, 1, 1 (a micro-batch of text only, at most one image per row); random
+    text of varying length, answer tokens in its second half."""
+    g = np.random.RandomState(7000 + index)
+    kind = index % 4
+    images = ((1, 0, 2, 1), (0, 0, 1, 1))[index // GLOBAL % 2][kind]
+    n = int(g.randint(8, 14 if images == 2 else SEQ + 2))  # two images: within the fixed length
+    tokens = g.randint(1, 60, size=n).astype(np.int64)
+    spots = [0] if kind == 3 and images else sorted(g.choice(np.arange(1, n // 2), images, replace=False).tolist())
+    tokens[spots] = IMAGE
+    targets = np.zeros(n, np.int64)
+    targets[n // 2:] = 1
+    targets[tokens == IMAGE] = 0
+    pixels = g.randn(images, 3, 16, 16).astype(np.float32)
+    return {"id": str(index), "tokens": tokens, "targets": targets, "pixel_values": pixels, "num_images": images}
+
+
+class Samples:
+    def __init__(self, size: int, offset: int = 0) -> None:
+        from megatrain.data.multimodal.collate import MultimodalCollator
+
+        self.size, self.offset = size, offset
+        self.collate_fn = MultimodalCollator(pad_id=PAD, image_shape=(3, 16, 16))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return sample(self.offset + i)
+
+
+class LlavaHarnessTrainer(Trainer):
+    def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
+        return Samples(num_samples[0]), Samples(GLOBAL, 100_000), None
+
+
+def vlm_flags(layout: str = "", model: str = "", steps: int = STEPS) -> list[str]:
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+             "--seq-length", str(SEQ), "--max-position-embeddings", "32", "--vision-num-layers", "1",
+             "--vision-hidden-size", "32", "--vision-num-attention-heads", "4", "--vision-ffn-hidden-size", "64",
+             "--patch-dim", "8", "--img-h", "16", "--img-w", "16", "--disable-vision-class-token",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--no-bias-gelu-fusion", "--init-method-std", "0.2",
+             "--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--train-iters", str(steps),
+             "--lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-eps", "1e-4",
+             "--clip-grad", str(CLIP), "--seed", str(SEED), "--tokenizer-type", "NullTokenizer", "--vocab-size", "63",
+             "--make-vocab-size-divisible-by", "32", "--data-path", "unused-the-harness-feeds-samples",
+             "--num-workers", "0", "--eval-iters", "1", "--device", "cpu"]
+    return flags + shlex.split(model) + shlex.split(layout)
+
+
+def train_vlm(layout: str = "", model: str = "") -> Run:
+    from megatrain.training.main import parse_family_args
+
+    args = parse_family_args("llava", vlm_flags(layout, model), prog="pretrain_vlm.py")
+    trainer = LlavaHarnessTrainer(args, family="llava")
+    try:
+        results = [trainer.train_step() for _ in range(STEPS)]
+        eval_loss = trainer.evaluate(trainer.valid_iter, 1)["lm loss"]
+        return Run([float(r.loss) for r in results], [r.grad_norm for r in results], full_parameters(trainer.module),
+                   {}, eval_loss)
+    finally:
+        trainer.close()
+
+
+# name -> (layout flags, model flags: the reference gets them too)
+WORLD2 = {
+    "pp2_1f1b": (PP2, ""),
+    "pp2_gpipe_vision_stage": (f"{PP2} --pipeline-schedule gpipe --decoder-first-pipeline-num-layers 0", ""),
+    "pp2_frozen_vit_untied": (PP2, "--freeze-ViT --untie-embeddings-and-output-weights"),
+}
+WORLD4 = {
+    "pp2_dp2": (PP2, ""),
+    "pp2_dp2_distributed_optimizer": (f"{PP2} --use-distributed-optimizer", ""),
+    "pp2_tp2": (f"{PP2} --tensor-model-parallel-size 2", ""),
+    # the fixed length (19) rounded up to 20 for the split, the padding's learned position clamped
+    "pp2_tp2_sp": (f"{PP2} --tensor-model-parallel-size 2 --sequence-parallel", "--max-position-embeddings 19"),
+}
+
+
+def _layouts(rank: int, world_size: int, layouts: dict) -> dict[str, Run]:
+    return {name: train_vlm(flags, model) for name, (flags, model) in layouts.items()}
+
+
+def _references(layouts: dict) -> dict[str, Run]:
+    runs = {model: train_vlm("", model) for model in {m for _, m in layouts.values()}}
+    return {name: runs[model] for name, (_, model) in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_alone_then_workers(functools.partial(_references, WORLD2), _layouts, 2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_alone_then_workers(functools.partial(_references, WORLD4), _layouts, 4, WORLD4)
+
+
+def _check(world, name: str) -> None:
+    references, results = world
+    ref = references[name]
+    held: set[str] = set()
+    for rank, per_rank in enumerate(results):
+        run = per_rank[name]
+        loss = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+        assert loss < TOLERANCE, f"rank {rank}: per-step loss differs from one process by {loss:.2e}"
+        norm = max(abs(a - b) / abs(b) for a, b in zip(run.grad_norms, ref.grad_norms, strict=True))
+        assert norm < TOLERANCE, f"rank {rank}: gradient norms differ from one process by {norm:.2e}"
+        errors = relative_errors(run.params, {k: ref.params[k] for k in run.params})
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < TOLERANCE, \
+            f"rank {rank}: final parameters differ from one process by {errors[worst]:.2e} ({worst})"
+        assert abs(run.eval_loss - ref.eval_loss) / ref.eval_loss < TOLERANCE, (run.eval_loss, ref.eval_loss)
+        held |= set(run.params)
+    assert held == set(ref.params), sorted(held ^ set(ref.params))
+    assert max(ref.grad_norms) > CLIP, "gradient clipping was not active; the check would be weaker"
+    first = {k for k in results[0][name].params}
+    assert any(k.startswith("vision_model.") for k in first) and any(k.startswith("projector.") for k in first)
+    last = set(results[-1][name].params)
+    assert not any(k.startswith(("vision_model.", "projector.")) for k in last), "the vision parts are on stage 0 only"
+
+
+def test_the_samples_mix_text_only_and_two_image_rows():
+    """Steps with a two-image row and steps with a micro-batch of text only (the images per row differ)."""
+    counts = [[sample(step * GLOBAL + i)["num_images"] for i in range(GLOBAL)] for step in range(STEPS)]
+    assert max(counts[0]) == 2 and max(counts[1]) == 1 and counts[1][:MICRO] == [0] * MICRO
+    assert len({len(sample(i)["tokens"]) for i in range(GLOBAL)}) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_world2_llava_pipeline_matches_one_process(world2, name):
+    _check(world2, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_world4_llava_pipeline_matches_one_process(world4, name):
+    _check(world4, name)
