@@ -24,9 +24,26 @@ from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 
-__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "make_batch", "to_device"]
+__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "make_batch", "packed_attention", "to_device"]
 
 B = TypeVar("B", bound="Batch")
+
+
+def packed_attention(segments: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Position ids [b, S] restarting at every sample and the attention mask (bool [b, 1, S, S], True =
+    may attend: causal within a sample; None when no row holds two samples) of ``segments`` [b, S], the
+    sample number of each position of a packed row (fine-tuning's and the vision-language packing)."""
+    b, s = segments.shape
+    arange = torch.arange(s, device=segments.device)
+    new_segment = torch.ones_like(segments, dtype=torch.bool)
+    new_segment[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    starts = torch.cummax(torch.where(new_segment, arange, torch.zeros_like(arange)), dim=1).values
+    position_ids = arange - starts
+    attention_mask = None
+    if bool((segments.max(dim=1).values > 1).any()):
+        causal = arange[:, None] >= arange[None, :]
+        attention_mask = (causal & (segments[:, :, None] == segments[:, None, :])).unsqueeze(1)
+    return position_ids, attention_mask
 
 
 @dataclass

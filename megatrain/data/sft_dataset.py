@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from megatrain.data.batch import CausalLMBatch
+from megatrain.data.batch import CausalLMBatch, packed_attention
 
 from megatrain.data.gpt_dataset import parse_split, split_matrix_from_vector, split_ranges
 from megatrain.data.jsonl import iter_jsonl
@@ -258,15 +258,5 @@ def sft_batch(samples: dict[str, torch.Tensor]) -> CausalLMBatch:
     tokens = ids[:, :-1].contiguous()
     labels = ids[:, 1:].contiguous()
     loss_mask = samples["targets"][:, 1:].float().contiguous()
-    segments = samples["segments"][:, :-1].long()
-    b, s = tokens.shape
-    arange = torch.arange(s, device=tokens.device)
-    new_segment = torch.ones_like(segments, dtype=torch.bool)
-    new_segment[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    starts = torch.cummax(torch.where(new_segment, arange, torch.zeros_like(arange)), dim=1).values
-    position_ids = arange - starts
-    attention_mask = None
-    if bool((segments.max(dim=1).values > 1).any()):
-        causal = arange[:, None] >= arange[None, :]
-        attention_mask = (causal & (segments[:, :, None] == segments[:, None, :])).unsqueeze(1)
+    position_ids, attention_mask = packed_attention(samples["segments"][:, :-1].long())
     return CausalLMBatch(tokens, labels, loss_mask, position_ids, attention_mask)

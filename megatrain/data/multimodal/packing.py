@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from megatrain.data.batch import packed_attention
 from megatrain.data.multimodal.errors import MultimodalDataError
 
 __all__ = ["PackedSamples", "sample_cost", "fit_for_packing", "select_samples_to_pack", "pack_selected_samples",
@@ -126,22 +127,6 @@ def expand_segments(tokens: torch.Tensor, segments: torch.Tensor, num_images: in
     for r, row in enumerate(rows):
         out[r, :len(row)] = row
     return out
-
-
-def packed_attention(segments: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Position ids [b, S] restarting at every sample and the attention mask (bool [b, 1, S, S], True =
-    may attend: causal within a sample; None when no row holds two samples) of ``segments`` [b, S]."""
-    b, s = segments.shape
-    arange = torch.arange(s, device=segments.device)
-    new_segment = torch.ones_like(segments, dtype=torch.bool)
-    new_segment[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    starts = torch.cummax(torch.where(new_segment, arange, torch.zeros_like(arange)), dim=1).values
-    position_ids = arange - starts
-    attention_mask = None
-    if bool((segments.max(dim=1).values > 1).any()):
-        causal = arange[:, None] >= arange[None, :]
-        attention_mask = (causal & (segments[:, :, None] == segments[:, None, :])).unsqueeze(1)
-    return position_ids, attention_mask
 
 
 class PackedSamples(torch.utils.data.Dataset):
