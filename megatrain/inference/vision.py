@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,7 +32,7 @@ from PIL import Image
 from torch import nn
 
 from megatrain.data.multimodal.conversation import IMAGE_PLACEHOLDER, _single_token_id
-from megatrain.data.multimodal.image_processing import CLIPImageProcessor
+from megatrain.data.multimodal.image_processing import CLIPImageProcessor, ImageReadError, read_image
 from megatrain.inference.generation import generate
 
 __all__ = ["IMAGE_PLACEHOLDER", "VISION_GENERATE", "ImagePrefill", "ImagePrompts", "is_vision_model",
@@ -74,16 +73,14 @@ def open_image(source: str | bytes, name: str) -> Image.Image:
     """The decoded image of a file path or of bytes; a missing or undecodable one raises one line naming
     ``name``."""
     try:
-        image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-        image.load()
-    except FileNotFoundError:
-        raise ValueError(f"{name}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{name}: is a directory, not an image file") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        what = "not a readable image" if isinstance(e, Image.UnidentifiedImageError) else f"{type(e).__name__}: {e}"
+        return read_image(source)
+    except ImageReadError as e:
+        if e.kind == "missing":
+            raise ValueError(f"{name}: no such file") from None
+        if e.kind == "directory":
+            raise ValueError(f"{name}: is a directory, not an image file") from None
+        what = "not a readable image" if e.detail.startswith("UnidentifiedImageError") else e.detail
         raise ValueError(f"{name}: cannot read the image ({what})") from None
-    return image
 
 
 def expand_placeholders(ids: Sequence[int], image_token_id: int, tokens_per_image: int) -> list[int]:

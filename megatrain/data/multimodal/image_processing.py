@@ -20,6 +20,7 @@ or from :meth:`CLIPImageConfig.default` (224 or 336 px, OpenAI CLIP's mean and s
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -30,7 +31,31 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["CLIPImageConfig", "CLIPImageProcessor", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "convert_to_rgb"]
+__all__ = ["CLIPImageConfig", "CLIPImageProcessor", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "convert_to_rgb",
+           "ImageReadError", "read_image"]
+
+
+class ImageReadError(ValueError):
+    """An image that cannot be read: ``kind`` is "missing", "directory" or "unreadable" (``detail``: what
+    the decoder said); each caller words it for its input (a data file's line, a request's field)."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind, self.detail = kind, detail
+
+
+def read_image(source: str | bytes) -> Image.Image:
+    """The decoded image (decoded now, not lazily) of a file path or of encoded bytes, else ImageReadError."""
+    try:
+        image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        image.load()
+    except FileNotFoundError:
+        raise ImageReadError("missing") from None
+    except IsADirectoryError:
+        raise ImageReadError("directory") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ImageReadError("unreadable", f"{type(e).__name__}: {e}") from None
+    return image
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -50,7 +50,7 @@ from PIL import Image
 from megatrain.data.jsonl import iter_jsonl_at, parse_jsonl_line
 from megatrain.data.multimodal.conversation import ConversationEncoder, check_placeholders, to_messages
 from megatrain.data.multimodal.errors import MultimodalDataError
-from megatrain.data.multimodal.image_processing import CLIPImageProcessor
+from megatrain.data.multimodal.image_processing import CLIPImageProcessor, ImageReadError, read_image
 
 __all__ = ["LlavaJsonlDataset", "load_image", "SKIPPABLE"]
 
@@ -61,15 +61,10 @@ SKIPPABLE = ("image", "length")
 def load_image(path: str, where: str) -> Image.Image:
     """The decoded image at ``path``; missing or undecodable raises one line naming ``where`` and ``path``."""
     try:
-        image = Image.open(path)
-        image.load()
-    except FileNotFoundError:
-        raise MultimodalDataError(f"image {path}: no such file", where, "image") from None
-    except IsADirectoryError:
-        raise MultimodalDataError(f"image {path}: is a directory", where, "image") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise MultimodalDataError(f"image {path}: cannot read it ({type(e).__name__}: {e})", where, "image") from None
-    return image
+        return read_image(path)
+    except ImageReadError as e:
+        what = {"missing": "no such file", "directory": "is a directory"}.get(e.kind, f"cannot read it ({e.detail})")
+        raise MultimodalDataError(f"image {path}: {what}", where, "image") from None
 
 
 def _check_line(obj: Any, where: str) -> list[str]:
