@@ -149,7 +149,8 @@ def build_param_groups(model: nn.Module | Sequence[nn.Module], cfg: OptimizerCon
     return groups
 
 
-def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig) -> dict[str, bool]:
+def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig,
+                   device: torch.device | None = None) -> dict[str, bool]:
     if cfg.fused is not None or cfg.foreach is not None:
         out: dict[str, bool] = {}
         if cfg.fused is not None:
@@ -157,17 +158,26 @@ def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig) -> dict[str
         if cfg.foreach is not None:
             out["foreach"] = cfg.foreach
         return out
-    all_cuda = bool(params) and all(p.is_cuda and p.dtype in _FUSED_DTYPES for p in params)
+    if not params:  # nothing to update: the kernels the parameters of ``device`` would get
+        return {"fused": True} if device is not None and torch.device(device).type == "cuda" else {"foreach": True}
+    all_cuda = all(p.is_cuda and p.dtype in _FUSED_DTYPES for p in params)
     return {"fused": True} if all_cuda else {"foreach": True}
 
 
-def build_optimizer(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW (or Adam / SGD) over Megatron's parameter groups."""
+def build_optimizer(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig, *, allow_empty: bool = False,
+                    device: torch.device | None = None) -> torch.optim.Optimizer:
+    """AdamW (or Adam / SGD) over Megatron's parameter groups.
+
+    A model without trainable parameters is refused unless ``allow_empty``: then the optimizer holds
+    the (empty) groups and its step does nothing, for a pipeline rank whose stages are frozen while
+    other stages train (``device``: where the run's parameters live, so that the empty optimizer
+    picks the kernels, and with them the step's path, the other ranks' optimizers pick).
+    """
     groups = build_param_groups(model, cfg)
     params = [p for g in groups for p in g["params"]]
-    if not params:
+    if not params and not allow_empty:
         raise ValueError("the model has no trainable parameters")
-    kernels = _kernel_choice(params, cfg)
+    kernels = _kernel_choice(params, cfg, device)
     if cfg.optimizer == "adam":
         cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
         return cls(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,

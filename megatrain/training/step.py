@@ -267,6 +267,8 @@ class StepMixin:
             found_inf = unscale_grads_(params, 1.0 / scale)
         elif a.clip_grad <= 0:
             found_inf = found_inf_in_grads(params)
+        if found_inf is not None and not params:  # nothing trained here (a frozen pipeline stage): 0 on the
+            found_inf = found_inf.to(self.device)  # run's device, for the reduction over all ranks
         clip = self.pipeline.clip_grad_norm_ if self.pipeline is not None else clip_grad_norm_  # norm over stages
         grad_norm_t = clip(params, a.clip_grad) if a.clip_grad > 0 else None
         if found_inf is None:  # the norm is non-finite exactly when a gradient is: no second pass over them

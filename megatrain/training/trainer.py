@@ -136,7 +136,7 @@ class Trainer(StepMixin, EvaluationMixin):
         # MoE models: balancing-loss scale, expert-bias updates and logged values (None: dense, nothing to do)
         self.moe_metrics = MoEMetrics.for_model(self.module, self.model_config, device=self.device,
                                                 per_token_loss=self.per_token_loss)
-        self.optimizer = build_optimizer(self.module, self.run.optimizer)
+        self.optimizer = self._build_optimizer()
         self.scheduler = LRScheduler(self.optimizer, self.run.lr_schedule)
         if args.fp16:
             self.scaler: Any = (ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
@@ -192,6 +192,30 @@ class Trainer(StepMixin, EvaluationMixin):
             model = self.family.build_model(self.model_config)
         return parallelize_model(model, self.dims, self.run.parallelize, device=self.device, seed=self.args.seed,
                                  family=self.family)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over this rank's trainable parameters. Under pipeline parallelism a rank whose
+        stages have nothing to train (LLaVA's --freeze-LM: the language model's layers) gets one whose
+        step does nothing, as long as another stage trains: it still runs its forward and backward
+        (the activation gradients reach the first stage) and every collective of the step."""
+        allow_empty = False
+        if self.pipeline is not None:  # (trainable tensors of all stages, whether the first rank's has none)
+            mine = sum(1 for p in self.module.parameters() if p.requires_grad)
+            counts = torch.tensor([mine, int(mine == 0 and self.dims.pp_rank == 0)], dtype=torch.int64,
+                                  device=self.device)
+            dist.all_reduce(counts, group=self.pipeline.pp_group)
+            total, first_empty = counts.tolist()
+            if total and first_empty:  # on every rank alike; rank 0 writes a checkpoint's meta.json
+                raise SystemExit("error: the first pipeline rank's stages have nothing to train while later stages "
+                                 "do; its optimizer records a checkpoint's optimizer state: unfreeze a part it holds")
+            allow_empty = total > 0
+        return build_optimizer(self.module, self.run.optimizer, allow_empty=allow_empty, device=self.device)
+
+    @staticmethod
+    def _checkpoint_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+        """The optimizer whose state a checkpoint saves and loads on this rank: None where it holds no
+        parameter (a frozen pipeline stage: its state is empty, the checkpoint's is the other ranks')."""
+        return optimizer if any(g["params"] for g in optimizer.param_groups) else None
 
     def _build_cuda_graphs(self) -> MicroBatchGraphs | None:
         a = self.args
@@ -266,7 +290,7 @@ class Trainer(StepMixin, EvaluationMixin):
             for note in notes:
                 print_rank0(note)
         try:
-            meta = checkpointing.load_checkpoint(ckpt, self.module, self.optimizer,
+            meta = checkpointing.load_checkpoint(ckpt, self.module, self._checkpoint_optimizer(self.optimizer),
                                                  load_optim=not (a.finetune or a.no_load_optim),
                                                  load_rng=False,
                                                  model_config=self.model_config, finetune=a.finetune,
@@ -305,7 +329,8 @@ class Trainer(StepMixin, EvaluationMixin):
         extra = {"scheduler": self.scheduler.state_dict(),
                  "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  **self.checkpoint_extra()}
-        report = self.checkpointer.save(a.save, self.state, self.module, self.optimizer, extra, a,
+        optimizer = self._checkpoint_optimizer(self.optimizer)
+        report = self.checkpointer.save(a.save, self.state, self.module, optimizer, extra, a,
                                         self.model_config, save_optim=not a.no_save_optim,
                                         save_rng=not a.no_save_rng)
         if a.save_hf:  # from the complete checkpoint: a background save first finishes

@@ -7,14 +7,18 @@ language model, 1-layer CLIP ViT on 16 x 16 images); the harness feeds synthetic
 multimodal collator: every global batch mixes text-only rows, one-image rows and rows with two images,
 and the micro-batches' text lengths differ (the stages still exchange one shape: the run's fixed
 length). Layouts: PP=2 (1F1B; GPipe with the first stage holding the vision encoder and no language
-layer; --freeze-ViT; untied embeddings), PP=2 x DP=2 (DDP and the distributed optimizer) and
-PP=2 x TP=2 (with and without --sequence-parallel). Every rank's parameters (its stages') must agree with one process's, and together the
-ranks hold every parameter.
+layer; --freeze-ViT; untied embeddings; --freeze-LM with and without --freeze-ViT, Megatron's projector
+pre-training), PP=2 x DP=2 (plain and with the distributed optimizer, each also with --freeze-LM) and
+PP=2 x TP=2 (with and without --sequence-parallel), and a PP=2 --freeze-LM --freeze-ViT run saved after
+half its iterations and resumed by a new trainer. Every rank's parameters (its stages') must agree with
+one process's, and together the ranks hold every parameter; no frozen parameter has a gradient, and
+under --freeze-LM the stages of frozen language-model layers only step an optimizer that holds nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 from typing import Any
 
@@ -83,16 +87,45 @@ def vlm_flags(layout: str = "", model: str = "", steps: int = STEPS) -> list[str
     return flags + shlex.split(model) + shlex.split(layout)
 
 
-def train_vlm(layout: str = "", model: str = "") -> Run:
+def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient this rank holds (after the step: clipped), gathered to its full value."""
+    from megatrain.models.common.init import canonical_parameter_name
+
+    return {canonical_parameter_name(n): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _facts(trainer: Trainer) -> dict[str, Any]:
+    """What the checks read besides the numbers: the parameters the optimizer updates, and the frozen
+    ones that got a gradient (none may)."""
+    return {"optimized": sum(len(g["params"]) for g in trainer.optimizer.param_groups),
+            "frozen": sum(1 for p in trainer.module.parameters() if not p.requires_grad),
+            "frozen_with_grad": [n for n, p in trainer.module.named_parameters()
+                                 if not p.requires_grad and p.grad is not None]}
+
+
+def train_vlm(layout: str = "", model: str = "", *, save: str | None = None, load: str | None = None,
+              steps: range = range(STEPS)) -> Run:
+    """The iterations ``steps`` of a run (the run's schedule: STEPS iterations); ``save``: a checkpoint
+    after them; ``load``: resumed from one."""
     from megatrain.training.main import parse_family_args
 
-    args = parse_family_args("llava", vlm_flags(layout, model), prog="pretrain_vlm.py")
+    extra = (f" --save {save}" if save else "") + (f" --load {load}" if load else "")
+    args = parse_family_args("llava", vlm_flags(layout + extra, model), prog="pretrain_vlm.py")
     trainer = LlavaHarnessTrainer(args, family="llava")
     try:
-        results = [trainer.train_step() for _ in range(STEPS)]
+        assert trainer.state.iteration == steps.start, (trainer.state.iteration, steps)
+        results, last_grads = [], {}
+        for _ in steps:
+            results.append(trainer.train_step())
+            trainer.state.iteration += 1  # what Trainer.train counts around each step
+            trainer.state.consumed_train_samples += trainer.current_global_batch_size
+            last_grads = _gradients(trainer.module)
+        if save:
+            trainer.save()
         eval_loss = trainer.evaluate(trainer.valid_iter, 1)["lm loss"]
         return Run([float(r.loss) for r in results], [r.grad_norm for r in results], full_parameters(trainer.module),
-                   {}, eval_loss)
+                   {**_facts(trainer), "grads": last_grads}, eval_loss)
     finally:
         trainer.close()
 
@@ -102,14 +135,22 @@ WORLD2 = {
     "pp2_1f1b": (PP2, ""),
     "pp2_gpipe_vision_stage": (f"{PP2} --pipeline-schedule gpipe --decoder-first-pipeline-num-layers 0", ""),
     "pp2_frozen_vit_untied": (PP2, "--freeze-ViT --untie-embeddings-and-output-weights"),
+    # Megatron's projector pre-training: the second stage holds only frozen language-model layers
+    "pp2_frozen_lm_vit": (PP2, "--freeze-LM --freeze-ViT"),
+    "pp2_frozen_lm": (PP2, "--freeze-LM"),
 }
 WORLD4 = {
     "pp2_dp2": (PP2, ""),
     "pp2_dp2_distributed_optimizer": (f"{PP2} --use-distributed-optimizer", ""),
+    "pp2_dp2_frozen_lm": (PP2, "--freeze-LM"),
+    "pp2_dp2_frozen_lm_distributed_optimizer": (f"{PP2} --use-distributed-optimizer", "--freeze-LM"),
     "pp2_tp2": (f"{PP2} --tensor-model-parallel-size 2", ""),
     # the fixed length (19) rounded up to 20 for the split, the padding's learned position clamped
     "pp2_tp2_sp": (f"{PP2} --tensor-model-parallel-size 2 --sequence-parallel", "--max-position-embeddings 19"),
 }
+
+# a checkpoint after half the run, the rest resumed from it (see _resumed)
+RESUMED = {"pp2_frozen_lm_vit_resumed": (PP2, "--freeze-LM --freeze-ViT")}
 
 
 def _layouts(rank: int, world_size: int, layouts: dict) -> dict[str, Run]:
@@ -119,6 +160,18 @@ def _layouts(rank: int, world_size: int, layouts: dict) -> dict[str, Run]:
 def _references(layouts: dict) -> dict[str, Run]:
     runs = {model: train_vlm("", model) for model in {m for _, m in layouts.values()}}
     return {name: runs[model] for name, (_, model) in layouts.items()}
+
+
+def _resumed(rank: int, world_size: int, layouts: dict, root: str) -> dict[str, Run]:
+    """Half the run, a checkpoint, the other half resumed from it by a new trainer: one Run of both."""
+    out = {}
+    for name, (flags, model) in layouts.items():
+        ckpt = os.path.join(root, name)
+        first = train_vlm(flags, model, save=ckpt, steps=range(STEPS // 2))
+        second = train_vlm(flags, model, load=ckpt, steps=range(STEPS // 2, STEPS))
+        out[name] = Run(first.losses + second.losses, first.grad_norms + second.grad_norms, second.params,
+                        second.info, second.eval_loss)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +184,27 @@ def world4():
     return run_alone_then_workers(functools.partial(_references, WORLD4), _layouts, 4, WORLD4)
 
 
+@pytest.fixture(scope="module")
+def world2_resumed(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("llava_pipeline_checkpoints"))
+    return run_alone_then_workers(functools.partial(_references, RESUMED), _resumed, 2, RESUMED, root)
+
+
 def _check(world, name: str) -> None:
     references, results = world
     ref = references[name]
     held: set[str] = set()
+    frozen_lm = "--freeze-LM" in {**WORLD2, **WORLD4, **RESUMED}[name][1]
     for rank, per_rank in enumerate(results):
         run = per_rank[name]
+        assert run.info["frozen_with_grad"] == [], f"rank {rank}: frozen parameters got gradients"
+        grads = run.info["grads"]  # the last step's (clipped) gradients, e.g. the projector's under --freeze-LM
+        assert set(grads) == set(ref.info["grads"]) & set(run.params), (rank, sorted(grads))
+        errors = relative_errors(grads, {k: ref.info["grads"][k] for k in grads})
+        assert not errors or max(errors.values()) < TOLERANCE, f"rank {rank}: gradients differ: {errors}"
+        if frozen_lm and not any(k.startswith(("vision_model.", "projector.")) for k in run.params):
+            # a stage of frozen language-model layers only: its optimizer holds nothing, its step does nothing
+            assert run.info["optimized"] == 0 and run.info["frozen"] > 0, (rank, run.info)
         loss = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
         assert loss < TOLERANCE, f"rank {rank}: per-step loss differs from one process by {loss:.2e}"
         norm = max(abs(a - b) / abs(b) for a, b in zip(run.grad_norms, ref.grad_norms, strict=True))
@@ -166,6 +234,14 @@ def test_the_samples_mix_text_only_and_two_image_rows():
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_world2_llava_pipeline_matches_one_process(world2, name):
     _check(world2, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_world2_llava_pipeline_frozen_language_model_resumes_from_a_checkpoint(world2_resumed, name):
+    """The frozen stage's (empty) optimizer saves and loads with the others: the resumed run is one
+    process's uninterrupted run."""
+    _check(world2_resumed, name)
 
 
 @pytest.mark.slow

@@ -111,7 +111,6 @@ def test_frozen_parts_have_no_gradients_no_optimizer_state_and_do_not_change(pat
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 is not supported for the LLaVA family"),
     (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
      "--num-virtual-stages-per-pipeline-rank: the LLaVA family (pretrain_vlm.py) runs one pipeline stage per rank"),
-    (["--pipeline-model-parallel-size", "2", "--freeze-LM"], "--freeze-LM with --pipeline-model-parallel-size > 1"),
     (["--use-tiling"], "--use-tiling: not supported by pretrain_vlm.py (image tiling"),
     (["--num-frames", "8"], "--num-frames 8: not supported by pretrain_vlm.py (video"),
     (["--image-tag-type", "nvlm"], "--image-tag-type nvlm: not supported"),
@@ -127,6 +126,28 @@ def test_refused_flags_are_one_line_naming_the_flag(paths, extra, line):
         parse_family_args("llava", [*vlm_args(paths), *extra, "--train-iters", "1"], prog="pretrain_vlm.py")
     message = str(e.value)
     assert message.startswith("error: ") and "\n" not in message and line in message, message
+
+
+@pytest.mark.parametrize("freeze", [["--freeze-LM"], ["--freeze-LM", "--freeze-ViT"]])
+def test_freezing_the_language_model_under_pipeline_parallelism_is_accepted(paths, monkeypatch, freeze):
+    """Megatron's projector pre-training under PP: the stages after the first hold only frozen
+    language-model layers and take part with an optimizer that updates nothing
+    (tests/distributed/test_llava_pipeline.py trains it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_family_args("llava", [*vlm_args(paths), "--pipeline-model-parallel-size", "2", *freeze,
+                                       "--train-iters", "1"], prog="pretrain_vlm.py")
+    cfg = get_family("llava").config_from_args(args, 64)
+    assert cfg.freeze_language_model and cfg.freeze_vision_model == ("--freeze-ViT" in freeze)
+
+
+def test_everything_frozen_under_pipeline_parallelism_is_one_line_naming_the_flags(paths, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        parse_family_args("llava", [*vlm_args(paths), "--pipeline-model-parallel-size", "2", "--freeze-LM",
+                                    "--freeze-ViT", "--freeze-vision-projection", "--train-iters", "1"],
+                          prog="pretrain_vlm.py")
+    assert str(e.value) == ("error: --freeze-LM --freeze-ViT --freeze-vision-projection: every part is frozen, "
+                            "nothing would train")
 
 
 def test_megatron_names_are_mapped(paths):

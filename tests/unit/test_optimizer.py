@@ -57,6 +57,30 @@ def test_groups_exist_even_when_empty_and_chunks_share_params():
     assert len(opt.param_groups) == 2
 
 
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_a_model_with_nothing_to_train_is_refused_unless_allowed(kind):
+    """A pipeline rank whose stages are frozen (LLaVA's --freeze-LM) gets an optimizer over the empty
+    groups: it steps (also with found_inf, as the trainer queues fused steps) and changes nothing."""
+    m = Tiny().requires_grad_(False)
+    cfg = OptimizerConfig(optimizer=kind)
+    with pytest.raises(ValueError, match="the model has no trainable parameters"):
+        build_optimizer(m, cfg)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt = build_optimizer(m, cfg, allow_empty=True)
+    assert [len(g["params"]) for g in opt.param_groups] == [0, 0] and opt.defaults["foreach"] is True
+    LRScheduler(opt, LRScheduleConfig(lr=1e-3, lr_decay_steps=16)).step(8)
+    opt.zero_grad(set_to_none=True)
+    opt.step()
+    # the kernels the run's device would give (so the trainer's step takes the other ranks' path:
+    # fused, queued with found_inf)
+    fused = build_optimizer(m, cfg, allow_empty=True, device=torch.device("cuda", 0))
+    assert fused.defaults["fused"] is True
+    fused.found_inf = torch.zeros(())
+    fused.step()
+    assert opt.state_dict()["state"] == {} and fused.state_dict()["state"] == {}
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in m.named_parameters())
+
+
 def test_kernel_choice_on_cpu_is_foreach():
     opt = build_optimizer(Tiny(), OptimizerConfig())
     assert isinstance(opt, torch.optim.AdamW)

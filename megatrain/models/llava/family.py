@@ -5,9 +5,10 @@ One process, data parallel, tensor / sequence parallel (the language model shard
 family's plan, the vision encoder and projector replicated on every tensor-parallel rank:
 :mod:`megatrain.models.llava.parallelize`) and pipeline parallel (the vision encoder and projector on
 the first stage, the language model's layers split as the GPT family's, one sequence length per run:
-:mod:`megatrain.models.llava.stage`); context and expert parallelism, and virtual pipeline stages or
-``--freeze-LM`` with pipeline parallelism, are refused with one line naming the flag, before anything
-is built. What Megatron's multimodal example has and
+:mod:`megatrain.models.llava.stage`; with ``--freeze-LM`` the later stages hold only frozen layers and
+step an optimizer over empty groups: :meth:`megatrain.training.trainer.Trainer._build_optimizer`);
+context and expert parallelism, and virtual pipeline stages, are refused with one line naming the
+flag, before anything is built, as is freezing every part. What Megatron's multimodal example has and
 megatrain has not built (tiling, video frames, pixel shuffle, image tags, other vision encoders) is
 refused with why.
 """
@@ -72,10 +73,6 @@ def prepare_llava_args(args: argparse.Namespace) -> None:
         if virtual:
             raise ValueError(f"{virtual[0]}: the LLaVA family (pretrain_vlm.py) runs one pipeline stage per rank "
                              "(the vision encoder on the first)")
-        if getattr(args, "freeze_LM", False):
-            raise ValueError("--freeze-LM with --pipeline-model-parallel-size > 1: the stages after the first hold "
-                             "only language-model layers, which would have nothing to train; train with "
-                             "--pipeline-model-parallel-size 1 (data or tensor parallel)")
     if args.vision_model_type != "clip":
         raise ValueError(f"--vision-model-type {args.vision_model_type}: only clip (a CLIP ViT) is built; "
                          "Megatron's siglip, radio and internvit encoders are not")
