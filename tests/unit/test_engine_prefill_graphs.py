@@ -111,3 +111,47 @@ def test_engine_with_prefill_graphs_equals_without_on_cuda():
             engine.close()
         results.append([[e.token for e in job] for job in events])
     assert results[0] == results[1]
+
+
+@torch.no_grad()
+def test_a_prefill_graph_that_cannot_be_recorded_falls_back_to_eager_prefills(caplog):
+    """A model whose forward cannot be recorded (here: the recording itself refuses) leaves the runner
+    prefilling eagerly, with the eager logits, after one warning."""
+    from megatrain.inference.engine.prefill_graphs import GraphRecordError
+
+    class Unrecordable(StaticPrefill):
+        def run(self, items):
+            raise GraphRecordError("recording the prefill graph of 8 tokens failed: RuntimeError: a sync")
+
+    model = make_model("llama")
+    eager, runner = make_runner(model, max_len=16), make_runner(model, max_len=16)
+    runner.static_prefill = Unrecordable(model, runner.cache, torch.device("cpu"), max_tokens=16, record=False)
+    pack = PACKS[1]
+    with caplog.at_level("WARNING"):
+        got = runner.prefill(pack)
+    torch.testing.assert_close(got, eager.prefill(pack), rtol=1e-5, atol=1e-5)
+    assert runner.static_prefill is None and "prefills run eagerly" in caplog.text
+
+
+@torch.no_grad()
+def test_a_decode_graph_that_cannot_be_recorded_falls_back_to_eager_decode(caplog):
+    """The same for the decode graphs: the step that could not be recorded, and every later one, runs
+    eagerly with the eager logits (a model that reads a count on the host inside its forward)."""
+    from megatrain.inference.engine.runner import ModelRunner
+
+    class Unrecordable(ModelRunner):
+        def _record(self, batch, key_length):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = make_model("llama")
+    eager = make_runner(model, max_len=16)
+    runner = Unrecordable(model, eager.cache.__class__(eager.cache.shape, torch.float32, torch.device("cpu")),
+                          torch.device("cpu"), cuda_graphs=False)
+    runner.cuda_graphs = True  # as on CUDA; the recording is what fails
+    for r in (eager, runner):
+        r.prefill([(0, [5, 17, 3]), (1, [8, 2])])
+    with caplog.at_level("WARNING"):
+        got = runner.decode([4, 9], [3, 2], 4)
+    torch.testing.assert_close(got, eager.decode([4, 9], [3, 2], 4), rtol=1e-5, atol=1e-5)
+    assert not runner.cuda_graphs and "decode steps run eagerly" in caplog.text
+    assert runner.decode([1, 1], [4, 3], 5).shape == (2, model.config.vocab_size)  # eager from now on

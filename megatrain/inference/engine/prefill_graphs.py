@@ -19,7 +19,9 @@ buffer copied to the device in one transfer:
   graph's memory before the call returns.
 
 The numbers are the eager ``"mask"`` prefill's (the same SDPA call, the same mask over the real tokens).
-Without ``record`` (a CPU model, tests) the same fixed-shape forward runs eagerly.
+Without ``record`` (a CPU model, tests) the same fixed-shape forward runs eagerly. A forward that cannot
+be recorded (one that synchronises with the host, say) raises :class:`GraphRecordError`, and the
+runner goes back to eager prefills.
 """
 
 from __future__ import annotations
@@ -33,9 +35,15 @@ from torch import nn
 
 from megatrain.inference.engine.slot_cache import SlotKVCache
 
-__all__ = ["StaticPrefill", "TOKEN_BUCKETS", "accepts_logit_positions"]
+__all__ = ["GraphRecordError", "StaticPrefill", "TOKEN_BUCKETS", "accepts_logit_positions"]
 
 TOKEN_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+class GraphRecordError(RuntimeError):
+    """A CUDA graph (prefill here, decode in the runner) could not be recorded, e.g. because the model
+    synchronises with the host inside its forward (a mixture-of-experts layer without
+    ``--moe-grouped-gemm`` reads its token counts); the runner then runs those forwards eagerly."""
 
 
 def accepts_logit_positions(model: nn.Module) -> bool:
@@ -132,7 +140,11 @@ class StaticPrefill:
             staged[3 * n:4 * n] = -1
             shape = _Shape(n, staged, staged.to(self.device))
             if self.record:
-                self._record(shape)
+                try:
+                    self._record(shape)
+                except Exception as e:  # noqa: BLE001 - whatever the capture refused
+                    raise GraphRecordError(f"recording the prefill graph of {n} tokens failed: "
+                                            f"{type(e).__name__}: {e}") from e
             self._shapes[n] = shape
         return self._shapes[n]
 

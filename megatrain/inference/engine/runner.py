@@ -23,14 +23,17 @@ recording use the same scratch rows, so recording while requests are running is 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megatrain.inference.engine.prefill_graphs import StaticPrefill, accepts_logit_positions
+from megatrain.inference.engine.prefill_graphs import GraphRecordError, StaticPrefill, accepts_logit_positions
 from megatrain.inference.engine.slot_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -105,7 +108,10 @@ class ModelRunner:
         """Store each (slot, prompt)'s keys/values in its slot, the prompts packed into one forward;
         return the logits after each prompt's last token [prompts, V]."""
         if self.static_prefill is not None and self.static_prefill.covers(items):
-            return self.static_prefill.run(items)
+            try:
+                return self.static_prefill.run(items)
+            except GraphRecordError as e:
+                self._prefill_eagerly(e)
         lengths = [len(prompt) for _, prompt in items]
         tokens = torch.tensor([[t for _, prompt in items for t in prompt]], dtype=torch.long, device=self.device)
         positions = torch.tensor([[p for n in lengths for p in range(n)]], dtype=torch.long, device=self.device)
@@ -133,7 +139,10 @@ class ModelRunner:
         rows = len(tokens)
         assert rows == len(positions) and rows > 0 and 0 < needed <= self.cache.shape.max_sequence_length
         if self.cuda_graphs:
-            return self._replay(tokens, positions, needed)
+            try:
+                return self._replay(tokens, positions, needed)
+            except GraphRecordError as e:
+                self._decode_eagerly(e)
         if isinstance(tokens, torch.Tensor):
             tokens_b1 = tokens.to(self.device, torch.long)[:, None]
         else:
@@ -174,7 +183,11 @@ class ModelRunner:
     def _graph(self, batch: int, key_length: int) -> _DecodeGraph:
         key = (batch, key_length)
         if key not in self._graphs:
-            self._graphs[key] = self._record(batch, key_length)
+            try:
+                self._graphs[key] = self._record(batch, key_length)
+            except Exception as e:  # noqa: BLE001 - whatever the capture refused
+                raise GraphRecordError(f"recording the decode graph of batch {batch}, {key_length} keys failed: "
+                                       f"{type(e).__name__}: {e}") from e
         return self._graphs[key]
 
     def _record(self, batch: int, key_length: int) -> _DecodeGraph:
@@ -198,8 +211,27 @@ class ModelRunner:
         there are."""
         if not self.cuda_graphs:
             raise ValueError("capture_all: this runner decodes eagerly (cuda_graphs=False)")
-        for batch in self.batch_buckets:
-            for length in self.length_buckets:
-                self._graph(batch, length)
-        prefills = self.static_prefill.capture_all() if self.static_prefill is not None else 0
+        try:
+            for batch in self.batch_buckets:
+                for length in self.length_buckets:
+                    self._graph(batch, length)
+        except GraphRecordError as e:
+            self._decode_eagerly(e)
+        prefills = 0
+        if self.static_prefill is not None:
+            try:
+                prefills = self.static_prefill.capture_all()
+            except GraphRecordError as e:
+                self._prefill_eagerly(e)
         return len(self._graphs) + prefills
+
+    def _decode_eagerly(self, error: GraphRecordError) -> None:
+        """A decode graph could not be recorded: every decode step from now on runs eagerly."""
+        log.warning("%s; decode steps run eagerly from now on", error)
+        self.cuda_graphs = False
+        self._graphs.clear()
+
+    def _prefill_eagerly(self, error: GraphRecordError) -> None:
+        """A prefill graph could not be recorded: every prefill from now on runs eagerly."""
+        log.warning("%s; prefills run eagerly from now on", error)
+        self.static_prefill = None
