@@ -22,6 +22,14 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     g = flag_section(parser, "distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--encoder-pipeline-model-parallel-size", type=int, default=0,
+                   help="pretrain_vlm.py: 1 puts the vision encoder and projector on a pipeline stage of their own "
+                        "before the --pipeline-model-parallel-size stages of the language model (Megatron's; "
+                        "other scripts refuse it)")
+    g.add_argument("--encoder-tensor-model-parallel-size", type=int, default=0,
+                   help="pretrain_vlm.py: the vision encoder's tensor-parallel size, 0 (the same) up to "
+                        "--tensor-model-parallel-size; megatrain replicates the encoder on the tensor-parallel "
+                        "ranks whatever the value (the same numbers)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="transformer layers on the first pipeline stage (uneven stages)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,

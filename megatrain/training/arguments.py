@@ -313,6 +313,10 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
     pipeline_flags = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                       "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
                       "pipeline_schedule")
+    for flag in ("encoder_pipeline_model_parallel_size", "encoder_tensor_model_parallel_size"):
+        if getattr(args, flag, 0):  # the LLaVA family maps them before these checks (models/llava/family.py)
+            _fail(f"--{flag.replace('_', '-')}: only pretrain_vlm.py has a separate encoder (T5's encoder and "
+                  "decoder share the layout)")
     pp = args.pipeline_model_parallel_size
     if pp == 1:
         given = [f"--{f.replace('_', '-')}" for f in pipeline_flags if getattr(args, f, None) is not None]

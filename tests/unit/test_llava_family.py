@@ -118,6 +118,11 @@ def test_frozen_parts_have_no_gradients_no_optimizer_state_and_do_not_change(pat
     (["--img-h", "18"], "--img-h (18) must be a multiple of --patch-dim (8)"),
     (["--max-position-embeddings", "32"], "--max-position-embeddings (32) must cover --seq-length (32)"),
     (["--freeze-LM", "--freeze-ViT", "--freeze-vision-projection"], "every part is frozen"),
+    (["--encoder-pipeline-model-parallel-size", "2"], "--encoder-pipeline-model-parallel-size 2: the vision encoder"),
+    (["--encoder-tensor-model-parallel-size", "2"], "--encoder-tensor-model-parallel-size 2: at most "
+                                                     "--tensor-model-parallel-size (1)"),
+    (["--encoder-pipeline-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers must then be left out"),
     (["--tokenizer-type", "MultimodalTokenizer", "--tokenizer-prompt-format", "nvlm-yi-34b"],
      "--tokenizer-type MultimodalTokenizer --tokenizer-prompt-format nvlm-yi-34b: megatrain's prompt formats"),
 ])
@@ -184,3 +189,26 @@ def test_an_error_in_a_loader_worker_is_its_own_line():
             "image x.png: no such file\n")
     assert loader_worker_message(text) == "--data-path d.jsonl:4: image x.png: no such file"
     assert loader_worker_message("plain: message") == "plain: message"
+
+
+def test_megatrons_separate_encoder_stage_is_one_more_pipeline_stage(paths, monkeypatch):
+    """``--encoder-pipeline-model-parallel-size 1`` (Megatron's LLaVA layout): the encoder and projector on
+    a stage of their own before the language model's stages; the encoder's tensor-parallel size accepted
+    up to the model's (the encoder is replicated)."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    args = parse_family_args("llava", [*vlm_args(paths), "--pipeline-model-parallel-size", "2",
+                                       "--encoder-pipeline-model-parallel-size", "1",
+                                       "--encoder-tensor-model-parallel-size", "1", "--train-iters", "1"],
+                             prog="pretrain_vlm.py")
+    assert args.pipeline_model_parallel_size == 3 and args.decoder_first_pipeline_num_layers == 0
+    assert args.encoder_pipeline_model_parallel_size == 0
+    from megatrain.parallel.pipeline import split_layers
+
+    assert [len(s) for s in split_layers(args.num_layers, 3, first=0)] == [0] + [args.num_layers // 2] * 2
+
+
+def test_the_encoder_layout_flags_are_refused_outside_pretrain_vlm(capsys):
+    from tests.unit.test_arguments import fails
+
+    message = fails(capsys, "--encoder-pipeline-model-parallel-size", "1")
+    assert "--encoder-pipeline-model-parallel-size: only pretrain_vlm.py has a separate encoder" in message

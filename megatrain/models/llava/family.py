@@ -57,12 +57,43 @@ def _note(args: argparse.Namespace, line: str) -> None:
         args.legacy_notes.append(f"note: {line}")
 
 
+def _map_encoder_layout(args: argparse.Namespace) -> None:
+    """Megatron's separate encoder layout: ``--encoder-pipeline-model-parallel-size 1`` is one more pipeline
+    stage, holding the vision encoder and projector and no language-model layer (megatrain's first stage
+    also holds the language model's embedding, which Megatron's first decoder stage holds: the same
+    numbers); ``--encoder-tensor-model-parallel-size`` up to the tensor-parallel size (the encoder is
+    replicated on the tensor-parallel ranks in every case)."""
+    epp = getattr(args, "encoder_pipeline_model_parallel_size", 0) or 0
+    etp = getattr(args, "encoder_tensor_model_parallel_size", 0) or 0
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if epp not in (0, 1):
+        raise ValueError(f"--encoder-pipeline-model-parallel-size {epp}: the vision encoder and projector live on "
+                         "one pipeline stage (0 or 1, as in Megatron)")
+    if not 0 <= etp <= tp:
+        raise ValueError(f"--encoder-tensor-model-parallel-size {etp}: at most --tensor-model-parallel-size ({tp})")
+    if etp:
+        _note(args, f"--encoder-tensor-model-parallel-size {etp}: the vision encoder is replicated on the "
+                    "tensor-parallel ranks (the same numbers)")
+    if epp:
+        if getattr(args, "decoder_first_pipeline_num_layers", None) not in (None, 0):
+            raise ValueError("--encoder-pipeline-model-parallel-size 1 gives the encoder a stage of its own: "
+                             "--decoder-first-pipeline-num-layers must then be left out")
+        decoder_stages = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        args.pipeline_model_parallel_size = decoder_stages + 1  # the layers split evenly over the others
+        args.decoder_first_pipeline_num_layers = 0
+        _note(args, f"--encoder-pipeline-model-parallel-size 1: {decoder_stages + 1} pipeline stages, the "
+                    "vision encoder and projector (and the language model's embedding) on the first, the "
+                    f"language model's layers on the other {decoder_stages}")
+    args.encoder_pipeline_model_parallel_size = args.encoder_tensor_model_parallel_size = 0
+
+
 def prepare_llava_args(args: argparse.Namespace) -> None:
     """Before the general checks: the parallel layouts and Megatron's unbuilt features refused,
     Megatron's tokenizer and loader names mapped to megatrain's."""
     for dest, flag in _PARALLEL_FLAGS:
         if (getattr(args, dest, 1) or 1) > 1:
             raise ValueError(PARALLEL_REFUSAL.format(flag=flag))
+    _map_encoder_layout(args)
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         pp, per_stage = args.pipeline_model_parallel_size, getattr(args, "num_layers_per_virtual_pipeline_stage", None)
         virtual = [flag for flag, given in (
