@@ -34,7 +34,8 @@ __all__ = ["LEGACY_FLAG_NOTES", "UNSUPPORTED_FLAGS", "MegatronArgumentParser", "
 
 
 class MegatronArgumentParser(argparse.ArgumentParser):
-    """ArgumentParser that refuses unknown flags with a close-match suggestion."""
+    """ArgumentParser that refuses unknown flags with a close-match suggestion, and any bad flag in one
+    line (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
@@ -50,7 +51,8 @@ class MegatronArgumentParser(argparse.ArgumentParser):
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 lines.append(f"unknown flag {name}{hint}")
             self.exit(2, f"{self.prog}: error: " + "; ".join(lines) + "\n")
-        super().error(message)
+        # every other mistake (a bad value, a missing argument): its one line, not the whole usage (--help has it)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # The sections of --help, in order; each concern adds its flags to its sections (megatrain/flags.py).

@@ -310,3 +310,13 @@ def test_notes_are_printed_by_rank_0_only(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     print_rank0("note: x")
     assert capsys.readouterr().out == "note: x\n"
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--num-layers", "x"], "argument --num-layers: invalid int value: 'x'"),
+    (["--tokenizer-type", "Foo"], "argument --tokenizer-type: invalid choice: 'Foo'"),
+    (["--seq-length"], "argument --seq-length: expected one argument"),
+])
+def test_a_bad_value_is_one_line_without_the_usage(capsys, extra, line):
+    message = fails(capsys, *extra).strip()
+    assert "\n" not in message and "usage:" not in message and line in message, message
