@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shlex
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 from megatrain.atomic_io import atomic_path
+from megatrain.flags import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def run(step: str, display: list[str], argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="megatrain demo", description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(prog="megatrain demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "demo_out"), help="working directory for the demo's files")
     ap.add_argument("--train-iters", type=int, default=300)
     ap.add_argument("--corpus-mb", type=float, default=4.0)

@@ -7,14 +7,23 @@ Each concern owns its flags and adds them with a function in its own package
 compilation's and the CUDA graphs' flags), so a concern asks for a section by title with
 :func:`flag_section` instead of creating it: the pre-training parser
 (`megatrain.training.arguments.build_parser`) creates its sections first, in the order ``--help``
-lists them; a tool's own parser gets the section created on first use.
+lists them; a tool's own parser gets the section created on first use. Every command's parser is an
+:class:`OneLineArgumentParser`: a bad flag is one line.
 """
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["flag_section"]
+__all__ = ["OneLineArgumentParser", "flag_section"]
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes (a bad value, a missing argument, an unknown flag) are one line,
+    ``PROG: error: ...``, without the usage summary before it (``--help`` prints that)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def flag_section(parser: argparse.ArgumentParser, title: str) -> "argparse._ArgumentGroup":

@@ -8,7 +8,6 @@ directory (its newest complete checkpoint, or ``step``) or one ``iter_XXXXXXX`` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from megatrain.checkpoint.layout import checkpoint_problem, find_checkpoint, ite
 from megatrain.checkpoint.load import model_shapes
 from megatrain.checkpoint.meta import checkpoint_family, read_meta
 from megatrain.checkpoint.safe_pickle import read_dcp_metadata
+from megatrain.flags import OneLineArgumentParser
 
 __all__ = ["checkpoint_info", "format_info", "main"]
 
@@ -107,7 +107,7 @@ def format_info(info: dict[str, Any], show_args: bool = True) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="checkpoint_info.py", description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(prog="checkpoint_info.py", description=__doc__.splitlines()[0])
     p.add_argument("path", help="a --save directory or one iter_XXXXXXX directory")
     p.add_argument("--ckpt-step", type=int, default=None, help="this iteration instead of the newest")
     p.add_argument("--json", action="store_true", help="print the information as JSON")

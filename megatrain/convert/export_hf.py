@@ -28,6 +28,7 @@ from megatrain.json_input import parse_json
 from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.registry import ModelFamily, family_of_config, get_family
 from megatrain import checkpoint as checkpointing
+from megatrain.flags import OneLineArgumentParser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert_checkpoint_to_hf.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="convert_checkpoint_to_hf.py", allow_abbrev=False,
                                 description="Export a megatrain checkpoint as a Hugging Face model folder.")
     p.add_argument("--checkpoint-path", "--load", dest="checkpoint_path", required=True,
                    help="a --save directory (newest checkpoint) or one iter_XXXXXXX folder")

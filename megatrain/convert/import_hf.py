@@ -42,10 +42,11 @@ from megatrain.models.registry import family_for_hf
 from megatrain import checkpoint as checkpointing
 from megatrain.models.common.vocab import padded_vocab_size
 from megatrain.checkpoint import TrainState
+from megatrain.flags import OneLineArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert_hf_to_checkpoint.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="convert_hf_to_checkpoint.py", allow_abbrev=False,
                                 description="Convert a local Hugging Face model folder to a megatrain checkpoint.")
     p.add_argument("--hf-path", required=True, help="folder with config.json and the weights")
     p.add_argument("--save", required=True, help="checkpoint directory to write (as pretrain_gpt.py --save)")

@@ -13,6 +13,7 @@ import sys
 from typing import Sequence
 
 from megatrain.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
+from megatrain.flags import OneLineArgumentParser
 
 __all__ = ["build_parser", "find_prefixes", "main", "merge_datasets"]
 
@@ -68,7 +69,7 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="merge_datasets.py", description="Merge .bin/.idx datasets into one.")
+    parser = OneLineArgumentParser(prog="merge_datasets.py", description="Merge .bin/.idx datasets into one.")
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", type=str, nargs="+", required=True,
                        help="Directory containing all datasets to merge (merged in sorted order), "

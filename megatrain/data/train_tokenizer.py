@@ -16,6 +16,7 @@ from typing import Sequence
 
 from megatrain.atomic_io import atomic_write_text
 from megatrain.data.preprocess import PreprocessError, iter_texts
+from megatrain.flags import OneLineArgumentParser
 
 __all__ = ["build_parser", "main", "train_tokenizer"]
 
@@ -59,7 +60,7 @@ def train_tokenizer(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatrain train-tokenizer", description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog="megatrain train-tokenizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True,
                         help="Input files or globs (jsonl, .txt/.text one document per line, .gz of either).")
     parser.add_argument("--vocab-size", type=int, required=True, help="Vocabulary size, including <|endoftext|>.")

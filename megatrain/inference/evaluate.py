@@ -29,10 +29,11 @@ from megatrain.inference.loading import fill_tokenizer_args, load_model
 from megatrain.inference.seq2seq import is_encoder_decoder
 from megatrain.inference.text_generation import model_dtype
 from megatrain.training.builders import choose_device
+from megatrain.flags import OneLineArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="evaluate.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="evaluate.py", allow_abbrev=False,
                                 description="Loss/perplexity and LAMBADA-style accuracy of a megatrain checkpoint.")
     p.add_argument("--load", required=True, help="checkpoint directory (a --save directory or one iter_ folder)")
     p.add_argument("--ckpt-step", type=int, default=None)

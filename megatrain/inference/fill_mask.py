@@ -27,6 +27,7 @@ from megatrain.errors import user_errors_exit
 from megatrain.inference.loading import fill_tokenizer_args, load_model
 from megatrain.models.bert.classification import META_KEY as CLASSIFICATION_META_KEY
 from megatrain.training.builders import choose_device
+from megatrain.flags import OneLineArgumentParser
 
 __all__ = ["MASK_TEXT", "MASKED_LM_FAMILIES", "Prediction", "MaskPrediction", "FillMaskResult",
            "tokenize_with_masks", "fill_mask", "masked_lm_checkpoint", "masked_lm_hint", "build_parser", "main"]
@@ -174,7 +175,7 @@ def masked_lm_hint(load: str, step: int | None = None) -> str | None:
 # ---- command line --------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fill_mask.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="fill_mask.py", allow_abbrev=False,
                                 description="Predict the tokens at each [MASK] with a BERT checkpoint.")
     p.add_argument("--load", required=True, help="checkpoint directory (a --save directory or one iter_ folder)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")

@@ -23,6 +23,7 @@ from megatrain.inference.text_generation import model_dtype, tensor_parallel_mes
 from megatrain.inference.vision import text_config
 from megatrain.parallel.distributed import destroy_distributed
 from megatrain.training.builders import choose_device
+from megatrain.flags import OneLineArgumentParser
 
 # Megatron's model shape flags: (flag, config field, type); each given one must equal the checkpoint's.
 SHAPE_FLAGS: tuple[tuple[str, str, Any], ...] = (
@@ -55,7 +56,7 @@ ACCEPTED_SWITCHES = ("--use-checkpoint-args", "--use-mcore-models", "--use-flash
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="run_text_generation_server.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="run_text_generation_server.py", allow_abbrev=False,
                                 description="Serve a megatrain checkpoint: PUT /api, POST /v1/completions, "
                                             "POST /v1/chat/completions.")
     p.add_argument("--load", required=True,

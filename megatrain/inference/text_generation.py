@@ -34,6 +34,7 @@ from megatrain.inference.seq2seq import (decoder_start_token, end_token, generat
                                          tokenize_with_sentinels)
 from megatrain.parallel.distributed import destroy_distributed, init_distributed
 from megatrain.training.builders import choose_device
+from megatrain.flags import OneLineArgumentParser
 
 
 @dataclass
@@ -116,7 +117,7 @@ def complete(model: nn.Module, tokenizer, prompts: list[str], params: SamplingPa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="generate.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="generate.py", allow_abbrev=False,
                                 description="Generate text from a megatrain checkpoint.")
     p.add_argument("--load", required=True,
                    help="checkpoint directory (a --save directory or one iter_ folder), or a Hugging Face model "

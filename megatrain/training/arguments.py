@@ -22,6 +22,7 @@ from typing import Any, Callable, NoReturn, Sequence, TypeVar
 from megatrain.checkpoint.flags import add_checkpoint_flags
 from megatrain.data.config import add_data_flags
 from megatrain.data.tokenizers import add_tokenizer_args
+from megatrain.flags import OneLineArgumentParser
 from megatrain.models.gpt.flags import add_gpt_flags
 from megatrain.parallel.flags import add_parallel_flags
 from megatrain.runtime.flags import add_runtime_flags
@@ -33,7 +34,7 @@ __all__ = ["LEGACY_FLAG_NOTES", "UNSUPPORTED_FLAGS", "MegatronArgumentParser", "
            "validate_args", "world_size_from_env"]
 
 
-class MegatronArgumentParser(argparse.ArgumentParser):
+class MegatronArgumentParser(OneLineArgumentParser):
     """ArgumentParser that refuses unknown flags with a close-match suggestion, and any bad flag in one
     line (no usage dump)."""
 
@@ -51,8 +52,7 @@ class MegatronArgumentParser(argparse.ArgumentParser):
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 lines.append(f"unknown flag {name}{hint}")
             self.exit(2, f"{self.prog}: error: " + "; ".join(lines) + "\n")
-        # every other mistake (a bad value, a missing argument): its one line, not the whole usage (--help has it)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)  # every other mistake: its one line, not the whole usage (--help has it)
 
 
 # The sections of --help, in order; each concern adds its flags to its sections (megatrain/flags.py).

@@ -23,6 +23,7 @@ from megatrain.convert.megatron.bridge import TOKENIZER_ARGS, export_megatron, i
 from megatrain.convert.megatron.reader import read_megatron_checkpoint
 from megatrain.convert.megatron.writer import write_legacy, write_torch_dist
 from megatrain.errors import user_errors_exit
+from megatrain.flags import OneLineArgumentParser
 
 __all__ = ["build_parser", "convert", "main", "LOADERS", "SAVERS"]
 
@@ -31,7 +32,7 @@ SAVERS = ("megatrain", "mcore", "megatron", "hf")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/checkpoint/convert.py", allow_abbrev=False,
+    p = OneLineArgumentParser(prog="tools/checkpoint/convert.py", allow_abbrev=False,
                                 description="Convert checkpoints between Megatron-LM, megatrain and Hugging Face "
                                             "formats (Megatron-LM's tools/checkpoint/convert.py command line).")
     p.add_argument("--model-type", required=True, choices=["GPT"], help="the model type (GPT: GPT-2/LLaMA style)")

@@ -13,12 +13,13 @@ from megatrain.data.preprocess.config import PreprocessConfig, PreprocessError, 
 from megatrain.data.preprocess.driver import preprocess
 from megatrain.data.preprocess.signals import _Interrupted, _signals_interrupt
 from megatrain.data.tokenizers import TokenizerConfig, add_tokenizer_args
+from megatrain.flags import OneLineArgumentParser
 
 __all__ = ["build_parser", "config_from_args", "find_optimal_num_workers", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="preprocess_data.py",
         description="Tokenize jsonl/text into Megatron .bin/.idx files.",
     )
