@@ -137,26 +137,9 @@ def test_an_energon_dataset_folder_trains(tmp_path):
     """``--data-path DIR`` of an energon dataset (webdataset shards, ``.nv-meta``), Megatron's
     ``--dataloader-type external``: megatrain's loader reads energon's seeded stream."""
     pytest.importorskip("megatron.energon")
-    import random
+    from tests.e2e.vlm_helpers import energon_vqa_flags
 
-    from PIL import Image
-
-    from megatrain.data.multimodal import energon as mm_energon
-    from tests.unit.test_llava_family import COLORS
-    from tests.unit.test_multimodal_data import write_shards
-
-    paths = write_llava_data(tmp_path / "tok", n=1)
-    rng = random.Random(1)
-    items = []
-    for k in range(16):
-        rgb, answer = COLORS[rng.choice(sorted(COLORS))]
-        items.append((f"{k:06d}", Image.new("RGB", (20 + k % 3, 18), rgb), {"question": "what is this ?",
-                                                                            "answers": [answer]}))
-    root = tmp_path / "wds"
-    root.mkdir()
-    mm_energon.prepare_dataset(str(root), write_shards(root, items, per_shard=4), "VQASample",
-                               {"image": "jpg", "context": "json[question]", "answers": "json[answers]"})
-    flags = [f if f != paths["data"] else str(root) for f in vlm_args(paths)]
+    flags = energon_vqa_flags(tmp_path)
     run = _vlm([*flags, "--freeze-ViT", "--dataloader-type", "external", "--train-iters", "4"])
     losses = _losses(run.stdout)
     assert len(losses) == 4 and losses[-1] < losses[0], losses

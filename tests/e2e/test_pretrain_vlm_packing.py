@@ -5,47 +5,26 @@ an energon folder packs too, and a bad flag or a sample that cannot be cut to P 
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 
 import pytest
-from PIL import Image
 
-from tests.e2e.conftest import cpu_env, run_cmd
-from tests.unit.test_llava_family import COLORS, vlm_args, write_llava_data
+from tests.e2e.vlm_helpers import energon_vqa_flags, losses, run_vlm, train_lines, with_two_image_lines
+from tests.unit.test_llava_family import vlm_args, write_llava_data
 
 PACK = ["--packing-buffer-size", "8", "--packing-seq-length", "64"]
-
-
-def _train(stdout: str) -> list[dict]:
-    from megatrain.training.logging import parse_train_log_line
-
-    return [parse_train_log_line(x) for x in stdout.splitlines() if "] iteration " in x]
-
-
-def _losses(stdout: str) -> list[float]:
-    return [d["lm loss"] for d in _train(stdout)]
+_train, _losses = train_lines, losses
 
 
 def _vlm(flags: list[str], check: bool = True):
-    return run_cmd([sys.executable, "pretrain_vlm.py", *flags], env=cpu_env(), check=check)
+    return run_vlm(flags, check=check)
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """The family's test data with every fourth line a two-image sample."""
     paths = write_llava_data(tmp_path_factory.mktemp("vlm_pack"), n=24)
-    rows = [json.loads(x) for x in open(paths["data"])]
-    names = sorted(COLORS)
-    for k in range(0, 24, 4):
-        rgb, answer = COLORS[names[(k + 1) % 3]]
-        Image.new("RGB", (19, 17), COLORS[names[k % 3]][0]).save(f"{paths['images']}/m{k}a.png")
-        Image.new("RGB", (21, 16), rgb).save(f"{paths['images']}/m{k}b.png")
-        rows[k] = {"id": f"m{k}", "image": [f"m{k}a.png", f"m{k}b.png"], "conversations": [
-            {"from": "human", "value": "<image>\n<image>\nwhat is this ?"}, {"from": "gpt", "value": answer}]}
-    with open(paths["data"], "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with_two_image_lines(paths, range(0, 24, 4))
     return paths
 
 
@@ -94,23 +73,7 @@ def test_bad_packing_flags_and_an_uncuttable_sample_are_one_line(paths):
 
 def test_an_energon_folder_packs(tmp_path):
     pytest.importorskip("megatron.energon")
-    import random
-
-    from megatrain.data.multimodal import energon as mm_energon
-    from tests.unit.test_multimodal_data import write_shards
-
-    paths = write_llava_data(tmp_path / "tok", n=1)
-    rng = random.Random(1)
-    items = []
-    for k in range(16):
-        rgb, answer = COLORS[rng.choice(sorted(COLORS))]
-        items.append((f"{k:06d}", Image.new("RGB", (20 + k % 3, 18), rgb), {"question": "what is this ?",
-                                                                            "answers": [answer]}))
-    root = tmp_path / "wds"
-    root.mkdir()
-    mm_energon.prepare_dataset(str(root), write_shards(root, items, per_shard=4), "VQASample",
-                               {"image": "jpg", "context": "json[question]", "answers": "json[answers]"})
-    flags = [f if f != paths["data"] else str(root) for f in vlm_args(paths)]
+    flags = energon_vqa_flags(tmp_path)
     run = _vlm([*flags, *PACK, "--freeze-ViT", "--train-iters", "3"])
     losses = _losses(run.stdout)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses

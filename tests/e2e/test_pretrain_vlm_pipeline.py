@@ -12,13 +12,13 @@ process's losses. (The exact comparison of parameters: tests/distributed/test_ll
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from PIL import Image
 
-from tests.e2e.conftest import cpu_env, losses_and_validation, run_cmd
+from tests.e2e.conftest import losses_and_validation
+from tests.e2e.vlm_helpers import run_vlm, same_losses
 from tests.unit.test_llava_family import COLORS, vlm_args, write_llava_data
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -40,17 +40,7 @@ def _data(root):
 
 
 def _vlm(flags: list[str], nproc: int = 1) -> list[tuple[float, float]]:
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc-per-node={nproc}"]
-    out = run_cmd([*launch, "pretrain_vlm.py", *flags], env=cpu_env()).stdout
-    return losses_and_validation(out)[0]
-
-
-def _same(one: list[tuple[float, float]], other: list[tuple[float, float]]) -> None:
-    assert len(one) == len(other) and one, (one, other)
-    for (loss_a, norm_a), (loss_b, norm_b) in zip(one, other):
-        assert loss_b == pytest.approx(loss_a, rel=1e-5), (one, other)
-        assert norm_b == pytest.approx(norm_a, rel=1e-5), (one, other)
+    return losses_and_validation(run_vlm(flags, nproc).stdout)[0]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +60,7 @@ def test_the_data_has_two_image_and_text_only_lines(runs):
 
 
 def test_pipeline_parallel_2_equals_one_process(runs):
-    _same(runs["one"][:4], runs["pp2"])
+    same_losses(runs["one"][:4], runs["pp2"])
 
 
 def test_a_pipeline_checkpoint_loads_and_resumes_in_one_process(runs):
@@ -92,4 +82,4 @@ def test_a_pipeline_checkpoint_loads_and_resumes_in_one_process(runs):
         scale = value.abs().max().clamp_min(1e-12)
         assert ((value - other).abs().max() / scale).item() < 1e-5, name
     resumed = _vlm([*vlm_args(runs["paths"]), "--train-iters", "6", "--load", str(runs["out"] / "pp2")])
-    _same(runs["one"][4:], resumed)
+    same_losses(runs["one"][4:], resumed)

@@ -13,12 +13,12 @@ The padded vocabulary must be the same in both layouts (Megatron pads to a multi
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 
-from tests.e2e.conftest import cpu_env, losses_and_validation, run_cmd
+from tests.e2e.conftest import losses_and_validation
+from tests.e2e.vlm_helpers import run_vlm, same_losses
 from tests.unit.test_llava_family import vlm_args, write_llava_data
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -32,17 +32,7 @@ def _flags(paths: dict[str, str], tp: int) -> list[str]:
 
 
 def _vlm(flags: list[str], nproc: int = 1) -> list[tuple[float, float]]:
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc-per-node={nproc}"]
-    out = run_cmd([*launch, "pretrain_vlm.py", *flags], env=cpu_env()).stdout
-    return losses_and_validation(out)[0]
-
-
-def _same(one: list[tuple[float, float]], other: list[tuple[float, float]]) -> None:
-    assert len(one) == len(other) and one, (one, other)
-    for (loss_a, norm_a), (loss_b, norm_b) in zip(one, other):
-        assert loss_b == pytest.approx(loss_a, rel=1e-5), (one, other)
-        assert norm_b == pytest.approx(norm_a, rel=1e-5), (one, other)
+    return losses_and_validation(run_vlm(flags, nproc).stdout)[0]
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +47,14 @@ def runs(tmp_path_factory):
 
 
 def test_tensor_parallel_2_equals_one_process(runs):
-    _same(runs["one"][:4], runs["tp2"])
+    same_losses(runs["one"][:4], runs["tp2"])
 
 
 def test_sequence_parallel_equals_one_process(runs):
     """The expanded sequences (text and image positions: odd lengths here) are padded to a multiple of
     the TP size for the split; the losses are one process's."""
     sp = _vlm([*_flags(runs["paths"], 2), *TP2, "--sequence-parallel", "--train-iters", "4"], nproc=2)
-    _same(runs["one"][:4], sp)
+    same_losses(runs["one"][:4], sp)
 
 
 def test_a_tensor_parallel_checkpoint_reloads_and_resumes_in_one_process(runs):
@@ -86,7 +76,7 @@ def test_a_tensor_parallel_checkpoint_reloads_and_resumes_in_one_process(runs):
         scale = value.abs().max().clamp_min(1e-12)
         assert ((value - other).abs().max() / scale).item() < 1e-5, name
     resumed = _vlm([*_flags(runs["paths"], 1), "--train-iters", "6", "--load", str(runs["out"] / "tp2")])
-    _same(runs["one"][4:], resumed)
+    same_losses(runs["one"][4:], resumed)
 
 
 @pytest.mark.parametrize("freeze", [pytest.param(["--freeze-ViT"], id="stage2", marks=pytest.mark.long),
@@ -97,14 +87,14 @@ def test_frozen_parts_under_sequence_parallel_equal_one_process(tmp_path, freeze
     paths = write_llava_data(tmp_path)
     one = _vlm([*_flags(paths, 1), *freeze, "--train-iters", "3"])
     tp2 = _vlm([*_flags(paths, 2), *TP2, "--sequence-parallel", *freeze, "--train-iters", "3"], nproc=2)
-    _same(one, tp2)
+    same_losses(one, tp2)
 
 
 @pytest.mark.long
 def test_tensor_and_data_parallel_equal_one_process(runs):
     """TP=2 x DP=2 (four processes), the replicated encoder's gradients averaged over the data-parallel ranks."""
     tp2dp2 = _vlm([*_flags(runs["paths"], 2), *TP2, "--sequence-parallel", "--train-iters", "4"], nproc=4)
-    _same(runs["one"][:4], tp2dp2)
+    same_losses(runs["one"][:4], tp2dp2)
 
 
 @pytest.mark.parametrize("flag", ["--context-parallel-size", "--expert-model-parallel-size"])

@@ -1,0 +1,77 @@
+"""What the ``pretrain_vlm.py`` end-to-end tests share: running the script (one process or torchrun), its
+log's losses, the two-image lines they add to the family's jsonl, and an energon folder of VQA samples."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.e2e.conftest import cpu_env, run_cmd
+from tests.unit.test_llava_family import COLORS, vlm_args, write_llava_data
+
+__all__ = ["run_vlm", "train_lines", "losses", "same_losses", "with_two_image_lines", "energon_vqa_flags"]
+
+
+def run_vlm(flags: list[str], nproc: int = 1, check: bool = True):
+    """``pretrain_vlm.py FLAGS`` on the CPU, in one process or under ``torchrun --nproc-per-node N``."""
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc-per-node={nproc}"]
+    return run_cmd([*launch, "pretrain_vlm.py", *flags], env=cpu_env(), check=check)
+
+
+def train_lines(stdout: str) -> list[dict]:
+    from megatrain.training.logging import parse_train_log_line
+
+    return [parse_train_log_line(x) for x in stdout.splitlines() if "] iteration " in x]
+
+
+def losses(stdout: str) -> list[float]:
+    return [d["lm loss"] for d in train_lines(stdout)]
+
+
+def same_losses(one: list[tuple[float, float]], other: list[tuple[float, float]]) -> None:
+    """Two runs' (loss, gradient norm) per iteration agree to 1e-5."""
+    assert len(one) == len(other) and one, (one, other)
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(one, other):
+        assert loss_b == pytest.approx(loss_a, rel=1e-5), (one, other)
+        assert norm_b == pytest.approx(norm_a, rel=1e-5), (one, other)
+
+
+def with_two_image_lines(paths: dict[str, str], lines: range) -> list[dict]:
+    """Rewrite ``lines`` of the jsonl as two-image samples (the answer from the second image); returns
+    every row."""
+    rows = [json.loads(x) for x in open(paths["data"])]
+    names = sorted(COLORS)
+    for k in lines:
+        rgb, answer = COLORS[names[(k + 1) % 3]]
+        Image.new("RGB", (19, 17), COLORS[names[k % 3]][0]).save(f"{paths['images']}/m{k}a.png")
+        Image.new("RGB", (21, 16), rgb).save(f"{paths['images']}/m{k}b.png")
+        rows[k] = {"id": f"m{k}", "image": [f"m{k}a.png", f"m{k}b.png"], "conversations": [
+            {"from": "human", "value": "<image>\n<image>\nwhat is this ?"}, {"from": "gpt", "value": answer}]}
+    with open(paths["data"], "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def energon_vqa_flags(tmp_path: Path, samples: int = 16) -> list[str]:
+    """The family's flags with ``--data-path`` an energon folder of ``samples`` VQA samples."""
+    from megatrain.data.multimodal import energon as mm_energon
+    from tests.unit.test_multimodal_data import write_shards
+
+    paths = write_llava_data(tmp_path / "tok", n=1)
+    rng = random.Random(1)
+    items = []
+    for k in range(samples):
+        rgb, answer = COLORS[rng.choice(sorted(COLORS))]
+        items.append((f"{k:06d}", Image.new("RGB", (20 + k % 3, 18), rgb), {"question": "what is this ?",
+                                                                            "answers": [answer]}))
+    root = tmp_path / "wds"
+    root.mkdir()
+    mm_energon.prepare_dataset(str(root), write_shards(root, items, per_shard=4), "VQASample",
+                               {"image": "jpg", "context": "json[question]", "answers": "json[answers]"})
+    return [f if f != paths["data"] else str(root) for f in vlm_args(paths)]
