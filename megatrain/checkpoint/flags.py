@@ -41,7 +41,8 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
                    help="with --load: stop with an error when no checkpoint is found (default: start fresh)")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model configuration (every value a resume compares: layers, sizes, heads, "
-                        "positions, norms, ...) from the --load checkpoint instead of the flags")
+                        "positions, norms, ...; a LLaVA checkpoint's ViT and projector flags too) from the --load "
+                        "checkpoint instead of the flags; with no checkpoint there yet, the flags (as Megatron)")
     g.add_argument("--save-hf", action="store_true",
                    help="megatrain extension: with every checkpoint also write a Hugging Face copy into its "
                         "iter_XXXXXXX/hf/ folder (rank 0, once the checkpoint is complete, in a separate process)")

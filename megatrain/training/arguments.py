@@ -186,6 +186,27 @@ def _checked(build: Callable[..., T], *args: Any) -> T:
 CONFIG_FIELD_DESTS = {"num_moe_experts": "num_experts"}
 
 
+# A vision-language checkpoint's fields (LlavaConfig, its "vision" sub-config) -> pretrain_vlm.py's flag dests.
+VISION_CONFIG_DESTS = {"num_layers": "vision_num_layers", "hidden_size": "vision_hidden_size",
+                       "num_attention_heads": "vision_num_attention_heads", "ffn_hidden_size": "vision_ffn_hidden_size",
+                       "patch_dim": "patch_dim", "img_h": "img_h", "img_w": "img_w", "num_channels": "num_channels",
+                       "vision_model_type": "vision_model_type"}
+LLAVA_CONFIG_DESTS = {"projector_type": "vision_projection_type", "vision_feature_layer": "vision_feature_layer"}
+
+
+def _take_vision_args(args: argparse.Namespace, config: dict[str, Any], taken: list[str]) -> None:
+    """--use-checkpoint-args of a LLaVA checkpoint: the ViT's and the projector's flags from its config."""
+    pairs = [(dest, value) for field, dest in VISION_CONFIG_DESTS.items()
+             if (value := (config.get("vision") or {}).get(field)) is not None]
+    pairs += [(dest, config[field]) for field, dest in LLAVA_CONFIG_DESTS.items() if config.get(field) is not None]
+    if config.get("vision_feature_select_strategy") is not None:
+        pairs.append(("disable_vision_class_token", config["vision_feature_select_strategy"] == "default"))
+    for dest, value in pairs:
+        if hasattr(args, dest) and getattr(args, dest) != value:
+            taken.append(f"--{dest.replace('_', '-')} {value}")
+            setattr(args, dest, value)
+
+
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the model's shape from the --load checkpoint, overriding the flags."""
     from megatrain.checkpoint import find_checkpoint, read_meta
@@ -197,16 +218,24 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     # Only meta.json is read here (every process on its own, before torch.distributed starts); the
     # trainer verifies the checkpoint's checksums before loading it, its ranks sharing the reads.
     ckpt = find_checkpoint(args.load, args.ckpt_step, verify=False)
-    if ckpt is None:
-        _fail(f"--use-checkpoint-args: no checkpoint found in --load {args.load}")
+    if ckpt is None:  # as Megatron: a first run (nothing saved yet) trains with the flags given
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            _fail(f"--use-checkpoint-args --exit-on-missing-checkpoint: no checkpoint found in --load {args.load}")
+        args.legacy_notes.append(f"note: --use-checkpoint-args: no checkpoint in --load {args.load} yet; "
+                                 "the flags given set the model's shape")
+        return
     meta = read_meta(ckpt)
     config = meta.get("model_config", {})
+    family = meta.get("family") or DEFAULT_FAMILY
+    taken: list[str] = []
+    if isinstance(config.get("language"), dict):  # a vision-language checkpoint: the ViT's flags, then the LM's
+        _take_vision_args(args, config, taken)
+        config, family = config["language"], DEFAULT_FAMILY
     # Every model-config field a resume compares that is a flag's dest too (the checkpoint's family's
     # table); the padded vocabulary follows the tokenizer and resume_vocab_size, the GELU is taken below.
-    checks = get_family(meta.get("family") or DEFAULT_FAMILY).config_checks
+    checks = get_family(family).config_checks
     model_args = [name for name, check in checks.items() if check.how == "compare" and name != "vocab_size"
                   and hasattr(args, CONFIG_FIELD_DESTS.get(name, name))]
-    taken = []
     for name in model_args:
         dest = CONFIG_FIELD_DESTS.get(name, name)
         if name in config and getattr(args, dest, None) != config[name]:

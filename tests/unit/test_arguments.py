@@ -320,3 +320,12 @@ def test_notes_are_printed_by_rank_0_only(monkeypatch, capsys):
 def test_a_bad_value_is_one_line_without_the_usage(capsys, extra, line):
     message = fails(capsys, *extra).strip()
     assert "\n" not in message and "usage:" not in message and line in message, message
+
+
+def test_use_checkpoint_args_without_a_checkpoint_yet_trains_with_the_flags(tmp_path, capsys):
+    """Megatron's first run of a script with --use-checkpoint-args: --load is empty, the flags stand
+    (with a note); --exit-on-missing-checkpoint makes it an error line."""
+    a = parse("--use-checkpoint-args", "--load", str(tmp_path))
+    assert a.num_layers == 2 and any("no checkpoint in --load" in n for n in a.legacy_notes)
+    message = fails(capsys, "--use-checkpoint-args", "--load", str(tmp_path), "--exit-on-missing-checkpoint")
+    assert "--exit-on-missing-checkpoint: no checkpoint found in --load" in message

@@ -39,7 +39,7 @@ def _choices(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_parser_choice_has_a_builder(name):
     choices = _choices(_parsers()[name])
     assert choices == list(TOKENIZER_TYPES) == list(TOKENIZER_BUILDERS)
-    assert len(set(choices)) == len(choices) == 10
+    assert len(set(choices)) == len(choices) == 11
 
 
 def test_parser_rejects_a_type_outside_the_registry(capsys):
@@ -115,6 +115,7 @@ FILES = {
     "NullTokenizer": lambda d: {"vocab_size": 50},  # needs no file
     # a tokenizer.json with a prompt format whose pad token (<unk>) it has
     "SFTTokenizer": lambda d: {**_hf_files(d), "sft_tokenizer_prompt_format": "identity"},
+    "MistralTokenizer": _hf_files,  # Megatron's (mistral-common): a Hugging Face folder here
 }
 
 

@@ -43,6 +43,13 @@ line with the same turns and images. Other types
 (``InterleavedSample``, ``OCRSample``, crude samples, ...) stop with one line naming the type and the
 dataset folder: when the dataset is opened (from ``dataset.yaml``) or, failing that, at its first sample.
 
+A **metadataset** (a ``.yaml`` file, ``__module__: megatron.energon``, ``__class__: Metadataset`` or
+``MetadatasetV2``, ``splits: {train: {datasets: [{weight, path, subflavors}]}, val: ...}``, as Megatron's
+``examples/multimodal/pretrain_dataset.yaml``) is read by energon itself; :func:`metadataset_datasets`
+lists the dataset folders a split names (relative paths resolved against the yaml's folder, as energon
+resolves them) and :func:`check_energon_path` checks each one's sample type, so that a metadataset that
+does not parse, names a missing folder or a type megatrain does not read is one line naming the file.
+
 Batches are :class:`MultimodalBatch` (:class:`MultimodalCollator`). :func:`get_train_dataset` is
 energon's ``get_train_dataset`` with this encoder: energon's own order (shard shuffling with a shuffle
 buffer) and its own resumable state (``get_savable_loader(...).save_state_rank()``), not megatrain's index.
@@ -74,7 +81,8 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["LlavaTaskEncoder", "get_train_dataset", "prepare_dataset", "to_conversation", "energon_available",
-           "READ_SAMPLE_TYPES", "LLAVA_SAMPLE_LOADER", "dataset_sample_type", "check_sample_type", "where_of"]
+           "READ_SAMPLE_TYPES", "LLAVA_SAMPLE_LOADER", "dataset_sample_type", "check_sample_type", "where_of",
+           "is_metadataset", "metadataset_datasets", "check_energon_path", "split_length", "get_val_dataset"]
 
 #: The energon sample types :func:`to_conversation` reads (Megatron's multimodal example reads these too).
 READ_SAMPLE_TYPES = ("SimilarityInterleavedSample", "VQASample", "MultiChoiceVQASample", "CaptioningSample")
@@ -316,6 +324,113 @@ def check_sample_type(path: str, where: str) -> None:
         raise MultimodalDataError(_refusal(name), where, "conversation")
 
 
+#: The file names energon's ``get_train_dataset`` takes as a metadataset (energon itself reads ``.yaml``).
+METADATASET_SUFFIXES = (".yaml", ".yml")
+
+
+def is_metadataset(path: str) -> bool:
+    """Whether ``path`` names an energon metadataset (a ``.yaml``/``.yml`` file) rather than a dataset folder."""
+    return os.fspath(path).lower().endswith(METADATASET_SUFFIXES)
+
+
+def metadataset_datasets(path: str, split: str, where: str) -> list[str] | None:
+    """The dataset folders the metadataset file at ``path`` names for ``split`` (energon's traversal:
+    nested metadatasets followed, relative paths against the yaml's folder); None when the metadataset
+    has no such split. A file that does not parse as an energon metadataset, or a named dataset that is
+    not an energon dataset folder, raises one line (``WHERE: ...``)."""
+    _need_energon()
+    import yaml
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise MultimodalDataError("no such file (an energon metadataset .yaml)", where)
+    if not path.lower().endswith(".yaml"):
+        raise MultimodalDataError("energon reads a metadataset only from a file named *.yaml: rename it", where)
+    try:
+        with open(path, encoding="utf-8") as f:
+            definition = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        mark = getattr(err, "problem_mark", None)
+        first += f", line {mark.line + 1}" if mark is not None else ""
+        raise MultimodalDataError(f"not a valid YAML file ({first})", where) from None
+    splits = definition.get("splits") if isinstance(definition, dict) else None
+    if (not isinstance(definition, dict) or definition.get("__module__") != "megatron.energon"
+            or not isinstance(splits, dict)):
+        raise MultimodalDataError("not an energon metadataset (expected __module__: megatron.energon, __class__: "
+                                  "Metadataset or MetadatasetV2, and splits: {train: {datasets: [...]}, val: ...})",
+                                  where)
+    if split not in splits:
+        return None
+    from megatron.energon.flavors.webdataset.metadata import check_dataset_info_present
+    from megatron.energon.metadataset.loader import traverse_metadataset
+
+    try:
+        refs = traverse_metadataset(path, split_part=split)
+    except Exception as err:  # energon's parser: TypeError, AssertionError, KeyError, ... of the yaml's content
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise MultimodalDataError(f"cannot read the energon metadataset's {split} split ({type(err).__name__}: "
+                                  f"{detail})", where) from None
+    folders = []
+    for ref in refs:
+        folder = str(ref.path)
+        if not os.path.isdir(folder):
+            raise MultimodalDataError(f"the {split} split names the dataset {folder}, which does not exist (paths "
+                                      "are relative to the yaml's folder)", where)
+        if not check_dataset_info_present(ref.path):
+            raise MultimodalDataError(f"the {split} split names {folder}, which is not a prepared energon dataset "
+                                      "(no .nv-meta/.info.json: run `energon prepare` on it)", where)
+        folders.append(folder)
+    return folders
+
+
+def check_energon_path(path: str, where: str, split: str = "train") -> list[str] | None:
+    """Check an energon dataset folder, or each folder a metadataset's ``split`` names, for a sample
+    type megatrain reads (:func:`check_sample_type`); the folders, or None for a metadataset without
+    ``split``."""
+    if is_metadataset(path):
+        folders = metadataset_datasets(path, split, where)
+        for folder in folders or ():
+            check_sample_type(folder, f"{where} (its {split} dataset {folder})")
+        return folders
+    check_sample_type(path, where)
+    return [os.fspath(path)]
+
+
+def _empty_dataset_error() -> tuple[type, ...]:
+    try:
+        from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
+    except ImportError:  # pragma: no cover - other energon versions
+        return ()
+    return (EmptyDatasetError,)
+
+
+def get_val_dataset(path: str, task_encoder: Any, *, split: str = "val", batch_size: int | None = None,
+                    worker_config: Any = None, **kwargs: Any) -> Any:
+    """energon's ``get_val_dataset`` (no shuffling: the split's samples in their stored order, once)
+    of the dataset folder or metadataset at ``path`` with ``task_encoder``."""
+    e = _need_energon()
+    if worker_config is None:
+        worker_config = e.WorkerConfig(rank=0, world_size=1, num_workers=0)
+    return e.get_val_dataset(path, split_part=split, worker_config=worker_config, batch_size=batch_size,
+                             task_encoder=task_encoder, **kwargs)
+
+
+def split_length(path: str, split: str, where: str) -> int:
+    """Samples in ``split`` of the energon dataset folder or metadataset at ``path`` (0: no such split,
+    or no shards in it)."""
+    e = _need_energon()
+    if is_metadataset(path) and metadataset_datasets(path, split, where) is None:
+        return 0
+    try:
+        return len(get_val_dataset(path, e.DefaultTaskEncoder(), split=split))
+    except _empty_dataset_error():
+        return 0
+    except (OSError, ValueError, KeyError, AssertionError) as err:
+        raise MultimodalDataError(f"cannot open the energon dataset's {split} split ({type(err).__name__}: {err})",
+                                  where) from None
+
+
 class _OpenedImage:
     """A webdataset image handler giving the PIL image in the file's own mode, so that the processor
     converts it as for the jsonl dataset (transparency onto white); energon's ``"pil"`` converts to
@@ -410,8 +525,8 @@ def get_train_dataset(path: str, task_encoder: LlavaTaskEncoder, *, batch_size: 
     ``get_loader``/``get_savable_loader``. A dataset folder whose sample type megatrain does not read
     raises one line naming the type and the folder (:func:`check_sample_type`)."""
     e = _need_energon()
-    if os.path.isdir(os.fspath(path)):
-        check_sample_type(path, os.fspath(path))
+    if os.path.isdir(os.fspath(path)) or is_metadataset(path):
+        check_energon_path(path, os.fspath(path))
     if worker_config is None:
         worker_config = e.WorkerConfig(rank=0, world_size=1, num_workers=0)
     return e.get_train_dataset(path, worker_config=worker_config, batch_size=batch_size,

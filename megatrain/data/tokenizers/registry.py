@@ -9,6 +9,7 @@ function) and one line in the table below.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 from megatrain.data.tokenizers import gpt2_bpe, huggingface, null, sentence_piece, sft, tiktokenizer, wordpiece
@@ -16,6 +17,33 @@ from megatrain.data.tokenizers.base import MegatrainTokenizer, TokenizerConfig
 from megatrain.flags import flag_section
 
 __all__ = ["TOKENIZER_BUILDERS", "TOKENIZER_TYPES", "add_tokenizer_args", "build_tokenizer"]
+
+def build_mistral(cfg: TokenizerConfig) -> MegatrainTokenizer:
+    """Megatron's ``MistralTokenizer`` wraps mistral-common (its ``tekken.json`` / ``tokenizer.model.v3``
+    files), which megatrain does not read: a local Hugging Face tokenizer folder of the model
+    (``tokenizer.json`` / ``tokenizer_config.json``, as the Hub's Mistral repositories have) is read as
+    ``HuggingFaceTokenizer`` (a note says so); anything else is one line asking for that folder."""
+    path = cfg.tokenizer_model
+    hf_files = ("tokenizer.json", "tokenizer_config.json")
+    if path and os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in hf_files):
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"note: --tokenizer-type MistralTokenizer: read as HuggingFaceTokenizer of {path} "
+                  "(megatrain does not wrap mistral-common)", flush=True)
+        tok = huggingface.build_huggingface(cfg)
+        tok.name = "MistralTokenizer"  # the type the flags (and a checkpoint's args) name
+        return tok
+    if not path:
+        found = "no --tokenizer-model"
+    elif os.path.isfile(path):
+        found = f"{os.path.basename(path)} is a file (mistral-common's, e.g. tekken.json)"
+    elif os.path.isdir(path):
+        found = "the folder has no tokenizer.json or tokenizer_config.json"
+    else:
+        found = "no such folder (a Hub name is not downloaded)"
+    raise ValueError(f"--tokenizer-type MistralTokenizer --tokenizer-model {path}: {found}; megatrain does not wrap "
+                     "mistral-common: pass the model's Hugging Face tokenizer folder (tokenizer.json, "
+                     "tokenizer_config.json)")
+
 
 #: ``--tokenizer-type`` name -> builder (the order is the order ``--help`` lists the choices in).
 TOKENIZER_BUILDERS: dict[str, Callable[[TokenizerConfig], MegatrainTokenizer]] = {
@@ -29,6 +57,7 @@ TOKENIZER_BUILDERS: dict[str, Callable[[TokenizerConfig], MegatrainTokenizer]] =
     "TikTokenizer": tiktokenizer.build_tiktokenizer,
     "NullTokenizer": null.build_null,
     "SFTTokenizer": sft.build_sft,
+    "MistralTokenizer": build_mistral,  # Megatron's (mistral-common): a Hugging Face folder here
 }
 
 TOKENIZER_TYPES = tuple(TOKENIZER_BUILDERS)

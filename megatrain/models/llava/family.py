@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from megatrain.models.gpt.config import gpt_config_from_args
 from megatrain.models.llava.checkpoint_compat import CONFIG_CHECKS
 from megatrain.models.llava.config import MEGATRON_IMAGE_TOKEN_ID, LlavaConfig, VisionConfig
-from megatrain.models.llava.flags import add_llava_flags
+from megatrain.models.llava.flags import add_llava_flags, resolve_valid_path
 from megatrain.models.llava.flops import batch_flops_counter, num_floating_point_operations
 from megatrain.models.llava.hf import FAMILY_ADAPTER
 from megatrain.models.llava.model import LlavaModel, initial_value
@@ -104,6 +104,10 @@ def prepare_llava_args(args: argparse.Namespace) -> None:
         if virtual:
             raise ValueError(f"{virtual[0]}: the LLaVA family (pretrain_vlm.py) runs one pipeline stage per rank "
                              "(the vision encoder on the first)")
+    resolve_valid_path(args)
+    if getattr(args, "img_embedding_idx", None) is not None:
+        _note(args, f"--img-embedding-idx {args.img_embedding_idx}: ignored; the images go where the <image> "
+                    "placeholder is in the text")
     if args.vision_model_type != "clip":
         raise ValueError(f"--vision-model-type {args.vision_model_type}: only clip (a CLIP ViT) is built; "
                          "Megatron's siglip, radio and internvit encoders are not")

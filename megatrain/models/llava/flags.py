@@ -6,7 +6,9 @@ Megatron-LM's multimodal example (``examples/multimodal/multimodal_args.py`` and
 ``--freeze-vision-projection``, ``--language-model-type``, ``--tokenizer-prompt-format``,
 ``--special-tokens``, ``--image-tag-type``, ``--num-frames``, ``--use-tiling`` (with
 ``--max-num-tiles``, ``--use-thumbnail``), ``--pixel-shuffle``, ``--prompt-path``,
-``--dataloader-save`` and ``--allow-missing-vision-projection-checkpoint``. Megatron fixes the
+``--dataloader-save`` and ``--allow-missing-vision-projection-checkpoint``; the older example's
+``--valid-path`` (``--valid-data-path``: :func:`resolve_valid_path`) and ``--img-embedding-idx``
+(ignored). Megatron fixes the
 vision encoder's size by ``--vision-model-type`` (clip: ViT-L/14, 24 x 1024, 16 heads, ffn 4096) and
 the projector by the language model type; megatrain's ``--vision-num-layers``,
 ``--vision-hidden-size``, ``--vision-num-attention-heads``, ``--vision-ffn-hidden-size``,
@@ -26,7 +28,7 @@ import argparse
 
 from megatrain.flags import flag_section
 
-__all__ = ["add_llava_flags", "check_packing_args", "LLAVA_FLAGS"]
+__all__ = ["add_llava_flags", "check_packing_args", "resolve_valid_path", "LLAVA_FLAGS"]
 
 LLAVA_FLAGS = ("--vision-model-type", "--patch-dim", "--img-h", "--img-w", "--num-channels",
                "--disable-vision-class-token", "--vision-num-layers", "--vision-hidden-size",
@@ -37,7 +39,8 @@ LLAVA_FLAGS = ("--vision-model-type", "--patch-dim", "--img-h", "--img-w", "--nu
                "--decoder-seq-length", "--language-model-checkpoint", "--vision-model-checkpoint", "--image-folder",
                "--image-processor", "--packing-buffer-size", "--packing-seq-length", "--prompt-path", "--dataloader-save",
                "--allow-missing-vision-projection-checkpoint", "--use-te",
-               "--no-use-tokenizer-model-from-checkpoint-args", "--log-params-norm", "--log-num-zeros-in-grad")
+               "--no-use-tokenizer-model-from-checkpoint-args", "--log-params-norm", "--log-num-zeros-in-grad",
+               "--valid-path", "--img-embedding-idx")
 
 
 # Megatron's flags of what is not built: only the default value is accepted, others are refused.
@@ -47,7 +50,9 @@ _ACCEPTED = {"--language-model-type": "recorded only; the language model's shape
              "--prompt-path": "not read", "--dataloader-save": "not read; the checkpoint holds the loader position",
              "--allow-missing-vision-projection-checkpoint": "not read", "--use-te": "megatrain's own layers",
              "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the flags'",
-             "--log-params-norm": "not logged", "--log-num-zeros-in-grad": "not logged"}
+             "--log-params-norm": "not logged", "--log-num-zeros-in-grad": "not logged",
+             "--valid-path": "Megatron's older name of --valid-data-path (the same)",
+             "--img-embedding-idx": "ignored (a note says so): the images go where the <image> placeholder is"}
 
 
 def add_llava_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +134,13 @@ def add_llava_flags(parser: argparse.ArgumentParser) -> None:
                    dest="use_tokenizer_model_from_checkpoint_args", help="accepted: the tokenizer is the flags'")
     g.add_argument("--log-params-norm", action="store_true", help="accepted (not logged)")
     g.add_argument("--log-num-zeros-in-grad", action="store_true", help="accepted (not logged)")
+    # Older versions of Megatron's multimodal example (pretrain_mistral_clip.sh passes both).
+    g.add_argument("--valid-path", nargs="*", default=None,
+                   help="Megatron's older validation data flag: the same as --valid-data-path (an energon dataset "
+                        "or metadataset's val split, or a LLaVA jsonl)")
+    g.add_argument("--img-embedding-idx", type=int, default=None,
+                   help="Megatron's older index where the image embeddings start in the text (accepted, ignored: "
+                        "the images go where the <image> placeholder is)")
     for action in g._group_actions:  # the status docs/megatron_flags.md shows
         flag = action.option_strings[0]
         if flag in _NOT_BUILT:
@@ -138,6 +150,18 @@ def add_llava_flags(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # Megatron's multimodal tokenizer name (an SFTTokenizer here)
         if action.dest == "tokenizer_type" and action.choices is not None:
             action.choices = [*action.choices, "MultimodalTokenizer"]
+
+
+def resolve_valid_path(args: argparse.Namespace) -> list[str] | None:
+    """``--valid-path`` (Megatron's older name) as ``--valid-data-path``; both given and different is one
+    line. Returns the validation paths."""
+    old, new = getattr(args, "valid_path", None), getattr(args, "valid_data_path", None)
+    if old:
+        if new and list(new) != list(old):
+            raise ValueError(f"--valid-path {' '.join(old)} and --valid-data-path {' '.join(new)}: give one "
+                             "(--valid-path is Megatron's older name of --valid-data-path)")
+        args.valid_data_path, args.valid_data_flag = list(old), "--valid-path"
+    return args.valid_data_path
 
 
 def check_packing_args(args: argparse.Namespace) -> bool:
