@@ -90,8 +90,8 @@ def script_flags(ws: dict, out: str, train_iters: int = 4) -> list[str]:
         "--no-masked-softmax-fusion", "--num-workers", "0", "--exit-duration-in-mins", "230", "--use-flash-attn",
         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--position-embedding-type", "rope",
         "--rotary-percent", "1.0", "--rotary-base", "1000000", "--swiglu", "--attention-dropout", "0.0",
-        # the script's DEBUG=1 value (HD=0.0), so that the resumed run's losses are the uninterrupted one's
-        "--hidden-dropout", "0.0", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        # the script's HD=0.1: the resumed run's dropout masks are the uninterrupted run's too
+        "--hidden-dropout", "0.1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "64", "--ffn-hidden-size", "64", "--train-iters", str(train_iters),
         "--micro-batch-size", "1", "--global-batch-size", "2", "--lr-decay-iters", str(train_iters),

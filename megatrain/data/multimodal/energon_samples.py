@@ -99,6 +99,12 @@ class EnergonSamples(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
+        # energon's stream draws from torch's global generator as it reads; a resume reads past the consumed
+        # samples again, so reading leaves the generator as it found it (dropout then resumes exactly)
+        with torch.random.fork_rng(devices=[]):
+            return self._read(index)
+
+    def _read(self, index: int) -> dict[str, Any]:
         if self._stream is None or index < self._next:
             self._stream, self._next, self._restarted_at = self._start(), 0, -1
         sample = None
