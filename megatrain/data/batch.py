@@ -24,9 +24,18 @@ from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 
-__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "make_batch", "packed_attention", "to_device"]
+__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "block_causal_mask", "make_batch", "packed_attention",
+           "to_device"]
 
 B = TypeVar("B", bound="Batch")
+
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """bool [..., S, S], True = may attend: position i sees the positions j <= i of its own segment
+    (``segments`` [..., S]: each position's sample number in a packed sequence)."""
+    arange = torch.arange(segments.shape[-1], device=segments.device)
+    causal = arange[:, None] >= arange[None, :]
+    return causal & (segments[..., :, None] == segments[..., None, :])
 
 
 def packed_attention(segments: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -41,8 +50,7 @@ def packed_attention(segments: torch.Tensor) -> tuple[torch.Tensor, Optional[tor
     position_ids = arange - starts
     attention_mask = None
     if bool((segments.max(dim=1).values > 1).any()):
-        causal = arange[:, None] >= arange[None, :]
-        attention_mask = (causal & (segments[:, :, None] == segments[:, None, :])).unsqueeze(1)
+        attention_mask = block_causal_mask(segments).unsqueeze(1)
     return position_ids, attention_mask
 
 
@@ -199,8 +207,6 @@ def make_batch(samples: torch.Tensor, eod_token: Optional[int], reset_position_i
         position_ids = arange.unsqueeze(0).expand(b, s).contiguous()
 
     attention_mask = None
-    if reset_attention_mask:
-        causal = arange.unsqueeze(1) >= arange.unsqueeze(0)  # [q, k]
-        same_segment = starts.unsqueeze(2) == starts.unsqueeze(1)  # [b, q, k]
-        attention_mask = (causal.unsqueeze(0) & same_segment).unsqueeze(1)
+    if reset_attention_mask:  # a segment is known by its start
+        attention_mask = block_causal_mask(starts).unsqueeze(1)
     return CausalLMBatch(tokens, labels, loss_mask, position_ids, attention_mask)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from megatrain.data.batch import block_causal_mask
 from megatrain.inference.engine.slot_cache import SlotKVCache
 
 __all__ = ["GraphRecordError", "StaticPrefill", "TOKEN_BUCKETS", "accepts_logit_positions"]
@@ -102,9 +103,7 @@ class StaticPrefill:
         n = tokens
         ids, positions, slots, prompt_of = inputs[:n], inputs[n:2 * n], inputs[2 * n:3 * n], inputs[3 * n:4 * n]
         ends = inputs[4 * n:]
-        causal = torch.ones(n, n, dtype=torch.bool, device=inputs.device).tril()
-        mask = ((prompt_of[:, None] == prompt_of[None, :]) & causal)[None, None]
-        self.cache.begin_prefill_tokens(slots, positions, mask)
+        self.cache.begin_prefill_tokens(slots, positions, block_causal_mask(prompt_of)[None, None])
         try:
             logits = self.model(ids[None], position_ids=positions[None], kv_cache=self.cache, logit_positions=ends)
         finally:

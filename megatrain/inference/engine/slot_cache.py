@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatrain.data.batch import block_causal_mask
 from megatrain.models.common.attention import AttendingKVCache, CoreAttention
 
 
@@ -104,8 +105,7 @@ class SlotKVCache(AttendingKVCache):
         self._positions = torch.cat([self._key_positions[:n] for n in lengths])
         if len(slots) > 1 and self.packed_attention == "mask":  # block-diagonal causal: each prompt sees itself
             prompt_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
-            causal = torch.ones(ends[-1], ends[-1], dtype=torch.bool, device=device).tril()
-            self._mask = ((prompt_of[:, None] == prompt_of[None, :]) & causal)[None, None]
+            self._mask = block_causal_mask(prompt_of)[None, None]
 
     def begin_prefill_tokens(self, row_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
         """The next forward is a packed prefill given by device tensors (fixed shapes: what a recorded
