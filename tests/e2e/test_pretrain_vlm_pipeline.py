@@ -16,8 +16,7 @@ import json
 import pytest
 from PIL import Image
 
-from tests.e2e.conftest import losses_and_validation
-from tests.e2e.vlm_helpers import run_vlm, same_checkpoint_parameters, same_losses
+from tests.e2e.vlm_helpers import run_losses, same_checkpoint_parameters, same_losses
 from tests.unit.test_llava_family import COLORS, vlm_args, write_llava_data
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -38,17 +37,13 @@ def _data(root):
     return paths
 
 
-def _vlm(flags: list[str], nproc: int = 1) -> list[tuple[float, float]]:
-    return losses_and_validation(run_vlm(flags, nproc).stdout)[0]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process (6 iterations, saved at 4) and PP=2 (the first 4 of the same 6, saved at 4)."""
     out = tmp_path_factory.mktemp("vlm_pp")
     paths = _data(out)
-    one = _vlm([*vlm_args(paths), "--train-iters", "6", "--save", str(out / "one"), "--save-interval", "4"])
-    pp2 = _vlm([*vlm_args(paths), *PP2, "--train-iters", "6", "--exit-interval", "4", "--save", str(out / "pp2"),
+    one = run_losses([*vlm_args(paths), "--train-iters", "6", "--save", str(out / "one"), "--save-interval", "4"])
+    pp2 = run_losses([*vlm_args(paths), *PP2, "--train-iters", "6", "--exit-interval", "4", "--save", str(out / "pp2"),
                 "--save-interval", "4"], nproc=2)
     return {"out": out, "paths": paths, "one": one, "pp2": pp2}
 
@@ -64,5 +59,5 @@ def test_pipeline_parallel_2_equals_one_process(runs):
 
 def test_a_pipeline_checkpoint_loads_and_resumes_in_one_process(runs):
     same_checkpoint_parameters(str(runs["out"] / "one"), str(runs["out"] / "pp2"), 4)
-    resumed = _vlm([*vlm_args(runs["paths"]), "--train-iters", "6", "--load", str(runs["out"] / "pp2")])
+    resumed = run_losses([*vlm_args(runs["paths"]), "--train-iters", "6", "--load", str(runs["out"] / "pp2")])
     same_losses(runs["one"][4:], resumed)

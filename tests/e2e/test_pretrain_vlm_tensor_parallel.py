@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import losses_and_validation
-from tests.e2e.vlm_helpers import run_vlm, same_checkpoint_parameters, same_losses
+from tests.e2e.vlm_helpers import run_losses, same_checkpoint_parameters, same_losses
 from tests.unit.test_llava_family import vlm_args, write_llava_data
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -30,17 +29,13 @@ def _flags(paths: dict[str, str], tp: int) -> list[str]:
     return flags
 
 
-def _vlm(flags: list[str], nproc: int = 1) -> list[tuple[float, float]]:
-    return losses_and_validation(run_vlm(flags, nproc).stdout)[0]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process (6 iterations, saved at 4) and TP=2 (the first 4 of the same 6, saved at 4)."""
     out = tmp_path_factory.mktemp("vlm_tp")
     paths = write_llava_data(out)
-    one = _vlm([*_flags(paths, 1), "--train-iters", "6", "--save", str(out / "one"), "--save-interval", "4"])
-    tp2 = _vlm([*_flags(paths, 2), *TP2, "--train-iters", "6", "--exit-interval", "4", "--save", str(out / "tp2"),
+    one = run_losses([*_flags(paths, 1), "--train-iters", "6", "--save", str(out / "one"), "--save-interval", "4"])
+    tp2 = run_losses([*_flags(paths, 2), *TP2, "--train-iters", "6", "--exit-interval", "4", "--save", str(out / "tp2"),
                 "--save-interval", "4"], nproc=2)
     return {"out": out, "paths": paths, "one": one, "tp2": tp2}
 
@@ -52,13 +47,13 @@ def test_tensor_parallel_2_equals_one_process(runs):
 def test_sequence_parallel_equals_one_process(runs):
     """The expanded sequences (text and image positions: odd lengths here) are padded to a multiple of
     the TP size for the split; the losses are one process's."""
-    sp = _vlm([*_flags(runs["paths"], 2), *TP2, "--sequence-parallel", "--train-iters", "4"], nproc=2)
+    sp = run_losses([*_flags(runs["paths"], 2), *TP2, "--sequence-parallel", "--train-iters", "4"], nproc=2)
     same_losses(runs["one"][:4], sp)
 
 
 def test_a_tensor_parallel_checkpoint_reloads_and_resumes_in_one_process(runs):
     same_checkpoint_parameters(str(runs["out"] / "one"), str(runs["out"] / "tp2"), 4)
-    resumed = _vlm([*_flags(runs["paths"], 1), "--train-iters", "6", "--load", str(runs["out"] / "tp2")])
+    resumed = run_losses([*_flags(runs["paths"], 1), "--train-iters", "6", "--load", str(runs["out"] / "tp2")])
     same_losses(runs["one"][4:], resumed)
 
 
@@ -68,15 +63,15 @@ def test_frozen_parts_under_sequence_parallel_equal_one_process(tmp_path, freeze
     """Frozen parts stay frozen under TP + SP (sequence parallelism's norm styles re-create the norms'
     parameters: their ``requires_grad`` is kept), so the projector alone trains as in one process."""
     paths = write_llava_data(tmp_path)
-    one = _vlm([*_flags(paths, 1), *freeze, "--train-iters", "3"])
-    tp2 = _vlm([*_flags(paths, 2), *TP2, "--sequence-parallel", *freeze, "--train-iters", "3"], nproc=2)
+    one = run_losses([*_flags(paths, 1), *freeze, "--train-iters", "3"])
+    tp2 = run_losses([*_flags(paths, 2), *TP2, "--sequence-parallel", *freeze, "--train-iters", "3"], nproc=2)
     same_losses(one, tp2)
 
 
 @pytest.mark.long
 def test_tensor_and_data_parallel_equal_one_process(runs):
     """TP=2 x DP=2 (four processes), the replicated encoder's gradients averaged over the data-parallel ranks."""
-    tp2dp2 = _vlm([*_flags(runs["paths"], 2), *TP2, "--sequence-parallel", "--train-iters", "4"], nproc=4)
+    tp2dp2 = run_losses([*_flags(runs["paths"], 2), *TP2, "--sequence-parallel", "--train-iters", "4"], nproc=4)
     same_losses(runs["one"][:4], tp2dp2)
 
 

@@ -14,7 +14,8 @@ from PIL import Image
 from tests.e2e.conftest import cpu_env, run_cmd
 from tests.unit.test_llava_family import COLORS, vlm_args, write_llava_data
 
-__all__ = ["run_vlm", "train_lines", "losses", "same_losses", "with_two_image_lines", "energon_vqa_flags"]
+__all__ = ["run_vlm", "run_losses", "train_lines", "losses", "same_losses", "same_checkpoint_parameters",
+           "with_two_image_lines", "energon_vqa_flags"]
 
 
 def run_vlm(flags: list[str], nproc: int = 1, check: bool = True):
@@ -99,3 +100,10 @@ def same_checkpoint_parameters(one_dir: str, other_dir: str, step: int) -> None:
             value, other = value[keep.flatten()], other[keep.flatten()]
         scale = value.abs().max().clamp_min(1e-12)
         assert ((value - other).abs().max() / scale).item() < 1e-5, name
+
+
+def run_losses(flags: list[str], nproc: int = 1) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of each iteration of ``pretrain_vlm.py FLAGS`` (:func:`run_vlm`)."""
+    from tests.e2e.conftest import losses_and_validation
+
+    return losses_and_validation(run_vlm(flags, nproc).stdout)[0]
