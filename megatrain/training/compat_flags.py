@@ -97,6 +97,8 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
                     "--megatron-fsdp-enable-fine-grained-param-gather", "--megatron-fsdp-max-pool-double-buffer",
                     "--fsdp-db-use-persist-buf-on-alloc-fail", "--no-gradient-reduce-div-fusion")},
     # Megatron's MoE kernel-fusion and overlap switches: the same numbers, left to PyTorch here.
+    "--mla-down-proj-fusion": "multi-latent attention's down projections are plain linears (torch.compile may "
+                              "fuse them)",
     "--moe-permute-fusion": "token permutation is plain PyTorch (torch.compile may fuse it)",
     "--moe-router-fusion": "the router's top-k and scores are plain PyTorch (torch.compile may fuse them)",
     "--moe-shared-expert-overlap": "the shared experts run after the routed ones, without a separate stream",
@@ -117,7 +119,8 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--moe-use-upcycling": "upcycling a dense checkpoint into a MoE model is not supported",
     "--moe-router-topk-limited-devices": "deprecated in Megatron-LM: use --moe-router-num-groups (the expert-parallel "
                                          "size) and --moe-router-group-topk",
-    "--multi-latent-attention": "multi-latent attention is not supported yet",
+    "--cache-mla-latents": "the KV cache holds multi-latent attention's up-projected keys and values; caching "
+                           "the latents (weight absorption) is not implemented",
     "--use-rotary-position-embeddings": None,
     "--squared-relu": "squared-ReLU activation is not supported yet",
     "--apply-residual-connection-post-layernorm": "post-layernorm residuals are not supported",
@@ -191,7 +194,7 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
                  "--no-gradient-reduce-div-fusion"):
         g.add_argument(flag, action="store_true", dest="compat_" + flag.lstrip("-").replace("-", "_"))
     g.add_argument("--suggested-communication-unit-size", type=int, default=None)
-    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap",
+    for flag in ("--mla-down-proj-fusion", "--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap",
                  "--moe-use-legacy-grouped-gemm", "--moe-router-padding-for-fp8",
                  "--moe-router-padding-for-quantization"):
         g.add_argument(flag, action="store_true", dest="compat_" + flag.lstrip("-").replace("-", "_"))

@@ -49,6 +49,7 @@ from megatrain.inference.engine.sampler import Choice, JobSampler, check_job, sa
 from megatrain.inference.engine.scheduler import Request, Scheduler
 from megatrain.inference.engine.slot_cache import CacheShape, SlotKVCache
 from megatrain.models.common.attention import CrossAttention, SelfAttention
+from megatrain.models.common.mla import MLASelfAttention
 
 __all__ = ["EngineConfig", "GenerationEngine", "generate_blocking"]
 
@@ -157,9 +158,13 @@ class GenerationEngine:
         self.vocab_size = int(model_config.vocab_size)
         if model_config.num_query_groups % self.world:
             raise ValueError(f"{model_config.num_query_groups} query groups do not split over {self.world} ranks")
-        layers = tuple(m.layer_number for m in model.modules() if isinstance(m, SelfAttention))
-        shape = CacheShape(layers, model_config.num_query_groups // self.world, model_config.kv_channels,
-                           config.max_requests, config.max_sequence_length)
+        layers = tuple(m.layer_number for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention)))
+        if getattr(model_config, "multi_latent_attention", False):  # every head has its own keys and values
+            key_dim, value_dim = model_config.qk_head_dim + model_config.qk_pos_emb_head_dim, model_config.v_head_dim
+        else:
+            key_dim, value_dim = model_config.kv_channels, None
+        shape = CacheShape(layers, model_config.num_query_groups // self.world, key_dim,
+                           config.max_requests, config.max_sequence_length, value_dim)
         self.cache = SlotKVCache(shape, dtype, device,
                                  packed_attention="mask" if config.compile_prefill else "segments")
         cuda_graphs = config.cuda_graphs

@@ -40,13 +40,15 @@ from megatrain.models.common.attention import AttendingKVCache, CoreAttention
 @dataclass(frozen=True)
 class CacheShape:
     """What a slot cache holds: ``layer_numbers`` (the SelfAttention layer numbers), per layer
-    ``groups`` key/value heads (this rank's, under tensor parallelism) of ``head_dim``."""
+    ``groups`` key/value heads (this rank's, under tensor parallelism) of ``head_dim`` (values of
+    ``value_dim``, default the same: multi-latent attention's are narrower)."""
 
     layer_numbers: tuple[int, ...]
     groups: int
     head_dim: int
     max_requests: int
     max_sequence_length: int
+    value_dim: int | None = None
 
 
 class SlotKVCache(AttendingKVCache):
@@ -63,8 +65,9 @@ class SlotKVCache(AttendingKVCache):
             raise ValueError(f"max_sequence_length must be positive, got {shape.max_sequence_length}")
         self.shape = shape
         size = (shape.max_requests, shape.groups, shape.max_sequence_length, shape.head_dim)
+        value_size = size[:3] + (shape.value_dim or shape.head_dim,)
         self.keys = {n: torch.zeros(size, dtype=dtype, device=device) for n in shape.layer_numbers}
-        self.values = {n: torch.zeros(size, dtype=dtype, device=device) for n in shape.layer_numbers}
+        self.values = {n: torch.zeros(value_size, dtype=dtype, device=device) for n in shape.layer_numbers}
         self._key_positions = torch.arange(shape.max_sequence_length, device=device)
         self._mode: str | None = None
         self._segments: list[tuple[int, int]] = []
@@ -176,5 +179,6 @@ class SlotKVCache(AttendingKVCache):
         k_all = keys[:rows, :, :self._key_length]  # [rows, groups, L, d], a view
         v_all = values[:rows, :, :self._key_length]
         q_grouped = q.view(rows, groups, heads // groups, d)  # the group's heads as its "queries"
-        out = F.scaled_dot_product_attention(q_grouped, k_all, v_all, attn_mask=self._mask)
-        return out.reshape(rows, heads, 1, d)
+        out = F.scaled_dot_product_attention(q_grouped, k_all, v_all, attn_mask=self._mask,
+                                             scale=core_attention.softmax_scale)
+        return out.reshape(rows, heads, 1, v_all.shape[-1])

@@ -73,11 +73,10 @@ class KVCache:
         end = start + k_bgsd.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache is full: {end} tokens do not fit in max_length={self.max_length}")
-        if layer_number not in self._keys:
+        if layer_number not in self._keys:  # values may be narrower than keys (multi-latent attention)
             b, g, _, d = k_bgsd.shape
-            shape = (b, g, self.max_length, d)
-            self._keys[layer_number] = k_bgsd.new_empty(shape)
-            self._values[layer_number] = v_bgsd.new_empty(shape)
+            self._keys[layer_number] = k_bgsd.new_empty((b, g, self.max_length, d))
+            self._values[layer_number] = v_bgsd.new_empty((b, g, self.max_length, v_bgsd.shape[-1]))
         keys, values = self._keys[layer_number], self._values[layer_number]
         assert keys.shape[0] == k_bgsd.shape[0], "batch size changed while using one KV cache"
         keys[:, :, start:end] = k_bgsd
@@ -196,12 +195,14 @@ class CoreAttention(nn.Module):
     [s] (keyword) are the queries' positions among the keys when they are not ``past ... past + s - 1``
     (context parallelism: a rank's sequence chunks against the whole sequence's keys). A
     :class:`FlexAttentionMask` runs FlexAttention instead of SDPA (no window, no cached keys, no
-    attention dropout).
+    attention dropout). ``softmax_scale``: the scores' factor instead of 1/sqrt(query dims)
+    (multi-latent attention's YaRN correction); values may have fewer dims than queries and keys.
     """
 
     def __init__(self, config: TransformerConfig, causal: bool | None = None,
-                 window: tuple[int, int] | None = None) -> None:
+                 window: tuple[int, int] | None = None, softmax_scale: float | None = None) -> None:
         super().__init__()
+        self.softmax_scale = softmax_scale
         self.heads_per_group = config.heads_per_group
         self.attention_dropout = config.attention_dropout
         self.causal = config.causal_attention if causal is None else causal
@@ -255,20 +256,21 @@ class CoreAttention(nn.Module):
         is_causal = self.causal and attention_mask is None and past == 0
         dropout_p = self.attention_dropout if self.training else 0.0
 
+        scale = self.softmax_scale
         if self.heads_per_group == 1:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
+                q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
             )
         if attention_mask is None:
             # Fused kernels read the shared key/value heads directly.
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
+                q, k, v, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True, scale=scale
             )
         # With an explicit mask, not every torch >= 2.6 kernel takes enable_gqa: expand instead.
         # Query head j belongs to group j // (n/g), hence repeat_interleave.
         k = k.repeat_interleave(self.heads_per_group, dim=1)
         v = v.repeat_interleave(self.heads_per_group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, scale=scale)
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexAttentionMask,
               past: int) -> torch.Tensor:
@@ -278,7 +280,7 @@ class CoreAttention(nn.Module):
             raise ValueError("FlexAttention masks do not take cached keys (incremental decoding uses SDPA)")
         if self.training and self.attention_dropout > 0:
             raise ValueError("FlexAttention has no attention dropout: use --attention-dropout 0 or SDPA attention")
-        return flex_attention_forward(q, k, v, mask, enable_gqa=self.heads_per_group > 1)
+        return flex_attention_forward(q, k, v, mask, enable_gqa=self.heads_per_group > 1, scale=self.softmax_scale)
 
 
 class CrossAttention(nn.Module):

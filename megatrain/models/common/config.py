@@ -93,11 +93,34 @@ class TransformerConfig:
     # Benchmarks only (Megatron's experimental flag): the router's logits replaced by random normal
     # ones (the gradient passes straight through), so the experts get balanced loads.
     moe_router_force_load_balancing: bool = False
+    # ---- multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention and its MLA flags) ----
+    # Queries from hidden (or through a rank-q_lora_rank bottleneck), keys and values from one shared
+    # latent of kv_lora_rank dims; each head's query/key has qk_head_dim dims without positions and
+    # qk_pos_emb_head_dim rotated ones (the key's shared by all heads), values v_head_dim
+    # (megatrain.models.common.mla). kv_channels and num_query_groups do not apply.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # MLA's RoPE: "yarn" (Megatron's MLA default) or "rope"; YaRN's factor, mscales and the fields
+    # Megatron's MLA config fixes (original context 4096, beta_fast 32, beta_slow 1) but Hugging Face
+    # configs carry.
+    rope_type: str | None = None  # None: "yarn" with multi-latent attention (set by its check)
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
     # Self-attention sees earlier positions only (decoders); False: every position of the sequence
     # (encoders), unless an explicit mask says otherwise. A property of the family, not a field.
     causal_attention: ClassVar[bool] = True
     # The --position-embedding-type values the family's model implements.
     position_embedding_types: ClassVar[tuple[str, ...]] = ("learned_absolute", "rope")
+    # Whether the family's model builds multi-latent attention (GPT does; BERT, T5 and LLaVA do not).
+    supports_mla: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
@@ -141,7 +164,8 @@ class TransformerConfig:
             )
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
-        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention and (
+                self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(f"rotary embeddings need an even number of rotated dims: --kv-channels "
                              f"({self.kv_channels}) x --rotary-percent ({self.rotary_percent}) = {self.rotary_dim}")
         if self.rotary_interleaved and self.position_embedding_type != "rope":
@@ -161,6 +185,10 @@ class TransformerConfig:
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
         self._check_moe()
+        if self.multi_latent_attention:
+            from megatrain.models.common.mla_config import check_mla_config
+
+            check_mla_config(self)
 
     def _check_rope_scaling(self) -> None:
         if not self.use_rope_scaling:
@@ -491,6 +519,34 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         **moe_fields_from_args(args),
+        **mla_fields_from_args(args),
+    )
+
+
+def mla_fields_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The multi-latent-attention fields from Megatron's flags (``--rope-type`` unset: YaRN for MLA, as
+    Megatron's MLA config)."""
+    if not getattr(args, "multi_latent_attention", False):
+        rope_type = getattr(args, "rope_type", None)
+        if rope_type not in (None, "rope"):
+            raise ValueError(f"--rope-type {rope_type} is for --multi-latent-attention only (other attention "
+                             f"takes rope)")
+        return {}
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rope_type=args.rope_type or "yarn",
+        rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim,
+        **{name: value for name, value in (
+            ("yarn_original_max_position_embeddings", getattr(args, "yarn_original_max_position_embeddings", None)),
+            ("yarn_beta_fast", getattr(args, "yarn_beta_fast", None)),
+            ("yarn_beta_slow", getattr(args, "yarn_beta_slow", None))) if value is not None},
     )
 
 

@@ -42,7 +42,8 @@ class ConfigCheck:
 
 _ROPE = ("position_embedding_type", "rope")
 _LEARNED = ("position_embedding_type", "learned_absolute")  # with RoPE there is no position table
-_ROPE_SCALING = ("use_rope_scaling", True)  # which needs RoPE
+_ROPE_SCALING = ("use_rope_scaling", True)
+_MLA = ("multi_latent_attention", True)  # which needs RoPE
 
 # The checks of every TransformerConfig field (a family's table starts from it and adds its own).
 TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
@@ -114,4 +115,19 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
     "moe_layer_freq": ConfigCheck("compare", "--moe-layer-freq"),
     "moe_grouped_gemm": ConfigCheck("no", "--moe-grouped-gemm"),  # a kernel choice, the same numbers
     "moe_router_force_load_balancing": ConfigCheck("no", "--moe-router-force-load-balancing"),  # a benchmark switch
+    # multi-latent attention: every field is the weights' shape or how they are read
+    "multi_latent_attention": ConfigCheck("compare", "--multi-latent-attention"),
+    "q_lora_rank": ConfigCheck("compare", "--q-lora-rank", when=_MLA, none_is_value=True),
+    "kv_lora_rank": ConfigCheck("compare", "--kv-lora-rank", when=_MLA),
+    "qk_head_dim": ConfigCheck("compare", "--qk-head-dim", when=_MLA),
+    "qk_pos_emb_head_dim": ConfigCheck("compare", "--qk-pos-emb-head-dim", when=_MLA),
+    "v_head_dim": ConfigCheck("compare", "--v-head-dim", when=_MLA),
+    "rope_type": ConfigCheck("compare", "--rope-type", when=_MLA),
+    "rotary_scaling_factor": ConfigCheck("compare", "--rotary-scaling-factor", when=_MLA),
+    "mscale": ConfigCheck("compare", "--mscale", when=_MLA),
+    "mscale_all_dim": ConfigCheck("compare", "--mscale-all-dim", when=_MLA),
+    "yarn_original_max_position_embeddings": ConfigCheck("compare", "--yarn-original-max-position-embeddings",
+                                                         when=_MLA),
+    "yarn_beta_fast": ConfigCheck("compare", "--yarn-beta-fast", when=_MLA),
+    "yarn_beta_slow": ConfigCheck("compare", "--yarn-beta-slow", when=_MLA),
 }

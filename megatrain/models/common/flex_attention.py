@@ -172,9 +172,9 @@ def _is_compiling() -> bool:
 
 
 def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexAttentionMask, *,
-                           enable_gqa: bool = False) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v over the keys ``mask`` leaves visible: q [b, heads, s_q, d],
-    k and v [b, heads or groups, s_k, d] -> [b, heads, s_q, d] (no dropout)."""
+                           enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v over the keys ``mask`` leaves visible (scale default 1/sqrt(d)):
+    q [b, heads, s_q, d], k and v [b, heads or groups, s_k, d] -> [b, heads, s_q, d] (no dropout)."""
     score_mod = None
     bias = mask.position_bias
     if bias is not None:
@@ -196,6 +196,8 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         kwargs["kernel_options"] = dict(CUDA_KERNEL_OPTIONS)
     if enable_gqa:
         kwargs["enable_gqa"] = True
+    if scale is not None:
+        kwargs["scale"] = scale
     if _is_compiling() or q.device.type == "cpu":
         # Compiled with the region around it; on CPU (forward only) the eager reference is enough.
         return flex_attention(q, k, v, **kwargs)

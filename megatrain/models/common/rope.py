@@ -16,6 +16,9 @@ Llama 3.x RoPE scaling (Megatron's ``--use-rope-scaling``, Hugging Face's ``rope
 changes the inverse frequencies once, before any angle is formed (:func:`llama3_scaled_inv_freq`);
 the positions stay as they are.
 
+Multi-latent attention rotates its own ``--qk-pos-emb-head-dim`` dims, with YaRN frequencies by default
+(Megatron's ``YarnRotaryEmbedding``, :func:`yarn_inv_freq`): tables from :func:`mla_rotary_tables`.
+
 Interleaved RoPE (Megatron's ``--rotary-interleaved``) pairs adjacent dims instead: (x0, x1), (x2, x3),
 ..., pair i rotated by the same angle ``position * base ** (-2i / d)``; the tables then repeat each
 angle twice in place ([a0, a0, a1, a1, ...]) instead of laying out two copies ([a0, a1, ..., a0, a1, ...]).
@@ -109,11 +112,77 @@ def _scaling_arg(scaling: RopeScaling | None) -> list[float] | None:
     return list(scaling) if scaling is not None else None
 
 
+def yarn_inv_freq(dim: int, base: float, factor: float, original_context: float, beta_fast: float,
+                  beta_slow: float, device: torch.device | None = None) -> torch.Tensor:
+    """YaRN's inverse frequencies of ``dim / 2`` pairs (Megatron's ``YarnRotaryEmbedding``, Hugging Face's
+    ``rope_type: "yarn"``): pairs that turn more than ``beta_fast`` times over the original context keep
+    their frequency, those turning fewer than ``beta_slow`` times are slowed by ``factor``, a linear ramp
+    between (the ramp's ends rounded outwards to whole pairs and clamped to the dims)."""
+    extra = rotary_inv_freq(dim, base, device=device)
+    inter = extra / factor
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: slowed by the factor
+    return inter * (1 - keep) + extra * keep
+
+
+def mla_cos_sin(position_ids: torch.Tensor, dim: int, base: float,
+                yarn: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [*position_ids.shape, dim] (float32, the two-halves layout) of multi-latent attention's
+    rotated dims. ``yarn``: (factor, original context, beta_fast, beta_slow, concentration) — the tables
+    are then YaRN's, multiplied by the concentration (Megatron's ``_mscale``); None: plain RoPE."""
+    if yarn is None:
+        inv_freq, concentration = rotary_inv_freq(dim, base, device=position_ids.device), 1.0
+    else:
+        inv_freq = yarn_inv_freq(dim, base, yarn[0], yarn[1], yarn[2], yarn[3], device=position_ids.device)
+        concentration = yarn[4]
+    angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos() * concentration, angles.sin() * concentration
+
+
+@torch.library.custom_op("megatrain::mla_cos_sin", mutates_args=())
+def _mla_cos_sin_op(position_ids: torch.Tensor, dim: int, base: float,
+                    yarn: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = mla_cos_sin(position_ids, dim, base, yarn)
+    return cos.contiguous(), sin.contiguous()
+
+
+@_mla_cos_sin_op.register_fake
+def _(position_ids: torch.Tensor, dim: int, base: float,
+      yarn: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*position_ids.shape, dim)
+    return (position_ids.new_empty(shape, dtype=torch.float32), position_ids.new_empty(shape, dtype=torch.float32))
+
+
+def mla_rotary_tables(config, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [b or 1, s, qk_pos_emb_head_dim] of a multi-latent-attention model (``--rope-type``)."""
+    yarn = None
+    if config.rope_type == "yarn":
+        from megatrain.models.common.mla_config import yarn_mscale
+
+        factor = float(config.rotary_scaling_factor)
+        concentration = yarn_mscale(factor, config.mscale) / yarn_mscale(factor, config.mscale_all_dim)
+        yarn = [factor, float(config.yarn_original_max_position_embeddings), float(config.yarn_beta_fast),
+                float(config.yarn_beta_slow), float(concentration)]
+    return _mla_cos_sin_op(position_ids, config.qk_pos_emb_head_dim, float(config.rotary_base), yarn)
+
+
 def rotary_tables(config, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(cos, sin) [b or 1, s, rotary dim] in float32 for the layers of a RoPE model, else None.
+    """(cos, sin) [b or 1, s, rotary dim] in float32 for the layers of a RoPE model, else None
+    (multi-latent attention: its own rotated dims' tables, whatever --position-embedding-type).
 
     Computed by an opaque custom operator, so that a compiled model stores the tables once instead
     of fusing the cos/sin evaluation into every layer's rotation kernels."""
+    if getattr(config, "multi_latent_attention", False):
+        return mla_rotary_tables(config, position_ids)
     if config.position_embedding_type != "rope":
         return None
     return _rotary_cos_sin_op(position_ids, config.rotary_dim, float(config.rotary_base),

@@ -6,7 +6,10 @@ Module paths inside a layer are a contract with the parallel code (tensor-parall
 recomputation, context parallelism): ``input_layernorm``, ``self_attention.{linear_qkv,
 core_attention, linear_proj}`` (with ``--qk-layernorm`` also ``q_layernorm``, ``k_layernorm``), with cross-attention ``pre_cross_attn_layernorm`` and
 ``cross_attention.{linear_q, linear_kv, core_attention, linear_proj}`` (Megatron's names),
-``pre_mlp_layernorm``, ``mlp.{linear_fc1, linear_fc2}``, ``dropout``. In a mixture-of-experts layer
+``pre_mlp_layernorm``, ``mlp.{linear_fc1, linear_fc2}``, ``dropout``. With multi-latent attention
+``self_attention`` is a :class:`~megatrain.models.common.mla.MLASelfAttention` (``linear_q_proj`` or
+``linear_q_down_proj``/``q_layernorm``/``linear_q_up_proj``, ``linear_kv_down_proj``, ``kv_layernorm``,
+``linear_kv_up_proj``, ``core_attention``, ``linear_proj``). In a mixture-of-experts layer
 (``config.is_moe_layer(layer_number)``, ``layer_number`` 0-based) ``mlp`` is a
 :class:`~megatrain.models.common.moe.layer.MoELayer` (``mlp.router``, ``mlp.experts.{linear_fc1,
 linear_fc2}``, ``mlp.shared_experts.{linear_fc1, linear_fc2, gate_weight}``).
@@ -36,7 +39,12 @@ class TransformerLayer(nn.Module):
                  cross_attention: bool = False) -> None:
         super().__init__()
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number, causal=causal)
+        if getattr(config, "multi_latent_attention", False):
+            from megatrain.models.common.mla import MLASelfAttention  # only MLA models import it
+
+            self.self_attention: nn.Module = MLASelfAttention(config, layer_number, causal=causal)
+        else:
+            self.self_attention = SelfAttention(config, layer_number, causal=causal)
         self.pre_cross_attn_layernorm: nn.Module | None = build_norm(config) if cross_attention else None
         self.cross_attention: CrossAttention | None = (CrossAttention(config, layer_number) if cross_attention
                                                        else None)

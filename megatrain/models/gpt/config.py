@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatrain.models.common.config import (TransformerConfig, gelu_approximation_from_args,
                                              transformer_fields_from_args)
@@ -15,6 +16,8 @@ __all__ = ["GPTConfig", "gpt_config_from_args", "gelu_approximation_from_args"]
 class GPTConfig(TransformerConfig):
     """A decoder-only transformer: the shared transformer shape, causal attention, a language-model
     head (tied to the word embeddings unless ``untie_embeddings_and_output_weights``)."""
+
+    supports_mla: ClassVar[bool] = True
 
 
 def gpt_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConfig:

@@ -12,7 +12,7 @@ import argparse
 from megatrain.flags import flag_section
 from megatrain.models.common.config import parse_moe_layer_freq
 
-__all__ = ["add_gpt_flags", "add_moe_flags"]
+__all__ = ["add_gpt_flags", "add_moe_flags", "add_mla_flags"]
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -98,6 +98,40 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
                    help="also write each MoE layer's balancing loss and z-loss to TensorBoard (moe/<name>_layer_<i>)")
 
 
+def add_mla_flags(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's multi-latent attention flags (DeepSeek-V2/V3), with its names and defaults;
+    `TransformerConfig` (megatrain.models.common.mla_config) checks them."""
+    g = flag_section(parser, "multi-latent attention")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek's multi-latent attention: keys and values from one low-rank latent per token, "
+                        "queries optionally through their own (see docs/moe.md)")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="rank of the queries' low-rank projection (unset: queries projected from the hidden "
+                        "state directly)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="rank of the shared key/value latent")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="query/key dims per head without positions (a head's query has --qk-head-dim + "
+                        "--qk-pos-emb-head-dim)")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="query/key dims per head that RoPE rotates (the key's are shared by every head)")
+    g.add_argument("--v-head-dim", type=int, default=128, help="value dims per head")
+    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
+                   help="multi-latent attention's RoPE: yarn (the default with --multi-latent-attention) or rope; "
+                        "other attention takes rope only")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="YaRN's context scaling factor (1: plain RoPE frequencies)")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN's mscale (the cos/sin concentration)")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="YaRN's mscale_all_dim (also scales the softmax: by mscale(factor, this)^2)")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN's original context length (default 4096, what Megatron-LM's MLA fixes)")
+    g.add_argument("--yarn-beta-fast", type=float, default=None,
+                   help="YaRN's beta_fast: dim pairs turning more often over the original context keep their "
+                        "frequency (default 32)")
+    g.add_argument("--yarn-beta-slow", type=float, default=None,
+                   help="YaRN's beta_slow: dim pairs turning fewer times are slowed by the factor (default 1)")
+
+
 def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     """Add the model-shape, dropout and initialisation flags of the GPT family to ``parser``."""
     g = flag_section(parser, "network size")
@@ -167,3 +201,4 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     g = flag_section(parser, "initialization")
     g.add_argument("--init-method-std", type=float, default=0.02)
     add_moe_flags(parser)
+    add_mla_flags(parser)

@@ -196,8 +196,10 @@ class GPTModel(nn.Module):
 # Mixture-of-experts layers: the router's weight [E, h], the experts' linear_fc1 [E, 2F, h] (their
 # linear_fc2 [E, h, F] is a residual projection) and the shared experts' gate_weight [1, h], as Megatron's
 # init_method; each seeded by its full name, so the whole [E, ...] tensor is the same for any expert layout.
+# Multi-latent attention's query and key/value projections are init_method weights too (Megatron's).
 _STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer",
-                          "router", "gate_weight"})
+                          "router", "gate_weight", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                          "linear_kv_down_proj", "linear_kv_up_proj"})
 
 
 def initial_value(name: str, shape: Sequence[int], config: GPTConfig, seed: int) -> torch.Tensor:
