@@ -13,6 +13,10 @@ self_attention.linear_qkv              column parallel; the grouped [g, n/g + 2,
 self_attention.linear_proj             row parallel
 self_attention.q_/k_layernorm          (--qk-layernorm) weights replicated, input the rank's heads
                                        (:class:`HeadShardedNorm`): their gradients sum over ranks
+multi-latent attention                 linear_q_proj / linear_q_up_proj and linear_kv_up_proj column
+                                       parallel (whole heads); down projections and latent norms
+                                       replicated; k_pos_emb_region (the rotated key every head
+                                       shares) all-reduces its gradient (:class:`CopyToTensorParallelRegion`)
 cross_attention.linear_q, linear_kv    column parallel (a decoder layer of an encoder-decoder);
                                        the [n, 2, d] key/value rows keep whole heads per rank
 cross_attention.linear_proj            row parallel
@@ -48,13 +52,14 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 __all__ = ["TensorParallelPlan", "transformer_layer_plan", "layers_plan", "vocab_parallel_embedding_plan",
-           "lm_head_plan", "ShardParametersOnVocab", "SharedExpertGateParallel", "HeadShardedNorm"]
+           "lm_head_plan", "ShardParametersOnVocab", "SharedExpertGateParallel", "HeadShardedNorm",
+           "CopyToTensorParallelRegion"]
 
 
 @dataclass
@@ -66,16 +71,23 @@ class TensorParallelPlan:
 
 def transformer_layer_plan(sequence_parallel: bool, cross_attention: bool = False, *, moe: bool = False,
                            shared_experts: bool = False, shared_expert_gate: bool = False,
-                           qk_layernorm: bool = False) -> dict[str, Any]:
+                           qk_layernorm: bool = False, mla: str | None = None) -> dict[str, Any]:
     """The plan of one transformer layer (with ``cross_attention``: a decoder layer that has one),
     keyed by module path relative to the layer. ``moe``: its ``mlp`` is a mixture-of-experts layer
     (with ``shared_experts``, gated with ``shared_expert_gate``); ``qk_layernorm``: its self-attention
-    has per-head query and key norms."""
+    has per-head query and key norms; ``mla``: its self-attention is multi-latent attention, with a query
+    bottleneck ("q_lora") or without ("direct")."""
     residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        "self_attention.linear_qkv": ColwiseParallel(),
-        "self_attention.linear_proj": RowwiseParallel(output_layouts=residual),
-    }
+    plan: dict[str, Any] = {}
+    if mla is None:
+        plan["self_attention.linear_qkv"] = ColwiseParallel()
+    else:  # the latents replicated, their up projections split by heads
+        plan.update({
+            "self_attention.linear_q_up_proj" if mla == "q_lora" else "self_attention.linear_q_proj": ColwiseParallel(),
+            "self_attention.linear_kv_up_proj": ColwiseParallel(),
+            "self_attention.k_pos_emb_region": CopyToTensorParallelRegion(),
+        })
+    plan["self_attention.linear_proj"] = RowwiseParallel(output_layouts=residual)
     if qk_layernorm:
         plan.update({"self_attention.q_layernorm": HeadShardedNorm(), "self_attention.k_layernorm": HeadShardedNorm()})
     if cross_attention:
@@ -134,9 +146,13 @@ def layers_plan(layers: nn.ModuleDict, config: Any, sequence_parallel: bool, pre
         moe = type(mlp).__name__ == "MoELayer"
         shared = getattr(mlp, "shared_experts", None) if moe else None
         gate = shared is not None and getattr(shared, "gate_weight", None) is not None
-        qk_norm = getattr(getattr(layer, "self_attention", None), "q_layernorm", None) is not None
+        attention = getattr(layer, "self_attention", None)
+        mla = None
+        if type(attention).__name__ == "MLASelfAttention":
+            mla = "direct" if getattr(attention, "q_lora_rank", None) is None else "q_lora"
+        qk_norm = mla is None and getattr(attention, "q_layernorm", None) is not None
         for path, style in transformer_layer_plan(sequence_parallel, cross, moe=moe, shared_experts=shared is not None,
-                                                  shared_expert_gate=gate, qk_layernorm=qk_norm).items():
+                                                  shared_expert_gate=gate, qk_layernorm=qk_norm, mla=mla).items():
             plan.styles.append((f"{prefix}.{key}.{path}", style))
         if config.attention_dropout > 0:
             plan.rng_regions.append(f"{prefix}.{key}.self_attention.core_attention")
@@ -236,3 +252,20 @@ class HeadShardedNorm(ParallelStyle):
             return output.to_local() if isinstance(output, DTensor) else output
 
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+
+class CopyToTensorParallelRegion(ParallelStyle):
+    """A parameter-free module whose input, replicated on every rank, is then used by this rank's heads
+    only (multi-latent attention's shared rotated key): identity forward, its gradient all-reduced over
+    the ranks in backward (Megatron's copy-to-tensor-parallel region), so the replicated projection
+    before it gets the whole gradient. Returns a local tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x, *rest = inputs
+            if isinstance(x, DTensor):
+                x = x.to_local()
+            shared = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (shared.to_local(grad_placements=[Partial()]), *rest)
+
+        return distribute_module(module, device_mesh, input_fn=prepare_input)
