@@ -246,6 +246,7 @@ def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int,
         flags += ["--qk-layernorm"]
     if getattr(cfg, "window_size", None) is not None:
         flags += ["--window-size", ",".join(str(w) for w in cfg.window_size)]
+    flags += mla_flags(cfg)
     if cfg.untie_embeddings_and_output_weights:
         flags += ["--untie-embeddings-and-output-weights"]
     flags += list(family_flags or [])
@@ -253,6 +254,26 @@ def pretrain_flags(cfg: Any, tok_args: dict[str, Any], divisible_by: int,
     for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_extra_ids"):
         if tok_args.get(key):
             flags += ["--" + key.replace("_", "-"), str(tok_args[key])]
+    return flags
+
+
+def mla_flags(cfg: Any) -> list[str]:
+    """The multi-latent-attention flags of ``cfg`` (DeepSeek-V2/V3; none without it): its dims, and its
+    RoPE (--rope-type; YaRN's numbers all written out, so no default of either side matters)."""
+    if not getattr(cfg, "multi_latent_attention", False):
+        return []
+    flags = ["--multi-latent-attention"]
+    if cfg.q_lora_rank is not None:
+        flags += ["--q-lora-rank", str(cfg.q_lora_rank)]
+    flags += ["--kv-lora-rank", str(cfg.kv_lora_rank), "--qk-head-dim", str(cfg.qk_head_dim),
+              "--qk-pos-emb-head-dim", str(cfg.qk_pos_emb_head_dim), "--v-head-dim", str(cfg.v_head_dim),
+              "--rope-type", cfg.rope_type]
+    if cfg.rope_type == "yarn" or cfg.rotary_scaling_factor != 1.0 or cfg.mscale_all_dim != 0.0:
+        flags += ["--rotary-scaling-factor", repr(cfg.rotary_scaling_factor), "--mscale", repr(cfg.mscale),
+                  "--mscale-all-dim", repr(cfg.mscale_all_dim)]
+    if cfg.rope_type == "yarn":
+        flags += ["--yarn-original-max-position-embeddings", str(cfg.yarn_original_max_position_embeddings),
+                  "--yarn-beta-fast", repr(cfg.yarn_beta_fast), "--yarn-beta-slow", repr(cfg.yarn_beta_slow)]
     return flags
 
 

@@ -23,6 +23,8 @@ Hugging Face's RoPE pairs the two halves of a head (dims i and i + d/2). A ``--r
 model (pairs 2i, 2i + 1) exports with the query and key rows of each head (and the q/k norm weights)
 reordered, even dims first: the same attention scores under the half layout. Imports are half layout.
 
+With ``--multi-latent-attention``: DeepseekV3ForCausalLM (:mod:`megatrain.models.gpt.hf_deepseek`).
+
 A model that neither class represents exactly is refused with :class:`UnsupportedModelError`.
 """
 
@@ -35,6 +37,9 @@ import torch
 
 from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError, fit_rows, qkv_join, qkv_split
 from megatrain.models.gpt.config import GPTConfig
+from megatrain.models.gpt.hf_deepseek import (DEEPSEEK_V3, deepseek_architecture, deepseek_config_dict,
+                                              deepseek_config_from_hf, deepseek_from_hf_state_dict,
+                                              deepseek_pretrain_flags, deepseek_to_hf_state_dict)
 from megatrain.models.gpt.hf_moe import (CLASS_DEFAULTS, DENSE_TWIN, MOE_ARCHITECTURES, MOE_MODEL_TYPES, QWEN2_MOE,
                                          QWEN3_MOE, is_moe, moe_architecture, moe_config_entries, moe_fields_from_hf,
                                          moe_layers, moe_mlp_from_hf, moe_mlp_to_hf, moe_pretrain_flags,
@@ -45,9 +50,10 @@ LLAMA = "LlamaForCausalLM"
 MISTRAL = "MistralForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES, DEEPSEEK_V3)
 _LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)
-_MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, **MOE_MODEL_TYPES}
+_MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, **MOE_MODEL_TYPES,
+                "deepseek_v3": DEEPSEEK_V3}
 
 
 
@@ -65,6 +71,8 @@ def _sliding_window(cfg: GPTConfig) -> int | None:
 
 def hf_architecture(cfg: GPTConfig) -> str:
     """GPT2LMHeadModel or LlamaForCausalLM for ``cfg``; raises UnsupportedModelError otherwise."""
+    if cfg.multi_latent_attention:
+        return deepseek_architecture(cfg)
     assert cfg.kv_channels is not None and cfg.num_query_groups is not None
     gpt2_needs = {
         "learned absolute positions (--position-embedding-type learned_absolute)":
@@ -153,6 +161,8 @@ def hf_config_dict(cfg: GPTConfig, architecture: str, *, vocab_size: int, dtype:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if architecture == DEEPSEEK_V3:
+        return deepseek_config_dict(cfg, common)
     if architecture == GPT2:
         return {
             **common,
@@ -300,7 +310,7 @@ def rope_scaling_flags(cfg: Any) -> list[str]:
 
 def _pretrain_flags(cfg: Any) -> list[str]:
     """The GPT family's flags beyond the shared transformer shape: RoPE scaling, then MoE."""
-    return rope_scaling_flags(cfg) + moe_pretrain_flags(cfg)
+    return rope_scaling_flags(cfg) + moe_pretrain_flags(cfg) + deepseek_pretrain_flags(cfg)
 
 
 # Hugging Face's names of the two GELUs (the tanh approximation has three, all the same function).
@@ -311,6 +321,8 @@ _HF_GELU = {"none": "gelu", "tanh": "gelu_new"}
 def gpt_config_from_hf(hf: Mapping[str, Any], vocab_size: int) -> tuple[GPTConfig, str]:
     """GPTConfig (with the padded ``vocab_size``) and the architecture of a Hugging Face config dict."""
     arch = _architecture_of(hf)
+    if arch == DEEPSEEK_V3:
+        return deepseek_config_from_hf(hf, vocab_size, GPTConfig), arch
     # a missing tie_word_embeddings means the class's default: True for GPT-2, False for the others
     tied = bool(hf.get("tie_word_embeddings", arch == GPT2))
     if arch == GPT2:
@@ -443,6 +455,8 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: GPTConfig, architectur
     written (``tie_word_embeddings`` restores them). Biases we lack are written as zeros for GPT-2.
     """
     vocab_size = vocab_size or cfg.vocab_size
+    if architecture == DEEPSEEK_V3:
+        return deepseek_to_hf_state_dict(sd, cfg, vocab_size)
     if cfg.apply_layernorm_1p:  # Hugging Face stores the scale itself
         sd = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in sd.items()}
     out: dict[str, torch.Tensor] = {}
@@ -523,6 +537,8 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
 
     Raises UnsupportedModelError on missing or unexpected tensors, so nothing is silently dropped.
     """
+    if architecture == DEEPSEEK_V3:
+        return deepseek_from_hf_state_dict(hf, cfg)
     hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
     used: set[str] = set()
 
