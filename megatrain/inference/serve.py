@@ -35,11 +35,19 @@ SHAPE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--norm-epsilon", "norm_epsilon", float), ("--rotary-base", "rotary_base", float),
     ("--rotary-percent", "rotary_percent", float), ("--num-experts", "num_moe_experts", int),
     ("--moe-router-topk", "moe_router_topk", int), ("--decoder-num-layers", "decoder_layers", int),
+    # multi-latent attention's
+    ("--q-lora-rank", "q_lora_rank", int), ("--kv-lora-rank", "kv_lora_rank", int),
+    ("--qk-head-dim", "qk_head_dim", int), ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", int),
+    ("--v-head-dim", "v_head_dim", int), ("--rope-type", "rope_type", str),
+    ("--rotary-scaling-factor", "rotary_scaling_factor", float), ("--mscale", "mscale", float),
+    ("--mscale-all-dim", "mscale_all_dim", float),
+    ("--yarn-original-max-position-embeddings", "yarn_original_max_position_embeddings", int),
+    ("--yarn-beta-fast", "yarn_beta_fast", float), ("--yarn-beta-slow", "yarn_beta_slow", float),
 )
 SHAPE_SWITCHES: tuple[tuple[str, str, bool], ...] = (  # (flag, config field, the field's value it means)
     ("--swiglu", "swiglu", True), ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
     ("--disable-bias-linear", "add_bias_linear", False), ("--add-qkv-bias", "add_qkv_bias", True),
-    ("--qk-layernorm", "qk_layernorm", True),
+    ("--qk-layernorm", "qk_layernorm", True), ("--multi-latent-attention", "multi_latent_attention", True),
 )
 # Accepted and without effect here: run, kernel and sampling-default flags of Megatron's scripts.
 ACCEPTED_VALUES = ("--micro-batch-size", "--seed", "--seq-length", "--distributed-backend",
@@ -113,9 +121,12 @@ def check_shape_flags(args: argparse.Namespace, config: Any) -> None:
     """One line naming the first shape flag that differs from the checkpoint's config."""
     for flag, name, _ in SHAPE_FLAGS:
         given = getattr(args, flag[2:].replace("-", "_"))
-        if given is not None and hasattr(config, name) and getattr(config, name) != given:
+        have = getattr(config, name, None)
+        if name == "rope_type" and have is None:
+            have = "rope"  # attention other than multi-latent: plain RoPE (Megatron's --rope-type rope)
+        if given is not None and hasattr(config, name) and have != given:
             raise SystemExit(f"error: {flag} {given} does not match the checkpoint's {name} = "
-                             f"{getattr(config, name)} (--load {args.load})")
+                             f"{have} (--load {args.load})")
     for flag, name, meaning in SHAPE_SWITCHES:
         if getattr(args, flag[2:].replace("-", "_")) and getattr(config, name, meaning) != meaning:
             raise SystemExit(f"error: {flag} does not match the checkpoint, whose {name} is {getattr(config, name)} "

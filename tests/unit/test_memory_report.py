@@ -75,3 +75,29 @@ def test_one_h200_measurements_within_15_percent():
                                 (dict(dp=2, zero_stage=1, loss_chunked=True), 31.3),
                                 (dict(tp=2, sequence_parallel=True, loss_chunked=False), 27.1)):
         assert estimate_memory(cfg, **kw, **extra).total / 2**30 == pytest.approx(measured_gib, rel=0.15), extra
+
+
+MLA = dict(LLAMA, num_attention_heads=4, num_query_groups=None, multi_latent_attention=True, kv_lora_rank=8,
+           qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5)
+MLA_MOE = dict(MLA, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_shared_expert_intermediate_size=8,
+               moe_shared_expert_gate=True, moe_layer_freq=[0, 1, 1])
+MLA_REPLICATED = ("linear_q_down_proj", "linear_kv_down_proj", "q_layernorm", "kv_layernorm")
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12], ids=["q_proj", "q_lora"])
+@pytest.mark.parametrize("kw, qk_layernorm", [(MLA, True), (MLA, False), (MLA_MOE, True),
+                                              (dict(MLA, normalization="LayerNorm", add_bias_linear=True), True)],
+                         ids=["mla", "mla-no-latent-norms", "mla-moe", "mla-layernorm-bias"])
+def test_mla_parameter_count_matches_the_model(kw, qk_layernorm, q_lora_rank):
+    cfg = GPTConfig(**kw, qk_layernorm=qk_layernorm, q_lora_rank=q_lora_rank)
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    params = dict(model.named_parameters())
+    assert parameter_counts(cfg)[2] == sum(p.numel() for p in params.values())
+    assert any(n.endswith("self_attention.kv_layernorm.weight") for n in params) == qk_layernorm
+    # under TP the down projections and latent norms stay whole on every rank, the rest is split
+    if cfg.num_moe_experts is None:
+        whole = sum(p.numel() for n, p in params.items() if n.split(".")[-2] in MLA_REPLICATED)
+        total = sum(p.numel() for p in params.values())
+        tp2 = estimate_memory(cfg, seq_length=16, micro_batch_size=1, tp=2)
+        assert tp2.parameters_rank == int((total - whole) / 2 + whole)

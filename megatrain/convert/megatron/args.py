@@ -35,7 +35,15 @@ MODEL_ARG_NAMES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
                    "rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
                    "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "add_bias_linear",
                    "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "hidden_dropout",
-                   "attention_dropout", "init_method_std", "bias_gelu_fusion")
+                   "attention_dropout", "init_method_std", "bias_gelu_fusion", *(
+                       # multi-latent attention
+                       "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                       "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+                       "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow"))
+#: megatrain's multi-latent-attention config fields, stored under Megatron's argument names (the same)
+MLA_ARG_NAMES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                 "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
+                 "yarn_beta_fast", "yarn_beta_slow")
 
 
 def config_from_megatron_args(saved: argparse.Namespace | dict[str, Any], where: str) -> Any:
@@ -97,6 +105,9 @@ def megatron_args(cfg: Any, *, tp: int, pp: int, iteration: int, consumed_train_
         "ckpt_format": ckpt_format, "transformer_impl": transformer_impl, "use_legacy_models": False,
         "num_experts": cfg.num_moe_experts, "fp16": False, "bf16": False, "params_dtype": None,
     }
+    values["multi_latent_attention"] = bool(getattr(cfg, "multi_latent_attention", False))
+    if values["multi_latent_attention"]:  # Megatron's MLA flags are our config's field names
+        values.update({name: getattr(cfg, name) for name in MLA_ARG_NAMES})
     if cfg.num_moe_experts:  # Megatron's MoE flags are our config's field names
         values.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("moe_")})
     values.update({k: v for k, v in (tokenizer or {}).items() if v is not None})

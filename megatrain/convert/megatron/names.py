@@ -17,6 +17,22 @@ Three forms of one model's weights meet here:
   and cut shards, giving SwiGLU's ``linear_fc1`` its per-shard [gate_r; up_r] halves. The grouped QKV
   needs nothing special: each rank holds whole query groups, in order.
 
+Multi-latent attention (``--multi-latent-attention``): the local spec's names are megatrain's
+(``self_attention.linear_q_down_proj``, ``q_layernorm``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
+``kv_layernorm``, ``linear_kv_up_proj``, ``linear_proj``, or ``linear_q_proj`` without --q-lora-rank). Megatron's
+Transformer Engine spec (``get_gpt_layer_with_transformer_engine_submodules``, its MLA branch) keeps
+``input_layernorm`` a module of its own, makes the up projections ``TELayerNormColumnParallelLinear`` under
+--qk-layernorm, so the latent norms are ``self_attention.linear_q_up_proj.layer_norm_weight`` and
+``self_attention.linear_kv_up_proj.layer_norm_weight``, and fuses a dense layer's ``pre_mlp_layernorm`` into
+``mlp.linear_fc1`` as for other attention (an MoE layer's stays apart): `te_layer_name`. Under tensor
+parallelism ``linear_q_proj`` and the up projections are column parallel (split on dim 0, whole heads per
+rank), ``linear_proj`` row parallel; the down projections are TE's ``TELinear(parallel_mode="duplicated")``,
+replicated, but the local spec's ``ColumnParallelLinear`` (split on dim 0, gathered in the forward): `tp_dim`'s
+``te``. Megatron-LM since July 2026 also puts a norm of the hidden input into a TE ``linear_q_proj`` (without
+--q-lora-rank, with --qk-layernorm: ``linear_q_proj.layer_norm_weight``), which megatrain's MLA has no place
+for, and ``--mla-down-proj-fusion`` keeps one ``linear_qkv_down_proj`` per rank in legacy files (its torch_dist
+checkpoints hold the two down projections): both refused.
+
 Mixture-of-experts layers: the router (``mlp.router.weight``, ``expert_bias``) and shared
 experts keep their names; the routed experts, ``mlp.experts.local_experts.E.linear_fc*`` (the
 grouped-GEMM ``experts.linear_fc1.weightE`` read as those), are stacked into megatrain's
@@ -31,7 +47,8 @@ from collections.abc import Mapping
 import torch
 
 __all__ = ["canonical_name", "to_megatron", "from_megatron", "tp_dim", "merge_tp", "split_tp",
-           "layer_of", "with_layer", "UnsupportedMegatronModel", "flatten_state_dict", "is_legacy_model",
+           "layer_of", "with_layer", "UnsupportedMegatronModel", "te_layer_name", "flatten_state_dict",
+           "is_legacy_model",
            "legacy_name", "legacy_qkv_fix"]
 
 
@@ -42,7 +59,43 @@ class UnsupportedMegatronModel(ValueError):
 _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+             # multi-latent attention (Megatron's TE spec under --qk-layernorm; --mla-down-proj-fusion's input norm)
+             "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+             "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
+             "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+             "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
+             "self_attention.linear_qkv_down_proj.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv_down_proj.layer_norm_bias": "input_layernorm.bias"}
+_MLA_REFUSED = {
+    "self_attention.linear_q_proj.layer_norm_weight": "a norm of the hidden input inside linear_q_proj (Megatron-LM's "
+    "TE spec with --qk-layernorm and no --q-lora-rank, since July 2026); megatrain's multi-latent attention has none",
+    "self_attention.linear_q_proj.layer_norm_bias": "a norm of the hidden input inside linear_q_proj (Megatron-LM's "
+    "TE spec with --qk-layernorm and no --q-lora-rank, since July 2026); megatrain's multi-latent attention has none",
+    "self_attention.linear_qkv_down_proj.weight": "--mla-down-proj-fusion's fused down projection in a legacy "
+    "file; re-save as torch_dist (which stores linear_q_down_proj and linear_kv_down_proj) or without the fusion",
+}
+#: megatrain's (local spec) names within a layer -> Megatron's Transformer Engine spec's, multi-latent attention
+_TE_MLA = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+           "self_attention.q_layernorm.bias": "self_attention.linear_q_up_proj.layer_norm_bias",
+           "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+           "self_attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
+           "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+           "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+_TE_ATTENTION = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+                 "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+
+
+def te_layer_name(rest: str, *, mla: bool, moe: bool = False) -> str:
+    """Megatron's Transformer Engine spec's name of a layer's ``rest`` (a canonical, local-spec name within
+    the layer): the norms fused into the next linear (for multi-latent attention the latent norms into the up
+    projections, ``input_layernorm`` apart; an MoE layer's ``pre_mlp_layernorm`` apart when ``moe``)."""
+    table = _TE_MLA if mla else _TE_ATTENTION
+    if moe and rest.startswith("pre_mlp_layernorm."):
+        return rest
+    return table.get(rest, rest)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
@@ -61,6 +114,9 @@ def canonical_name(name: str) -> str | None:
     m = _LAYER.match(name)
     if m and m.group(2) in _TE_NAMES:
         return f"decoder.layers.{m.group(1)}.{_TE_NAMES[m.group(2)]}"
+    rest = m.group(2) if m else (name[len("decoder.layers."):] if name.startswith("decoder.layers.") else None)
+    if rest in _MLA_REFUSED:
+        raise UnsupportedMegatronModel(f"{name}: {_MLA_REFUSED[rest]}")
     return name
 
 
@@ -145,23 +201,32 @@ _LOCAL_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_expert
 
 
 _COLUMN = ("embedding.word_embeddings.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-           "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight")  # dense, shared and routed experts' fc1
+           "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight",  # dense, shared and routed experts' fc1
+           # multi-latent attention's column-parallel projections (whole heads per rank)
+           "self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
+           "self_attention.linear_kv_up_proj.weight")
 _ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+# multi-latent attention's down projections: TE's TELinear(parallel_mode="duplicated") on every rank whole,
+# the local spec's ColumnParallelLinear(gather_output=False) split on dim 0
+_DOWN = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
 
 
-def tp_dim(name: str) -> int | None:
+def tp_dim(name: str, te: bool = True) -> int | None:
     """The dim a canonical tensor is split along across tensor-parallel ranks (None: every rank
-    holds it whole: norms, the row-parallel biases, learned positions)."""
+    holds it whole: norms, the row-parallel biases, learned positions, and with Transformer Engine's
+    spec (``te``) multi-latent attention's down projections, which the local spec splits on dim 0)."""
     if name.endswith(_COLUMN):
         return 0
     if name.endswith(_ROW):
         return 1
+    if name.endswith(_DOWN):
+        return None if te else 0
     return None
 
 
-def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """One canonical tensor from its tensor-parallel shards (rank order)."""
-    dim = tp_dim(name)
+def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool, te: bool = True) -> torch.Tensor:
+    """One canonical tensor from its tensor-parallel shards (rank order; ``te``: as `tp_dim`)."""
+    dim = tp_dim(name, te)
     if dim is None or len(shards) == 1:
         return shards[0]
     if swiglu and _is_fc1(name):
@@ -170,9 +235,9 @@ def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tenso
     return torch.cat(shards, dim=dim)
 
 
-def split_tp(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Tensor]:
+def split_tp(name: str, t: torch.Tensor, tp: int, swiglu: bool, te: bool = True) -> list[torch.Tensor]:
     """The tensor-parallel shards of one canonical tensor (inverse of `merge_tp`)."""
-    dim = tp_dim(name)
+    dim = tp_dim(name, te)
     if dim is None or tp == 1:
         return [t] * tp
     if t.shape[dim] % tp:

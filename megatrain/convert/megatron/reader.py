@@ -317,6 +317,12 @@ def _with_expert(name: str, offset: int) -> str:
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
+def _transformer_engine(args: Any) -> bool:
+    """The run used Megatron's Transformer Engine spec (its default; the local spec splits multi-latent
+    attention's down projections over the tensor-parallel ranks, TE's TELinear keeps them whole)."""
+    return (getattr(args, "transformer_impl", None) or "transformer_engine") == "transformer_engine"
+
+
 def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
     loaded: dict[str, Any] = {}
     ranks, pp, ep, tp = _rank_layout(d, loaded)
@@ -362,6 +368,7 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
                 bar.update(1)
             assert ck is not None and vp is not None
             swiglu = bool(getattr(ck.args, "swiglu", False))
+            te = _transformer_engine(ck.args)
             num_local = None
             for c in range(vp):
                 names = list(shards[0][c])
@@ -380,7 +387,7 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
                     if any(name not in s[c] for s in shards):
                         raise CheckpointError(f"{d}: {name} is missing from some tensor-parallel ranks of stage "
                                               f"{stage}")
-                    t = merge_tp(name, [s[c][name] for s in shards], swiglu)
+                    t = merge_tp(name, [s[c][name] for s in shards], swiglu, te)
                     target[_with_expert(name, e * num_local) if expert and ep > 1 else name] = t
             if optim is not None:
                 stage_opt[stage] = opt_shards
@@ -399,7 +406,8 @@ def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
                 local = layer_of(name)
                 ck.tensors[with_layer(name, offset + local) if local is not None else name] = t
             if optim is not None and optim.ok and stage in stage_opt:
-                optim.merge(stage_opt[stage], bool(getattr(ck.args, "swiglu", False)), offset)
+                optim.merge(stage_opt[stage], bool(getattr(ck.args, "swiglu", False)), offset,
+                            _transformer_engine(ck.args))
             offset += len(layers)
     if optim is not None:
         ck.optimizer = optim.finish()
@@ -457,7 +465,7 @@ class _LegacyAdam:
         self.ck.left_out.append(f"optimizer state (refused, not guessed: {why})")
         return None
 
-    def merge(self, shards: list[Any], swiglu: bool, offset: int) -> None:
+    def merge(self, shards: list[Any], swiglu: bool, offset: int, te: bool = True) -> None:
         if any(s is None for s in shards):
             return
         self.steps.update(s["step"] for s in shards if s["step"] is not None)
@@ -470,7 +478,7 @@ class _LegacyAdam:
                 if any(name not in s[kind] for s in shards):
                     self._refuse(f"{name}: Adam state on only some tensor-parallel ranks")
                     return
-                t = merge_tp(name, [s[kind][name] for s in shards], swiglu)
+                t = merge_tp(name, [s[kind][name] for s in shards], swiglu, te)
                 local = layer_of(name)
                 target[with_layer(name, offset + local) if local is not None else name] = t
 

@@ -36,7 +36,7 @@ from megatrain.atomic_io import atomic_write_text
 from megatrain.checkpoint.ranks import single_process_quiet
 from megatrain.convert.megatron.legacy_optim import (group_templates, legacy_optimizer_entry, megatron_grad_scaler,
                                                      module_order)
-from megatrain.convert.megatron.names import UnsupportedMegatronModel, layer_of, split_tp, with_layer
+from megatrain.convert.megatron.names import UnsupportedMegatronModel, layer_of, split_tp, te_layer_name, with_layer
 from megatrain.convert.megatron.optim import (GROUP_KEYS, MOMENTS, MegatronOptimizerState, optimizer_common,
                                               optimizer_sharded_tensors)
 from megatrain.convert.megatron.reader import TRACKER
@@ -49,7 +49,18 @@ _TO_TE = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight
           "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
           "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
           "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+            # multi-latent attention's
+            "self_attention.linear_q_proj", "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+            "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj")
+
+
+def _is_mla(tensors: dict[str, torch.Tensor], layer: int) -> bool:
+    return f"decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight" in tensors
+
+
+def _is_moe(tensors: dict[str, torch.Tensor], layer: int) -> bool:
+    return f"decoder.layers.{layer}.mlp.router.weight" in tensors
 
 
 def _none_bytes() -> io.BytesIO:
@@ -102,8 +113,10 @@ def _publish(save: str, tmp: str, final: str, iteration: int) -> str:
     return final
 
 
-def _stacked(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, Any]:
-    """megatron-core's sharded keys: layer tensors stacked, TE norm names, the layers' _extra_state objects."""
+def _stacked(tensors: dict[str, torch.Tensor], num_layers: int, te: bool = True) -> dict[str, Any]:
+    """megatron-core's sharded keys: layer tensors stacked, TE norm names, the layers' _extra_state objects.
+    Multi-latent attention's layers have no keys map in megatron-core's specs: the TE spec's names with ``te``
+    (`names.te_layer_name`), else the local spec's (megatrain's)."""
     per_key: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     out: dict[str, Any] = {}
     for name, t in tensors.items():
@@ -112,7 +125,11 @@ def _stacked(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, Any
             out[name] = t.contiguous()
             continue
         rest = name.split(".", 3)[3]
-        per_key[_TO_TE.get(rest, rest)][layer] = t
+        if _is_mla(tensors, layer):
+            key = te_layer_name(rest, mla=True, moe=_is_moe(tensors, layer)) if te else rest
+        else:
+            key = _TO_TE.get(rest, rest)
+        per_key[key][layer] = t
     experts: dict[str, dict[int, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     for rest in [r for r in per_key if r.startswith("mlp.experts.local_experts.")]:
         expert, inner = rest[len("mlp.experts.local_experts."):].split(".", 1)
@@ -156,14 +173,15 @@ def write_torch_dist(save: str, tensors: dict[str, torch.Tensor], args: argparse
     tmp, final = _begin(save, iteration)
     try:
         num_layers = int(args.num_layers)
-        sd = _stacked(tensors, num_layers)
+        te = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+        sd = _stacked(tensors, num_layers, te)
         common = _common(args, iteration, scheduler)
         if optimizer is not None:
-            sd.update(optimizer_sharded_tensors({kind: _stacked(getattr(optimizer, kind), num_layers)
+            sd.update(optimizer_sharded_tensors({kind: _stacked(getattr(optimizer, kind), num_layers, te)
                                                  for kind in MOMENTS}))
             common["optimizer"] = optimizer_common(optimizer.step, param_groups or [])
             if grad_scaler is not None or sixteen is not None:
-                sd.update(optimizer_sharded_tensors({"fp32_param": _stacked(tensors, num_layers)}))
+                sd.update(optimizer_sharded_tensors({"fp32_param": _stacked(tensors, num_layers, te)}))
                 common["optimizer"] = {"optimizer": common["optimizer"]}
                 if grad_scaler is not None:
                     common["optimizer"]["grad_scaler"] = megatron_grad_scaler(grad_scaler)
@@ -190,9 +208,9 @@ def _legacy_stage(tensors: dict[str, torch.Tensor], stage: int, pp: int, num_lay
             if stage * per_stage <= layer < (stage + 1) * per_stage:
                 local = with_layer(name, layer - stage * per_stage)
                 rest = local.split(".", 3)[3]
-                moe = f"decoder.layers.{layer}.mlp.router.weight" in tensors  # TE keeps an MoE layer's norm apart
-                fused = te and rest in _TO_TE and not (moe and rest.startswith("pre_mlp_layernorm."))
-                out[f"decoder.layers.{layer - stage * per_stage}.{_TO_TE[rest]}" if fused else local] = t
+                moe = _is_moe(tensors, layer)  # TE keeps an MoE layer's norm apart
+                renamed = te_layer_name(rest, mla=_is_mla(tensors, layer), moe=moe) if te else rest
+                out[f"decoder.layers.{layer - stage * per_stage}.{renamed}"] = t
         elif name.startswith("embedding."):
             if first:
                 out[name] = t
@@ -252,9 +270,9 @@ def write_legacy(save: str, tensors: dict[str, torch.Tensor], args: argparse.Nam
                 sd = {name: sd[name] for name in module_order(list(sd)) or sd}
                 moments = {kind: _legacy_stage(getattr(optimizer, kind), stage, pp, num_layers, tied, te)
                            for kind in MOMENTS}
-                moments = {kind: {name: split_tp(name, t, tp, swiglu) for name, t in m.items()}
+                moments = {kind: {name: split_tp(name, t, tp, swiglu, te) for name, t in m.items()}
                            for kind, m in moments.items()}
-            shards = {name: split_tp(name, t, tp, swiglu) for name, t in sd.items()}
+            shards = {name: split_tp(name, t, tp, swiglu, te) for name, t in sd.items()}
             for r in range(tp):
                 model: dict[str, Any] = {name: parts[r].clone() for name, parts in shards.items()}
                 entry = None
@@ -268,7 +286,9 @@ def write_legacy(save: str, tensors: dict[str, torch.Tensor], args: argparse.Nam
                                                    optimizer.step, templates, args, mains, grad_scaler)
                 for name in list(model):
                     if name.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
-                                      "linear_fc2.weight", "output_layer.weight")):
+                                      "linear_fc2.weight", "output_layer.weight", "linear_q_proj.weight",
+                                      "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+                                      "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")):
                         model[name[: -len("weight")] + "_extra_state"] = None
                 rank_dir = os.path.join(tmp, f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{stage:03d}")
                 os.makedirs(rank_dir)

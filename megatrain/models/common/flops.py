@@ -18,6 +18,15 @@ layer, ``topk`` routed experts of width ``moe_ffn_hidden_size`` and the shared e
 
 (``L_moe`` from ``--moe-layer-freq``). Megatron counts neither the router's logits nor the token
 movement nor capacity padding; nor does this.
+
+Multi-latent attention (``--multi-latent-attention``; Megatron's MLA branch of
+``num_floating_point_operations``), with P = --qk-head-dim, R = --qk-pos-emb-head-dim, V = --v-head-dim,
+C = --kv-lora-rank, Q = --q-lora-rank, replaces the attention terms per layer by
+
+    6*B*s*[q + C*(h + n*(P+V) + 1) + h*R + n*V*h] + 6*B*s^2*(n*(P+R)/2 + n*V/2)
+
+with q = h*n*(P+R) without --q-lora-rank, else Q*(h + n*(P+R) + 1) (the "+ 1"s are Megatron's count of
+the latent norms, counted with or without --qk-layernorm as Megatron does).
 """
 
 from __future__ import annotations
@@ -39,6 +48,23 @@ def transformer_flops(cfg: TransformerConfig, batch_size: int, seq_length: int) 
     if moe_layers:
         shared = cfg.moe_shared_expert_intermediate_size or 0
         mlp_width += (cfg.moe_ffn * cfg.moe_router_topk + shared) * moe_layers
-    per_token = 6 * h * E * mlp_width + 6 * L * (h * d * (n + 2 * g) + d * n * h) + 6 * h * V
-    attention = 6 * B * s * s * L * n * d
+    if getattr(cfg, "multi_latent_attention", False):
+        attn_linear, attn_core2 = _mla_terms(cfg)
+    else:
+        attn_linear, attn_core2 = h * d * (n + 2 * g) + d * n * h, 2 * n * d
+    per_token = 6 * h * E * mlp_width + 6 * L * attn_linear + 6 * h * V
+    attention = 3 * B * s * s * L * attn_core2  # 6 * B * s^2 * L * (core / 2): exact in integers
     return float(B * s * per_token + attention)
+
+
+def _mla_terms(cfg: TransformerConfig) -> tuple[int, int]:
+    """Multi-latent attention's (token-linear matmul size, twice the per-token core-attention size) per
+    layer: Megatron's ``q_term + kv term + h*R + o proj`` and ``n*(P+R) + n*V``."""
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    P, R, V, C = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q_term = h * n * (P + R)
+    else:
+        q_term = cfg.q_lora_rank * (h + n * (P + R) + 1)
+    linear = q_term + C * (h + n * (P + V) + 1) + h * R + n * V * h
+    return linear, n * (P + R) + n * V

@@ -31,6 +31,14 @@ state over the expert-data-parallel ranks (``dp x cp x tp / ep``); the router an
 gate are replicated; the shared experts are split by tensor parallelism like a dense MLP. The line
 also gives the active parameters (each token's top-k experts instead of all of them). Activations are
 counted as for the dense layers (as Megatron's activation formula does).
+
+Multi-latent attention (``--multi-latent-attention``, :mod:`megatrain.models.common.mla`): the layer's
+attention parameters are its modules' own: ``linear_q_proj`` [n(P+R), h] or ``linear_q_down_proj``
+[Q, h] + ``q_layernorm`` [Q] + ``linear_q_up_proj`` [n(P+R), Q], ``linear_kv_down_proj`` [C+R, h] +
+``kv_layernorm`` [C] + ``linear_kv_up_proj`` [n(P+V), C], ``linear_proj`` [h, nV] (+ bias), the latent
+norms only with ``--qk-layernorm``. Under tensor parallelism the down projections and the latent norms
+are replicated (every rank holds them whole), the up projections, ``linear_q_proj`` and ``linear_proj``
+split.
 """
 
 from __future__ import annotations
@@ -79,6 +87,27 @@ class LayerParameters:
     moe_replicated: int  # its router and shared-expert gate
     moe_experts: int  # its routed experts (split over the expert-parallel ranks)
     moe_experts_active: int  # the top-k experts one token passes through
+    # of ``dense`` and of ``moe_tp``: the attention parameters every tensor-parallel rank holds whole
+    # (multi-latent attention's down projections and latent norms)
+    tp_replicated: int = 0
+
+
+def _mla_attention(cfg: GPTConfig) -> tuple[int, int]:
+    """Multi-latent attention's (parameters, of them the ones replicated across tensor-parallel ranks)."""
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    P, R, V, C, Q = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+
+    def norm(width: int) -> int:
+        return (2 * width if cfg.normalization == "LayerNorm" else width) if cfg.qk_layernorm else 0
+
+    split = n * (P + V) * C + n * V * h + (h if cfg.add_bias_linear else 0)  # kv up, output projection
+    replicated = (C + R) * h + norm(C)  # kv down projection, kv_layernorm
+    if Q is None:
+        split += n * (P + R) * h  # linear_q_proj
+    else:
+        split += n * (P + R) * Q  # linear_q_up_proj
+        replicated += Q * h + norm(Q)  # linear_q_down_proj, q_layernorm
+    return split + replicated, replicated
 
 
 def layer_parameters(cfg: GPTConfig) -> LayerParameters:
@@ -86,11 +115,16 @@ def layer_parameters(cfg: GPTConfig) -> LayerParameters:
     h, d, n, g, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
     assert d is not None and g is not None and f is not None
     bias = cfg.add_bias_linear
-    qkv = h * (n + 2 * g) * d + ((n + 2 * g) * d if bias or cfg.add_qkv_bias else 0)
-    proj = n * d * h + (h if bias else 0)
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
-    qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
-    common = qkv + qk_norms + proj + 2 * norm
+    replicated = 0
+    if getattr(cfg, "multi_latent_attention", False):
+        attention, replicated = _mla_attention(cfg)
+    else:
+        qkv = h * (n + 2 * g) * d + ((n + 2 * g) * d if bias or cfg.add_qkv_bias else 0)
+        proj = n * d * h + (h if bias else 0)
+        qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
+        attention = qkv + qk_norms + proj
+    common = attention + 2 * norm
 
     def mlp(width: int, with_bias: bool) -> int:
         fc1_out = 2 * width if cfg.swiglu else width
@@ -98,13 +132,13 @@ def layer_parameters(cfg: GPTConfig) -> LayerParameters:
 
     dense = common + mlp(f, bias)
     if cfg.num_moe_experts is None:
-        return LayerParameters(dense, 0, 0, 0, 0)
+        return LayerParameters(dense, 0, 0, 0, 0, replicated)
     experts = mlp(cfg.moe_ffn, bias)
     shared_width = cfg.moe_shared_expert_intermediate_size
     shared = mlp(shared_width, False) if shared_width is not None else 0  # the shared experts have no biases
     gate = h if shared_width is not None and cfg.moe_shared_expert_gate else 0
     return LayerParameters(dense, common + shared, cfg.num_moe_experts * h + gate, cfg.num_moe_experts * experts,
-                           cfg.moe_router_topk * experts)
+                           cfg.moe_router_topk * experts, replicated)
 
 
 def _embedding_parameters(cfg: GPTConfig) -> int:
@@ -148,7 +182,9 @@ def estimate_memory(cfg: GPTConfig, *, seq_length: int, micro_batch_size: int, t
     layers_per_stage = cfg.num_layers // pp
     stage = layers_per_stage / cfg.num_layers  # the stage's share of the layers (on average)
     ep = max(expert_parallel_size, 1)
-    rank_dense = int(((p.dense * dense + p.moe_tp * moe) * stage + extra) / tp + p.moe_replicated * moe * stage)
+    replicated = p.tp_replicated * (dense + moe)  # held whole by every tensor-parallel rank
+    rank_dense = int(((p.dense * dense + p.moe_tp * moe - replicated) * stage + extra) / tp
+                     + (p.moe_replicated * moe + replicated) * stage)
     rank_experts = int(p.moe_experts * moe * stage / ep)
     rank_params = rank_dense + rank_experts
     # ZeRO shards over the data x context parallel ranks; the experts over the expert-data-parallel ones

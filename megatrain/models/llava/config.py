@@ -249,7 +249,11 @@ class LlavaConfig:
 for _name in ("num_layers", "hidden_size", "max_position_embeddings", "norm_epsilon", "init_method_std",
               "kv_channels", "position_embedding_type", "rotary_base", "normalization", "swiglu", "add_bias_linear",
               "add_qkv_bias", "gelu_approximation", "qk_layernorm", "untie_embeddings_and_output_weights",
-              "hidden_dropout", "attention_dropout", "head_dim", "heads_per_group"):
+              "hidden_dropout", "attention_dropout", "head_dim", "heads_per_group",
+              # multi-latent attention (megatrain.convert.import_hf.mla_flags reads them)
+              "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+              "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow"):
     setattr(LlavaConfig, _name, property(lambda self, _n=_name: getattr(self.language, _n),
                                          doc=f"The language model's ``{_name}``."))
 del _name
