@@ -280,6 +280,32 @@ def torchtitan_status() -> str:
     return "torchtitan: installed, not run (this script has no torchtitan config; llama-2 is against the matmul rate)"
 
 
+def run_titan(a: argparse.Namespace, timeout: float | None) -> str:
+    """``--titan``: torchtitan_peer.py (torchtitan's own llama3 at llama-2's shape) in its own process;
+    its result as one note line under the table."""
+    if timeout is None:
+        return "torchtitan: skipped (--budget spent)"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "torchtitan_peer.py"), "--warmup", str(a.warmup),
+           "--iters", str(max(a.iters - a.warmup, 3))]
+    if a.device == "cpu":
+        cmd += ["--device", "cpu", "--tiny", "--no-compile"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"torchtitan: timed out after {timeout:.0f} s"
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    try:
+        d = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return f"torchtitan: exit {proc.returncode}, no result: {(proc.stdout + proc.stderr)[-300:]}"
+    print(f"[torchtitan] {json.dumps(d)}", flush=True)
+    if "error" in d:
+        return f"torchtitan {d.get('torchtitan', '?')} failed: {d['error'][:300]}"
+    return (f"torchtitan {d['torchtitan']} ({d['shape']}, micro {d['micro']}, seq {d['seq']}, compile + FSDP2 bf16"
+            f"{', CUDA graphs' if d.get('cuda_graphs') else ''}): {d['step_ms']:.1f} ms/step, {d['tflops']:.1f} "
+            f"TFLOP/s, {d['tokens_per_s']:,.0f} tokens/s, peak {d.get('peak_mem_gb', '-')} GiB")
+
+
 def append_results(path: str, title: str, table: str) -> None:
     previous = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else ""
     section = f"## {title}\n\n{table}"
@@ -318,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-dir", default=os.path.join(os.environ.get("OUT", "."), "peer_profiles"))
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--device", default=None, help="cpu: smoke test (megatrain side; nanoGPT's bench.py needs CUDA)")
+    ap.add_argument("--titan", action="store_true", help="also run benchmarks/torchtitan_peer.py (llama rows)")
     return ap
 
 
@@ -386,6 +413,8 @@ def bench(a: argparse.Namespace) -> list[str]:
         results.append(combine(row, mt, pr, rate, expected_flops(row, a.extra_flags), note))
         if a.output:  # a partial table survives a call that runs out of time
             atomic_write_text(a.output, "\n".join(table_lines(results, env, rate, titan)) + "\n")
+    if a.titan and titan:
+        titan = run_titan(a, clock.timeout(a.timeout))
     return table_lines(results, env, rate, titan)
 
 
