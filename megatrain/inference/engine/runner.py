@@ -65,7 +65,8 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, cache: SlotKVCache, device: torch.device, *, cuda_graphs: bool,
                  length_bucket: int = 256, compile_decode: bool = False, compile_prefill: bool = False,
-                 prefill_graphs: bool = False, prefill_tokens: int = 2048) -> None:
+                 prefill_graphs: bool = False, prefill_tokens: int = 2048,
+                 compile_mode: str | None = None) -> None:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {device}")
         if length_bucket <= 0:
@@ -85,8 +86,10 @@ class ModelRunner:
             size *= 2
         self.length_buckets = tuple(lengths) + (shape.max_sequence_length,)
         # --compile: the decode forward through torch.compile (fused norms, rotary and mask kernels;
-        # its shapes marked dynamic after the first recompile), recorded into the graphs as is
-        self._decode_forward = torch.compile(self._forward) if compile_decode else self._forward
+        # its shapes marked dynamic after the first recompile), recorded into the graphs as is;
+        # ``compile_mode`` (e.g. "max-autotune-no-cudagraphs": autotuned GEMV templates) for the decode only
+        self._decode_forward = (torch.compile(self._forward, mode=compile_mode) if compile_decode
+                                else self._forward)
         if compile_prefill and getattr(cache, "packed_attention", "mask") != "mask":
             raise ValueError("compile_prefill needs the cache's packed_attention='mask'")
         self._prefill_forward = (torch.compile(self._prefill_logits, dynamic=True) if compile_prefill
