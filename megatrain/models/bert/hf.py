@@ -52,8 +52,8 @@ from typing import Any
 import torch
 
 from megatrain.models.bert.config import BertConfig
-from megatrain.models.common.hf_adapter import (ConfigFields, HFAdapter, UnsupportedModelError, fit_rows, qkv_join,
-                                                qkv_split)
+from megatrain.models.common.hf_adapter import (ConfigFields, HFAdapter, HFTensors, UnsupportedModelError, fit_rows,
+                                                qkv_join, qkv_split)
 
 __all__ = ["ADAPTER", "PRETRAINING", "MASKED_LM", "hf_architecture", "hf_config_dict", "bert_config_from_hf",
            "to_hf_state_dict", "from_hf_state_dict"]
@@ -276,17 +276,12 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: BertConfig, architec
     Raises UnsupportedModelError on missing or unexpected tensors, so nothing is silently dropped.
     """
     hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
-        used.add(name)
-        return hf[name]
+    tensors = HFTensors(hf)
+    take = tensors.take
 
     def first(*names: str) -> torch.Tensor:
+        tensors.mark(*names)
         present = [n for n in names if n in hf]
-        used.update(present)
         return take(present[0] if present else names[0])
 
     vocab = cfg.vocab_size
@@ -329,12 +324,8 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: BertConfig, architec
         sd["output_layer.bias"] = fit_rows(first("cls.predictions.decoder.bias", "cls.predictions.bias"), vocab)
     else:
         sd["output_layer.bias"] = fit_rows(first("cls.predictions.bias", "cls.predictions.decoder.bias"), vocab)
-        used.update(k for k in ("cls.predictions.decoder.weight",) if k in hf)  # a tied copy some savers write
-    unexpected = sorted(set(hf) - used)
-    if unexpected:
-        raise UnsupportedModelError(
-            f"the Hugging Face weights hold tensors megatrain's BERT ({architecture}) has no place for "
-            f"(e.g. {unexpected[:3]}); the config does not describe them, so converting would drop them")
+        tensors.mark("cls.predictions.decoder.weight")  # a tied copy some savers write
+    tensors.refuse_leftovers(f"megatrain's BERT ({architecture})")
     return {k: v.contiguous() for k, v in sd.items()}
 
 

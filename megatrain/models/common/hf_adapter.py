@@ -14,11 +14,50 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["HFAdapter", "UnsupportedModelError", "qkv_split", "qkv_join", "fit_rows"]
+__all__ = ["HFAdapter", "HFTensors", "UnsupportedModelError", "qkv_split", "qkv_join", "fit_rows"]
 
 
 class UnsupportedModelError(ValueError):
     """The model (or Hugging Face folder) uses something the other side cannot represent exactly."""
+
+
+class HFTensors:
+    """A Hugging Face state dict read by name during an import. Every tensor taken is remembered;
+    :meth:`refuse_leftovers` refuses the ones nothing took (the config does not describe them, so
+    converting would drop them). ``strip``: prefixes a name may also be found without (GPT-2's
+    ``transformer.``, a bare ``LlamaModel``'s missing ``model.``)."""
+
+    def __init__(self, hf: Mapping[str, torch.Tensor], strip: tuple[str, ...] = ()) -> None:
+        self.hf = hf
+        self.strip = strip
+        self.used: set[str] = set()
+
+    def _find(self, name: str) -> str | None:
+        for candidate in (name, *(name.removeprefix(p) for p in self.strip)):
+            if candidate in self.hf:
+                return candidate
+        return None
+
+    def has(self, name: str) -> bool:
+        return self._find(name) is not None
+
+    def take(self, name: str) -> torch.Tensor:
+        found = self._find(name)
+        if found is None:
+            raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
+        self.used.add(found)
+        return self.hf[found]
+
+    def mark(self, *names: str) -> None:
+        """Counts ``names`` (those present) as used without taking them: tied copies some savers write."""
+        self.used.update(n for n in names if n in self.hf)
+
+    def refuse_leftovers(self, model: str = "megatrain") -> None:
+        unexpected = sorted(set(self.hf) - self.used)
+        if unexpected:
+            raise UnsupportedModelError(
+                f"the Hugging Face weights hold tensors {model} has no place for (e.g. {unexpected[:3]}); "
+                "the config does not describe them, so converting would drop them")
 
 
 def _no_flags(config: Any) -> list[str]:

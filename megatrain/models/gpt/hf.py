@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from megatrain.models.common.hf_adapter import HFAdapter, UnsupportedModelError, fit_rows, qkv_join, qkv_split
+from megatrain.models.common.hf_adapter import (HFAdapter, HFTensors, UnsupportedModelError, fit_rows, qkv_join,
+                                                qkv_split)
 from megatrain.models.gpt.config import GPTConfig
 from megatrain.models.gpt.hf_deepseek import (DEEPSEEK_V3, deepseek_architecture, deepseek_config_dict,
                                               deepseek_config_from_hf, deepseek_from_hf_state_dict,
@@ -540,17 +541,8 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
     if architecture == DEEPSEEK_V3:
         return deepseek_from_hf_state_dict(hf, cfg)
     hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        for candidate in (name, name.removeprefix("transformer."), name.removeprefix("model.")):
-            if candidate in hf:
-                used.add(candidate)
-                return hf[candidate]
-        raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
-
-    def has(name: str) -> bool:
-        return any(c in hf for c in (name, name.removeprefix("transformer."), name.removeprefix("model.")))
+    tensors = HFTensors(hf, strip=("transformer.", "model."))
+    take, has = tensors.take, tensors.has
 
     tied = not cfg.untie_embeddings_and_output_weights
     h, vocab = cfg.hidden_size, cfg.vocab_size
@@ -609,13 +601,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, architect
         raise UnsupportedModelError(f"unknown architecture {architecture!r}")
     if not tied:
         sd["output_layer.weight"] = fit_rows(take("lm_head.weight"), vocab)
-    elif "lm_head.weight" in hf:
-        used.add("lm_head.weight")  # a tied copy written out by some savers
-    unexpected = sorted(set(hf) - used)
-    if unexpected:
-        raise UnsupportedModelError(
-            f"the Hugging Face weights hold tensors megatrain has no place for (e.g. {unexpected[:3]}); "
-            "the config does not describe them, so converting would drop them")
+    else:
+        tensors.mark("lm_head.weight")  # a tied copy written out by some savers
+    tensors.refuse_leftovers()
     return {k: v.contiguous() for k, v in sd.items()}
 
 

@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megatrain.models.common.hf_adapter import ConfigFields, UnsupportedModelError, fit_rows
+from megatrain.models.common.hf_adapter import ConfigFields, HFTensors, UnsupportedModelError, fit_rows
 from megatrain.models.gpt.hf_moe import is_moe, moe_layers, moe_mlp_from_hf, moe_mlp_to_hf
 
 __all__ = ["DEEPSEEK_V3", "deepseek_architecture", "deepseek_config_dict", "deepseek_config_from_hf",
@@ -410,16 +410,8 @@ def deepseek_from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: Any) -> dic
         raise UnsupportedModelError(
             f"the Hugging Face weights hold multi-token-prediction layers (e.g. {mtp[0]!r}; num_nextn_predict_layers): "
             "megatrain has no MTP and transformers drops them; remove them from the folder to convert the rest")
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
-        used.add(name)
-        return hf[name]
-
-    def has(name: str) -> bool:
-        return name in hf
+    tensors = HFTensors(hf)
+    take, has = tensors.take, tensors.has
 
     h, vocab = cfg.hidden_size, cfg.vocab_size
     sd: dict[str, torch.Tensor] = {
@@ -444,13 +436,9 @@ def deepseek_from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: Any) -> dic
     sd["final_layernorm.weight"] = take("model.norm.weight")
     if cfg.untie_embeddings_and_output_weights:
         sd["output_layer.weight"] = fit_rows(take("lm_head.weight"), vocab)
-    elif "lm_head.weight" in hf:
-        used.add("lm_head.weight")  # a tied copy written out by some savers
-    unexpected = sorted(set(hf) - used)
-    if unexpected:
-        raise UnsupportedModelError(
-            f"the Hugging Face weights hold tensors megatrain has no place for (e.g. {unexpected[:3]}); "
-            "the config does not describe them, so converting would drop them")
+    else:
+        tensors.mark("lm_head.weight")  # a tied copy written out by some savers
+    tensors.refuse_leftovers()
     return {k: v.contiguous() for k, v in sd.items()}
 
 

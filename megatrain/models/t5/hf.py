@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from megatrain.models.common.hf_adapter import (ConfigFields, HFAdapter, UnsupportedModelError, fit_rows, qkv_join,
-                                                qkv_split)
+from megatrain.models.common.hf_adapter import (ConfigFields, HFAdapter, HFTensors, UnsupportedModelError, fit_rows,
+                                                qkv_join, qkv_split)
 from megatrain.models.t5.config import T5Config
 
 __all__ = ["ADAPTER", "ARCHITECTURE", "hf_architecture", "hf_config_dict", "t5_config_from_hf", "to_hf_state_dict",
@@ -279,13 +279,8 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: T5Config, architectu
     """Hugging Face tensors -> our canonical state dict for ``cfg`` (vocabulary zero-padded to cfg's size).
 
     Raises UnsupportedModelError on missing or unexpected tensors, so nothing is silently dropped."""
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise UnsupportedModelError(f"the Hugging Face weights have no tensor {name!r}")
-        used.add(name)
-        return hf[name]
+    tensors = HFTensors(hf)
+    take = tensors.take
 
     vocab, h, d = cfg.vocab_size, cfg.hidden_size, cfg.kv_channels
     tied = not cfg.untie_embeddings_and_output_weights
@@ -333,11 +328,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: T5Config, architectu
         # transformers 5 writes no lm_head when it equals shared
         head = take("lm_head.weight") if "lm_head.weight" in hf else shared
         sd["output_layer.weight"] = fit_rows(head, vocab)
-    unexpected = sorted(set(hf) - used)
-    if unexpected:
-        raise UnsupportedModelError(
-            f"the Hugging Face weights hold tensors megatrain's T5 has no place for (e.g. {unexpected[:3]}); the "
-            "config does not describe them, so converting would drop them")
+    tensors.refuse_leftovers("megatrain's T5")
     return {k: v.contiguous() for k, v in sd.items()}
 
 
