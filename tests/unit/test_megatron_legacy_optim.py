@@ -1,9 +1,9 @@
 """Adam's state and the fp16 loss scaler through Megatron-LM's legacy ``torch`` format (``model_optim_rng.pt`` per
 TP x PP rank, megatron-core's non-distributed optimizer's ``state_dict()`` by parameter index): megatrain ->
-``--saver megatron`` (TP 2 x PP 2) -> megatrain keeps every moment, the step and the weights bit-exact (LLaMA and a
-tied GPT-2 shape); an fp16 run's dynamic loss scaler and fp32 main params travel in both formats; state that does
-not fit megatron-core's parameter order exactly is refused in one note, never mis-mapped. (The layouts against
-megatron-core's own FP32Optimizer / Float16OptimizerWithFloat16Params: tests/e2e/test_megatron_ckpt_mcore.py.)"""
+``--saver megatron`` (TP 2 x PP 2) -> megatrain keeps every moment, the step and the weights bit-exact (LLaMA, a
+tied GPT-2 shape and multi-latent attention); an fp16 run's dynamic loss scaler and fp32 main params travel in
+both formats; state that does not fit megatron-core's parameter order exactly is refused in one note, never
+mis-mapped. (The layouts against megatron-core's own FP32Optimizer / Float16OptimizerWithFloat16Params: tests/e2e/test_megatron_ckpt_mcore.py.)"""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_grou
              position_embedding_type="rope", untie_embeddings_and_output_weights=True, gelu_approximation="none")
 GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, vocab_size=64,
             max_position_embeddings=32, untie_embeddings_and_output_weights=False)
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4,
+           qk_pos_emb_head_dim=4, v_head_dim=4, qk_layernorm=True)
 SCALER = {"scale": 8192.0, "growth_tracker": 37, "hysteresis_tracker": 1}
 
 
@@ -60,7 +62,7 @@ def _rank_file(out: str, rank: str = "mp_rank_00_000") -> dict:
 
 
 def test_legacy_round_trip_is_bit_exact(tmp_path, capsys):
-    for name, shape in (("llama", LLAMA), ("gpt2", GPT2)):
+    for name, shape in (("llama", LLAMA), ("gpt2", GPT2), ("mla", MLA)):
         cfg = GPTConfig(**shape)
         ours = _save(tmp_path / name, cfg)
         out = str(tmp_path / name / "legacy")
@@ -69,8 +71,15 @@ def test_legacy_round_trip_is_bit_exact(tmp_path, capsys):
         sd = _rank_file(out, "mp_rank_01_001")
         keys = [k for k in sd["model"] if not k.endswith("_extra_state")]
         # megatron-core's parameter order: its Attention registers linear_proj before linear_qkv
-        assert keys.index("decoder.layers.0.self_attention.linear_proj.weight") < keys.index(
-            "decoder.layers.0.self_attention.linear_qkv.weight")
+        attention = [k.removeprefix("decoder.layers.0.self_attention.") for k in keys
+                     if k.startswith("decoder.layers.0.self_attention.")]
+        if name == "mla":  # MLASelfAttention's order (the latent norms are TE's fused layer_norm_weight)
+            assert attention == ["linear_proj.weight", "linear_q_down_proj.weight",
+                                 "linear_q_up_proj.layer_norm_weight", "linear_q_up_proj.weight",
+                                 "linear_kv_down_proj.weight",
+                                 "linear_kv_up_proj.layer_norm_weight", "linear_kv_up_proj.weight"], attention
+        else:
+            assert attention.index("linear_proj.weight") < attention.index("linear_qkv.weight")
         opt = sd["optimizer"]  # FP32Optimizer.state_dict(): torch's, weight-decay group first
         groups = opt["param_groups"]
         assert [g["wd_mult"] for g in groups] == [1.0, 0.0]

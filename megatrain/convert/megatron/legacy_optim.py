@@ -197,8 +197,15 @@ def grad_scaler_state(entry: Any) -> dict[str, Any] | None:
 # SelfAttention adds linear_qkv); Transformer Engine's LayerNormLinear its layer_norm_weight/bias before weight/bias
 _LAYER_ORDER = [f"{m}.{p}" for m, ps in (
     ("input_layernorm", ("weight", "bias")), ("self_attention.linear_proj", ("weight", "bias")),
+    # multi-latent attention registers its projections after linear_proj, its latent norms last (under
+    # Transformer Engine names they are the up-projections' layer_norm_weight)
+    ("self_attention.linear_q_proj", ("weight",)), ("self_attention.linear_q_down_proj", ("weight",)),
+    ("self_attention.linear_q_up_proj", ("layer_norm_weight", "weight")),
+    ("self_attention.linear_kv_down_proj", ("weight",)),
+    ("self_attention.linear_kv_up_proj", ("layer_norm_weight", "weight")),
     ("self_attention.linear_qkv", ("layer_norm_weight", "layer_norm_bias", "weight", "bias")),
     ("self_attention.q_layernorm", ("weight", "bias")), ("self_attention.k_layernorm", ("weight", "bias")),
+    ("self_attention.kv_layernorm", ("weight",)),
     ("pre_mlp_layernorm", ("weight", "bias")), ("mlp.linear_fc1", ("layer_norm_weight", "layer_norm_bias", "weight",
                                                                    "bias")),
     ("mlp.linear_fc2", ("weight", "bias"))) for p in ps]
@@ -207,7 +214,7 @@ _TOP_ORDER = ["embedding.word_embeddings.weight", "embedding.position_embeddings
 
 
 def module_order(names: list[str]) -> list[str] | None:
-    """One rank file's parameter names (dense GPT, local or TE names) in megatron-core's ``model.parameters()``
+    """One rank file's parameter names (dense GPT, MLA too; local or TE names) in megatron-core's ``model.parameters()``
     order; None when one is not a dense GPT model's (its place in that order is not known here)."""
     keys = []
     for name in names:
