@@ -3,7 +3,8 @@ TP x PP rank, megatron-core's non-distributed optimizer's ``state_dict()`` by pa
 ``--saver megatron`` (TP 2 x PP 2) -> megatrain keeps every moment, the step and the weights bit-exact (LLaMA, a
 tied GPT-2 shape and multi-latent attention); an fp16 run's dynamic loss scaler and fp32 main params travel in
 both formats; state that does not fit megatron-core's parameter order exactly is refused in one note, never
-mis-mapped. (The layouts against megatron-core's own FP32Optimizer / Float16OptimizerWithFloat16Params: tests/e2e/test_megatron_ckpt_mcore.py.)"""
+mis-mapped. (The layouts against megatron-core's own FP32Optimizer / Float16OptimizerWithFloat16Params:
+tests/e2e/test_megatron_ckpt_mcore.py.)"""
 
 from __future__ import annotations
 
