@@ -14,8 +14,11 @@ Rows (``--rows``; default all of them on CUDA, ``generate engine`` on the CPU; `
   that with ``EngineConfig.lookahead`` off (the host reads each step's tokens before the next launch).
 - ``replay``, ``replay-compile``: the engine's runner alone, its decode steps replayed back to back
   with no host work between them (the device's time per step; the engine row less this one is the
-  engine's host work per step). ``replay-autotune``: replay-compile with the decode compiled in
-  ``max-autotune-no-cudagraphs`` mode (Inductor's autotuned matmul templates for the batch-1 GEMVs).
+  engine's host work per step). The compiled rows use the engine's default (``gemv_tuning``: Inductor's
+  coordinate-descent tuning, batch-1 matmuls as tuned reductions); ``replay-compile-cublas`` and
+  ``engine-compile-cublas`` compile without it (the batch-1 matmuls in cuBLAS). ``replay-autotune``:
+  replay-compile with the decode compiled in ``max-autotune-no-cudagraphs`` mode (Inductor's autotuned
+  matmul templates).
 - ``hf``, ``hf-compile``: transformers' `LlamaForCausalLM` of the same shape (random weights, built from
   a config offline) `generate(cache_implementation="static")`, eager and with its compiled decode
   (transformers compiles the forward of a static-cache generation unless ``disable_compile``); each
@@ -65,8 +68,8 @@ SHAPES = {
                        ffn_hidden_size=8192, vocab_size=128256, max_position_embeddings=4096, **_LLAMA),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ROWS = ("generate", "engine", "engine-compile", "engine-compile-stepwise", "replay", "replay-compile",
-        "replay-autotune", "hf", "hf-compile")
+ROWS = ("generate", "engine", "engine-compile", "engine-compile-cublas", "engine-compile-stepwise", "replay",
+        "replay-compile", "replay-compile-cublas", "replay-autotune", "hf", "hf-compile")
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> GPTModel:
@@ -164,9 +167,11 @@ def engine_run(engine: GenerationEngine, prompts, new_tokens: int) -> tuple[floa
 
 
 def measure_engine(model, prompts, new_tokens: int, repeats: int, max_requests: int,
-                   compile_decode: bool = False, lookahead: bool = True) -> dict[str, float]:
+                   compile_decode: bool = False, lookahead: bool = True,
+                   gemv_tuning: bool = True) -> dict[str, float]:
     config = EngineConfig(max_requests=max_requests, max_sequence_length=len(prompts[0]) + new_tokens,
-                          max_waiting=0, compile_decode=compile_decode, lookahead=lookahead)
+                          max_waiting=0, compile_decode=compile_decode, lookahead=lookahead,
+                          gemv_tuning=gemv_tuning)
     engine = GenerationEngine(model, config)
     engine.register("hold", _hold)
     try:
@@ -251,7 +256,7 @@ def step_bytes(model: GPTModel, batch: int, context: float) -> float:
 # ---- the table -------------------------------------------------------------------------------------
 
 def measure_replay(model, prompts, new_tokens: int, repeats: int, compile_decode: bool = False,
-                   compile_mode: str | None = None,
+                   compile_mode: str | None = None, gemv_tuning: bool = True,
                    profile_path: str | None = None) -> dict[str, float]:
     """The engine's own runner (slot cache, CUDA graphs) driven by the least host work there is: the
     prompts prefilled once, then ``new_tokens - 1`` decode steps replayed back to back with the tokens
@@ -268,7 +273,7 @@ def measure_replay(model, prompts, new_tokens: int, repeats: int, compile_decode
     cache = SlotKVCache(CacheShape(layers, config.num_query_groups, config.kv_channels, len(prompts), length),
                         next(model.parameters()).dtype, device)
     runner = ModelRunner(model, cache, device, cuda_graphs=device.type == "cuda", compile_decode=compile_decode,
-                         compile_mode=compile_mode)
+                         compile_mode=compile_mode, gemv_tuning=gemv_tuning)
     with torch.inference_mode():
         tokens = runner.prefill(list(enumerate(prompts))).argmax(-1).tolist()
 
@@ -349,11 +354,13 @@ def main(argv: list[str] | None = None) -> None:
                              if args.profile_dir else None)
                     r = measure_replay(model, prompts, args.new_tokens, args.repeats,
                                        compile_decode=row != "replay", profile_path=trace,
-                                       compile_mode="max-autotune-no-cudagraphs" if row == "replay-autotune" else None)
+                                       compile_mode="max-autotune-no-cudagraphs" if row == "replay-autotune" else None,
+                                       gemv_tuning=not row.endswith("cublas"))
                 elif row.startswith("engine"):
                     r = measure_engine(model, prompts, args.new_tokens, args.repeats, max(args.batch_sizes),
                                        compile_decode=row.startswith("engine-compile"),
-                                       lookahead=not row.endswith("stepwise"))
+                                       lookahead=not row.endswith("stepwise"),
+                                       gemv_tuning=not row.endswith("cublas"))
                 else:
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", row, shape, args.dtype,
                            args.device, str(batch), str(args.prompt_tokens), str(args.new_tokens), str(args.repeats)]

@@ -88,14 +88,17 @@ def test_capture_all_and_seeded_sampling_on_cuda():
     assert [e.token for e in crowded[2]] == [e.token for e in alone]
 
 
-def test_compiled_graph_engine_equals_generate():
+@pytest.mark.parametrize("jobs", [3, 1])  # one job: the batch-1 graph, whose matmuls gemv_tuning rewrites
+@pytest.mark.parametrize("gemv_tuning", [True, False])
+def test_compiled_graph_engine_equals_generate(jobs, gemv_tuning):
     model = cuda_model("llama")
-    expected = [generate(model, [p], 10)[0] for p in PROMPTS]
+    prompts = PROMPTS[:jobs]
+    expected = [generate(model, [p], 10)[0] for p in prompts]
     engine = GenerationEngine(model, EngineConfig(max_requests=3, max_sequence_length=40, length_bucket=8,
-                                                  compile_decode=True))
+                                                  compile_decode=True, gemv_tuning=gemv_tuning))
     try:
         assert engine.runner.cuda_graphs
-        events = generate_blocking(engine, [GenerateJob(p, 10, Sampling(greedy=True)) for p in PROMPTS])
+        events = generate_blocking(engine, [GenerateJob(p, 10, Sampling(greedy=True)) for p in prompts])
     finally:
         engine.close()
     assert [[e.token for e in job] for job in events] == expected

@@ -68,7 +68,8 @@ class EngineConfig:
     process; tensor-parallel CUDA graphs are allowed when asked for, not tested); ``length_bucket``:
     the smallest key-length bucket of the graphs. ``prefill_tokens``: new prompts are packed into one
     prefill forward up to this many tokens (a longer prompt runs alone). ``compile_decode``: the decode forward through
-    torch.compile (also inside the graphs). ``heartbeat_s``: the idle plan interval under tensor
+    torch.compile (also inside the graphs); ``gemv_tuning``: that compilation's Triton kernels tuned by
+    coordinate descent on CUDA, a batch-1 step's matmuls as tuned reductions (``engine/runner.py``). ``heartbeat_s``: the idle plan interval under tensor
     parallelism. ``lookahead``: greedy decode steps run one step ahead of the host (one process).
     ``capture_graphs_at_start``: record every decode graph (each batch and key-length bucket) on the
     engine thread before the first step, as a server wants: no request waits for a recording (or a
@@ -86,6 +87,7 @@ class EngineConfig:
     length_bucket: int = 256
     prefill_tokens: int = 2048
     compile_decode: bool = False
+    gemv_tuning: bool = True
     retry_after_s: int = 1
     heartbeat_s: float = 60.0
     lookahead: bool = True
@@ -175,6 +177,7 @@ class GenerationEngine:
             prefill_graphs = cuda_graphs and group is None and accepts_logit_positions(model)
         self.runner = ModelRunner(model, self.cache, device, cuda_graphs=cuda_graphs,
                                   length_bucket=config.length_bucket, compile_decode=config.compile_decode,
+                                  gemv_tuning=config.gemv_tuning,
                                   compile_prefill=config.compile_prefill, prefill_graphs=prefill_graphs,
                                   prefill_tokens=config.prefill_tokens)
         self.channel = PlanChannel(group, device) if group is not None and self.world > 1 else None

@@ -6,7 +6,10 @@ key-length bucket): the rows are padded up to the next batch bucket (1, 2, 4, ..
 ``max_sequence_length``), so a step of short sequences reads only the keys it needs and every step
 has one of a few fixed shapes. A graph is recorded the first time its shapes are needed, or all of
 them up front by :meth:`ModelRunner.capture_all`. ``compile_decode`` runs the decode forward through
-``torch.compile`` first (fewer, fused kernels), eager or recorded into the graphs. ``compile_prefill``
+``torch.compile`` first (fewer, fused kernels), eager or recorded into the graphs; with ``gemv_tuning`` (the
+default) on CUDA its Triton kernels get Inductor's coordinate-descent tuning, under which Inductor also
+writes a one-row matmul (the batch-1 step) as a tuned reduction over the weight instead of cuBLAS's
+tall-skinny tiles, so a batch-1 step reads every weight near the copy rate. ``compile_prefill``
 runs the packed prefill forward through ``torch.compile`` with a dynamic token count (one compilation
 for every pack; the cache's packed attention must then be its ``"mask"`` mode, whose shapes do not
 depend on the prompts' lengths): fewer host operations per prefill, which matters most when the
@@ -43,6 +46,17 @@ def full_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
+def decode_compile_kwargs(device: torch.device, mode: str | None, gemv_tuning: bool) -> dict:
+    """``torch.compile``'s arguments for the decode forward: a named ``mode``, or on CUDA with
+    ``gemv_tuning`` Inductor's coordinate-descent tuning (the batch-1 matmuls become tuned reductions,
+    see the module docstring), or nothing."""
+    if mode is not None:
+        return {"mode": mode}
+    if gemv_tuning and device.type == "cuda":
+        return {"options": {"coordinate_descent_tuning": True}}
+    return {}
+
+
 def buckets_up_to(limit: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
     """``sizes`` below ``limit``, and ``limit`` itself."""
     return tuple(sorted({s for s in sizes if s < limit} | {limit}))
@@ -66,7 +80,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cache: SlotKVCache, device: torch.device, *, cuda_graphs: bool,
                  length_bucket: int = 256, compile_decode: bool = False, compile_prefill: bool = False,
                  prefill_graphs: bool = False, prefill_tokens: int = 2048,
-                 compile_mode: str | None = None) -> None:
+                 compile_mode: str | None = None, gemv_tuning: bool = True) -> None:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {device}")
         if length_bucket <= 0:
@@ -88,8 +102,8 @@ class ModelRunner:
         # --compile: the decode forward through torch.compile (fused norms, rotary and mask kernels;
         # its shapes marked dynamic after the first recompile), recorded into the graphs as is;
         # ``compile_mode`` (e.g. "max-autotune-no-cudagraphs": autotuned GEMV templates) for the decode only
-        self._decode_forward = (torch.compile(self._forward, mode=compile_mode) if compile_decode
-                                else self._forward)
+        self._decode_forward = (torch.compile(self._forward, **decode_compile_kwargs(device, compile_mode, gemv_tuning))
+                                if compile_decode else self._forward)
         if compile_prefill and getattr(cache, "packed_attention", "mask") != "mask":
             raise ValueError("compile_prefill needs the cache's packed_attention='mask'")
         self._prefill_forward = (torch.compile(self._prefill_logits, dynamic=True) if compile_prefill
