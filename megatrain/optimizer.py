@@ -27,10 +27,11 @@ from torch import nn
 
 # The gradient norm and clipping live in parallel/ (the pipeline's norm over stages needs them);
 # importable from here as before.
-from megatrain.parallel.grad_norm import clip_grad_norm_, clip_grads_with_norm_, get_grad_norm, scale_grads_
+from megatrain.parallel.grad_norm import (clip_divisor, clip_grad_norm_, clip_grads_with_norm_, get_grad_norm,
+                                          scale_grads_)
 
-__all__ = ["OptimizerConfig", "build_param_groups", "build_optimizer", "is_no_weight_decay",
-           "get_grad_norm", "scale_grads_", "clip_grads_with_norm_", "clip_grad_norm_"]
+__all__ = ["OptimizerConfig", "build_param_groups", "build_optimizer", "is_no_weight_decay", "folds_grad_divisor",
+           "get_grad_norm", "scale_grads_", "clip_divisor", "clip_grads_with_norm_", "clip_grad_norm_"]
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -184,3 +185,14 @@ def build_optimizer(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig
                    weight_decay=cfg.weight_decay, **kernels)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay,
                            **kernels)
+
+
+def folds_grad_divisor(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``optimizer.step()`` divides the gradients by ``optimizer.grad_scale`` (a device scalar)
+    as it reads them: torch's fused Adam, AdamW and SGD kernels over plain tensors (the protocol
+    GradScaler uses), so gradient clipping needs no pass of its own over the gradients."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return False
+    if not optimizer.param_groups or not all(g.get("fused") for g in optimizer.param_groups):
+        return False
+    return not any(hasattr(p, "device_mesh") for p in params)  # DTensors: their kernels take no plain scalar

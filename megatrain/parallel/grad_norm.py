@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["get_grad_norm", "scale_grads_", "clip_grads_with_norm_", "clip_grad_norm_"]
+__all__ = ["get_grad_norm", "scale_grads_", "clip_coefficient", "clip_divisor", "clip_grads_with_norm_",
+           "clip_grad_norm_"]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -120,8 +121,18 @@ def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total
 
     DTensor gradients are scaled through their local shards.
     """
-    coef = torch.clamp(max_norm / (total_norm.float() + 1.0e-6), max=1.0)
-    scale_grads_(params, coef, foreach=foreach)
+    scale_grads_(params, clip_coefficient(max_norm, total_norm), foreach=foreach)
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Megatron's clipping factor ``min(1, max_norm / (total_norm + 1e-6))`` as a 0-dim fp32 tensor."""
+    return torch.clamp(max_norm / (total_norm.float() + 1.0e-6), max=1.0)
+
+
+def clip_divisor(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """What clipping divides the gradients by: ``max(1, (total_norm + 1e-6) / max_norm)``, the inverse
+    of :func:`clip_coefficient` (for a fused optimizer step that divides as it reads them)."""
+    return torch.clamp((total_norm.float() + 1.0e-6) / max_norm, min=1.0)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,

@@ -20,7 +20,7 @@ from megatrain.models.common.objective import loss_means
 from megatrain.parallel.context_parallel import split_batch
 from megatrain.parallel.data_parallel import gradient_sync
 from megatrain.training.loss_scaler import found_inf_in_grads, reduce_found_inf, unscale_grads_
-from megatrain.optimizer import clip_grad_norm_, scale_grads_
+from megatrain.optimizer import clip_divisor, clip_grad_norm_, folds_grad_divisor, scale_grads_
 
 __all__ = ["StepMixin", "StepResult", "IntervalStats", "summed"]
 
@@ -270,7 +270,12 @@ class StepMixin:
         if found_inf is not None and not params:  # nothing trained here (a frozen pipeline stage): 0 on the
             found_inf = found_inf.to(self.device)  # run's device, for the reduction over all ranks
         clip = self.pipeline.clip_grad_norm_ if self.pipeline is not None else clip_grad_norm_  # norm over stages
-        grad_norm_t = clip(params, a.clip_grad) if a.clip_grad > 0 else None
+        device_skip = bool(self.optimizer.defaults.get("fused"))  # fused kernels on the CPU too
+        # A fused step divides the gradients by a device scalar as it reads them (what GradScaler hands
+        # it): the clipping then costs no pass of its own over the gradients.
+        fold_clip = a.clip_grad > 0 and device_skip and self.scaler is None and folds_grad_divisor(self.optimizer, params)
+        grad_norm_t = clip(params, 0.0 if fold_clip else a.clip_grad) if a.clip_grad > 0 else None
+        grad_divisor = clip_divisor(a.clip_grad, grad_norm_t) if fold_clip else None
         if found_inf is None:  # the norm is non-finite exactly when a gradient is: no second pass over them
             assert grad_norm_t is not None
             found_inf = (~torch.isfinite(grad_norm_t)).float()
@@ -288,7 +293,6 @@ class StepMixin:
         flags = torch.cat([torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
                                         norm_value.to(found_inf.device)]),
                            mean_losses.detach().float().reshape(-1).to(found_inf.device)])
-        device_skip = bool(self.optimizer.defaults.get("fused"))  # fused kernels on the CPU too
         ready = None
         if device_skip and flags.is_cuda:  # the flags' copy is queued ahead of the step
             flags = flags.to("cpu", non_blocking=True)
@@ -297,7 +301,7 @@ class StepMixin:
         self.settle()  # the previous iteration's schedule step comes before this optimizer step
         self._stop_on_nan_iterations()
         if device_skip:
-            self._queue_step_skipping_on_device(found_inf)
+            self._queue_step_skipping_on_device(found_inf, grad_divisor)
         self._pending = _PendingStep(self.state.iteration + 1, flags, ready, grad_norm_t is not None,
                                      not device_skip, self.current_global_batch_size)
         if not device_skip or self.scaler is not None:  # the host decides the step (or the next loss scale)
@@ -346,14 +350,19 @@ class StepMixin:
                              f"gradient (--max-nan-iterations {self.args.max_nan_iterations}); lower --lr, use "
                              f"--bf16 or check the data")
 
-    def _queue_step_skipping_on_device(self, found_inf: torch.Tensor) -> None:
+    def _queue_step_skipping_on_device(self, found_inf: torch.Tensor, grad_divisor: torch.Tensor | None) -> None:
         """Queue the optimizer step with ``found_inf``: torch's fused kernels then leave weights,
-        states and step counts alone when it is set (what GradScaler relies on)."""
+        states and step counts alone when it is set (what GradScaler relies on); with ``grad_divisor``
+        they divide every gradient by it first (and store the divided gradient, as after clipping)."""
         self.optimizer.found_inf = found_inf.float().reshape(())  # type: ignore[attr-defined]
+        if grad_divisor is not None:
+            self.optimizer.grad_scale = grad_divisor  # type: ignore[attr-defined]
         try:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
+            if grad_divisor is not None:
+                del self.optimizer.grad_scale  # type: ignore[attr-defined]
 
     # ---- sums over ranks ------------------------------------------------------------------------
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
