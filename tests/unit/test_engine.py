@@ -244,13 +244,3 @@ def test_mixture_of_experts_and_window_models_equal_generate():
         model = make_model("llama", **overrides)
         events = run_engine(model, [GenerateJob(p, 6, GREEDY) for p in PROMPTS], max_requests=3)
         assert [tokens_of(e) for e in events] == [generate(model, [p], 6)[0] for p in PROMPTS], overrides
-
-
-def test_decode_compile_arguments():
-    from megatrain.inference.engine.runner import decode_compile_kwargs
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert decode_compile_kwargs(cuda, None, True) == {"options": {"coordinate_descent_tuning": True}}
-    assert decode_compile_kwargs(cuda, None, False) == {}
-    assert decode_compile_kwargs(cpu, None, True) == {}  # Inductor writes no GEMV reductions for the CPU
-    assert decode_compile_kwargs(cuda, "max-autotune-no-cudagraphs", True) == {"mode": "max-autotune-no-cudagraphs"}

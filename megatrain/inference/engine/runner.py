@@ -7,9 +7,8 @@ key-length bucket): the rows are padded up to the next batch bucket (1, 2, 4, ..
 has one of a few fixed shapes. A graph is recorded the first time its shapes are needed, or all of
 them up front by :meth:`ModelRunner.capture_all`. ``compile_decode`` runs the decode forward through
 ``torch.compile`` first (fewer, fused kernels), eager or recorded into the graphs; with ``gemv_tuning`` (the
-default) on CUDA its Triton kernels get Inductor's coordinate-descent tuning, under which Inductor also
-writes a one-row matmul (the batch-1 step) as a tuned reduction over the weight instead of cuBLAS's
-tall-skinny tiles, so a batch-1 step reads every weight near the copy rate. ``compile_prefill``
+default) on CUDA a batch-1 step's matmuls become reductions over the weights tuned for bandwidth
+(:mod:`megatrain.inference.engine.decode_compile`). ``compile_prefill``
 runs the packed prefill forward through ``torch.compile`` with a dynamic token count (one compilation
 for every pack; the cache's packed attention must then be its ``"mask"`` mode, whose shapes do not
 depend on the prompts' lengths): fewer host operations per prefill, which matters most when the
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatrain.inference.engine.decode_compile import decode_compile_kwargs
 from megatrain.inference.engine.prefill_graphs import GraphRecordError, StaticPrefill, accepts_logit_positions
 from megatrain.inference.engine.slot_cache import SlotKVCache
 
@@ -44,17 +44,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
     """Logits of a tensor-parallel model may be sharded on the vocabulary: gathered here."""
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-
-def decode_compile_kwargs(device: torch.device, mode: str | None, gemv_tuning: bool) -> dict:
-    """``torch.compile``'s arguments for the decode forward: a named ``mode``, or on CUDA with
-    ``gemv_tuning`` Inductor's coordinate-descent tuning (the batch-1 matmuls become tuned reductions,
-    see the module docstring), or nothing."""
-    if mode is not None:
-        return {"mode": mode}
-    if gemv_tuning and device.type == "cuda":
-        return {"options": {"coordinate_descent_tuning": True}}
-    return {}
 
 
 def buckets_up_to(limit: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
