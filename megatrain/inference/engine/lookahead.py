@@ -1,8 +1,9 @@
 """Greedy decode steps that run one step ahead of the host.
 
 A decode step whose rows are all plain greedy (argmax of the raw logits, no top-N logprobs) needs
-nothing from the host to choose its tokens: :func:`launch` chooses them on the device (the same
-float32 argmax and log-softmax as :func:`~sampler.sample_rows`), starts copying them to pinned host
+nothing from the host to choose its tokens: :func:`launch` chooses them on the device, inside the
+step's CUDA graph where there is one (the same float32 argmax and log-softmax as
+:func:`~sampler.sample_rows`), starts copying them to pinned host
 memory and returns at once with an :class:`InFlight` step. While the device runs that step, the
 engine can launch the next one from the chosen tokens still on the device (:func:`launch` with the
 in-flight step's tokens and positions + 1) and only then read the first step's tokens
@@ -32,7 +33,7 @@ class InFlight:
 
     requests: list[Request | None]
     positions: list[int]
-    tokens: torch.Tensor  # [rows] int64 on the device: the step's chosen tokens
+    tokens: torch.Tensor  # [rows] float64 on the device: the step's chosen token ids
     host: torch.Tensor  # [2, rows] float64 (pinned on CUDA): chosen tokens, their logprobs
     ready: torch.cuda.Event | None  # the copy into ``host`` has finished
 
@@ -53,10 +54,7 @@ def launch(runner: ModelRunner, requests: list[Request | None], tokens: list[int
            positions: list[int], needed: int) -> InFlight:
     """One decode step of ``requests``' rows (``tokens``: host ids or the previous step's device
     tokens), its greedy tokens chosen on the device and on their way to the host."""
-    logits = runner.decode(tokens, positions, needed).float()
-    chosen = logits.argmax(dim=-1)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
-    out = torch.stack([chosen.double(), logprobs.double()])
+    out = runner.decode_greedy(tokens, positions, needed)  # chosen on the device, in the step's graph
     cuda = out.device.type == "cuda"
     host = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
     host.copy_(out, non_blocking=cuda)
@@ -64,7 +62,7 @@ def launch(runner: ModelRunner, requests: list[Request | None], tokens: list[int
     if cuda:
         ready = torch.cuda.Event()
         ready.record()
-    return InFlight(requests, positions, chosen, host, ready)
+    return InFlight(requests, positions, out[0], host, ready)
 
 
 def next_positions(step: InFlight, scratch_position: int) -> tuple[list[int], int]:

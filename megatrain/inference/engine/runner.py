@@ -46,6 +46,15 @@ def full_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
+def greedy_choice(logits_bv: torch.Tensor) -> torch.Tensor:
+    """[2, rows] float64: each row's argmax token and its log-probability, from the float32 logits (the
+    sampler's plain greedy choice)."""
+    logits = logits_bv.float()
+    chosen = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
+    return torch.stack([chosen.double(), logprobs.double()])
+
+
 def buckets_up_to(limit: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
     """``sizes`` below ``limit``, and ``limit`` itself."""
     return tuple(sorted({s for s in sizes if s < limit} | {limit}))
@@ -54,12 +63,13 @@ def buckets_up_to(limit: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
 @dataclass
 class _DecodeGraph:
     """A recorded decode step: its inputs (row 0 tokens, row 1 positions) staged in pinned memory and
-    copied to the device in one transfer, its output logits."""
+    copied to the device in one transfer, its output logits and each row's greedy choice."""
 
     graph: torch.cuda.CUDAGraph
     staged: torch.Tensor  # [2, batch] int64, pinned
     inputs: torch.Tensor  # [2, batch] int64 on the device; the graph reads it
     logits_bv: torch.Tensor
+    greedy_2b: torch.Tensor  # [2, batch] float64: argmax token, its log-probability (greedy_choice)
     copied: torch.cuda.Event  # the last copy out of ``staged`` has finished
 
 
@@ -139,14 +149,24 @@ class ModelRunner:
 
     def decode(self, tokens: list[int] | torch.Tensor, positions: list[int], needed: int) -> torch.Tensor:
         """One token for each of slots 0..rows-1 (``tokens[i]`` at ``positions[i]``; padding rows at
-        :attr:`scratch_position`); ``tokens``: host ids, or int64 ids [rows] already on the device
-        (a previous step's choice, read in stream order). ``needed``: the largest position of a real
+        :attr:`scratch_position`); ``tokens``: host ids, or ids [rows] already on the device (a
+        previous step's choice, read in stream order). ``needed``: the largest position of a real
         row + 1 (the keys that must be read). Returns the rows' logits [rows, V]."""
+        return self._decode(tokens, positions, needed, False)
+
+    def decode_greedy(self, tokens: list[int] | torch.Tensor, positions: list[int], needed: int) -> torch.Tensor:
+        """:meth:`decode`'s step, returning each row's greedy choice [2, rows] (float64: token, its
+        log-probability; :func:`greedy_choice`) computed in the same graph as the logits."""
+        return self._decode(tokens, positions, needed, True)
+
+    def _decode(self, tokens: list[int] | torch.Tensor, positions: list[int], needed: int,
+                greedy: bool) -> torch.Tensor:
         rows = len(tokens)
         assert rows == len(positions) and rows > 0 and 0 < needed <= self.cache.shape.max_sequence_length
         if self.cuda_graphs:
             try:
-                return self._replay(tokens, positions, needed)
+                graph = self._replay(tokens, positions, needed)
+                return graph.greedy_2b[:, :rows] if greedy else graph.logits_bv[:rows]
             except GraphRecordError as e:
                 self._decode_eagerly(e)
         if isinstance(tokens, torch.Tensor):
@@ -154,15 +174,18 @@ class ModelRunner:
         else:
             tokens_b1 = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         positions_b1 = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
-        return self._decode_forward(tokens_b1, positions_b1, needed)
+        logits_bv, greedy_2b = self._decode_forward(tokens_b1, positions_b1, needed, greedy)
+        return greedy_2b if greedy else logits_bv
 
-    def _forward(self, tokens_b1: torch.Tensor, positions_b1: torch.Tensor, key_length: int) -> torch.Tensor:
+    def _forward(self, tokens_b1: torch.Tensor, positions_b1: torch.Tensor, key_length: int,
+                 greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.begin_decode(positions_b1, key_length, longest=key_length - 1, window=self.window)
         try:
             logits = self.model(tokens_b1, position_ids=positions_b1, kv_cache=self.cache)
         finally:
             self.cache.end()
-        return full_logits(logits)[:, -1]
+        logits_bv = full_logits(logits)[:, -1]
+        return logits_bv, greedy_choice(logits_bv) if greedy else None
 
     def bucket(self, rows: int, key_length: int) -> tuple[int, int]:
         """The (batch, key-length) graph shapes that cover ``rows`` rows reading ``key_length`` keys."""
@@ -170,7 +193,7 @@ class ModelRunner:
         length = next(n for n in self.length_buckets if n >= key_length)
         return batch, length
 
-    def _replay(self, tokens: list[int] | torch.Tensor, positions: list[int], key_length: int) -> torch.Tensor:
+    def _replay(self, tokens: list[int] | torch.Tensor, positions: list[int], key_length: int) -> _DecodeGraph:
         rows = len(tokens)
         graph = self._graph(*self.bucket(rows, key_length))
         graph.copied.synchronize()  # (long done, in practice: the last step's logits were read)
@@ -184,7 +207,7 @@ class ModelRunner:
         if on_device:
             graph.inputs[0, :rows].copy_(tokens)
         graph.graph.replay()
-        return graph.logits_bv[:rows]
+        return graph
 
     def _graph(self, batch: int, key_length: int) -> _DecodeGraph:
         key = (batch, key_length)
@@ -204,13 +227,13 @@ class ModelRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy initialisation, kernel selection, compilation, the allocator
-                self._decode_forward(tokens_b1, positions_b1, key_length)
+                self._decode_forward(tokens_b1, positions_b1, key_length, True)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits_bv = self._decode_forward(tokens_b1, positions_b1, key_length)
+            logits_bv, greedy_2b = self._decode_forward(tokens_b1, positions_b1, key_length, True)
         staged = torch.empty(2, batch, dtype=torch.long, pin_memory=True)
-        return _DecodeGraph(graph, staged, inputs, logits_bv, torch.cuda.Event())
+        return _DecodeGraph(graph, staged, inputs, logits_bv, greedy_2b, torch.cuda.Event())
 
     def capture_all(self) -> int:
         """Record every decode graph (and prefill graph) now instead of on first use; returns how many
