@@ -60,8 +60,8 @@ def test_completions_equal_the_one_process_server(servers):
     (s1, a), (s2, b) = post(remote.port, "/v1/completions", body), post(local.port, "/v1/completions", body)
     assert s1 == s2 == 200
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
-    for x, y in zip(a["choices"], b["choices"]):
-        assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], abs=1e-6)
+    for x, y in zip(a["choices"], b["choices"]):  # fp32; the rows may be batched differently in the two servers
+        assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-6)
     assert a["usage"] == b["usage"]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -143,8 +144,16 @@ def test_slow_body_408_and_a_full_engine_503(tmp_path):
             head = recv_until_closed(sock)
             assert head.startswith("HTTP/1.1 408") and "connection: close" in head.lower()
             assert "not received within 0.5 s" in head
-        # two sequences for one slot and no waiting room: 503 with Retry-After
-        status, out, resp = request(srv, "POST", "/v1/completions", {"prompt": "1", "n": 2, "max_tokens": 8})
+        # two sequences for one slot and no waiting room: 503 with Retry-After. The engine thread is held
+        # in a call meanwhile, so the first sequence cannot finish before the second is submitted.
+        release = threading.Event()
+        engine.register("hold", lambda _model, _payload: release.wait(30))
+        held = engine.call("hold", {})
+        try:
+            status, out, resp = request(srv, "POST", "/v1/completions", {"prompt": "1", "n": 2, "max_tokens": 8})
+        finally:
+            release.set()
+            held.result(timeout=30)
         assert status == 503 and resp.getheader("Retry-After") == "1" and "busy" in out["message"]
         assert request(srv, "GET", "/health")[0] == 200
     finally:
