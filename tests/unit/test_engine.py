@@ -244,3 +244,17 @@ def test_mixture_of_experts_and_window_models_equal_generate():
         model = make_model("llama", **overrides)
         events = run_engine(model, [GenerateJob(p, 6, GREEDY) for p in PROMPTS], max_requests=3)
         assert [tokens_of(e) for e in events] == [generate(model, [p], 6)[0] for p in PROMPTS], overrides
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_graphs_greedy_choice_is_the_samplers(dtype):
+    from megatrain.inference.engine.runner import greedy_choice
+
+    torch.manual_seed(0)
+    logits = (torch.randn(5, 1000) * 4).to(dtype)
+    choice = greedy_choice(logits)
+    expected = sampler_module.sample_rows(logits, [JobSampler(Sampling(greedy=True), logits.device)
+                                                   for _ in range(5)], [0] * 5)
+    assert choice.dtype == torch.float64 and choice.shape == (2, 5)
+    assert [int(t) for t in choice[0]] == [c.token for c in expected]
+    assert choice[1].tolist() == pytest.approx([c.logprob for c in expected], rel=1e-6, abs=1e-6)

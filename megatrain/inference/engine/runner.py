@@ -51,7 +51,8 @@ def greedy_choice(logits_bv: torch.Tensor) -> torch.Tensor:
     sampler's plain greedy choice)."""
     logits = logits_bv.float()
     chosen = logits.argmax(dim=-1)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
+    # the chosen token's log-softmax without the [rows, V] log-softmax itself (two reductions over the row)
+    logprobs = logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     return torch.stack([chosen.double(), logprobs.double()])
 
 
