@@ -28,8 +28,11 @@ dim, dtype and masks, and warns when only the slow math fallback would run.
 
 from __future__ import annotations
 
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -194,14 +197,47 @@ def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims,
             and cfg.recompute.granularity != "full")
 
 
+def _init_workers() -> int:
+    """Threads that draw initial values at once: the cores this process may use, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
+def _in_order(fn: Callable[[Any], torch.Tensor], items: list, workers: int) -> Iterator[torch.Tensor]:
+    """``fn(item)`` for each item, in order, computed by ``workers`` threads at most ``2 * workers``
+    items ahead of the consumer (so the values waiting to be copied stay few)."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="init") as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, config: Any, seed: int,
-                    initial_value: Callable[..., torch.Tensor] | None = None) -> None:
+                    initial_value: Callable[..., torch.Tensor] | None = None, workers: int | None = None) -> None:
     """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``
-    (default: the family of ``config``'s rules)."""
+    (default: the family of ``config``'s rules). Each value comes from its own seeded generator, so
+    ``workers`` threads (default: the usable cores, at most 16) draw them at once with the same
+    result, the largest first (one tensor is one generator's stream: the embedding and output layer
+    bound the time); the copies into the parameters stay on this thread (the same order on every rank)."""
     initial_value = initial_value or family_of_config(config).initial_value
-    for name, param in model.named_parameters():
-        full = initial_value(canonical_parameter_name(name), param.shape, config, seed)
+    named = sorted(model.named_parameters(), key=lambda item: -item[1].numel())  # stable: ties in model order
+
+    def draw(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        name, param = item
+        return initial_value(canonical_parameter_name(name), param.shape, config, seed)
+
+    for (name, param), full in zip(named, _in_order(draw, named, workers or _init_workers())):
         if isinstance(param, DTensor):
             local = param.to_local()
             shard = _local_shard(full.to(device=local.device, dtype=local.dtype), param)

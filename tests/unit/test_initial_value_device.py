@@ -18,3 +18,20 @@ def test_initial_value_ignores_the_default_device():
         under_meta = [initial_value(n, (8, 4) if n.endswith("qkv.weight") else (4,), cfg, 7) for n in names]
     for a, b in zip(plain, under_meta):
         assert b.device.type == "cpu" and torch.equal(a, b)
+
+
+def test_threads_drawing_the_initial_values_give_the_model_its_one_set_of_weights():
+    from megatrain.models.gpt.model import GPTModel
+    from megatrain.parallel.parallelize import init_parameters
+
+    cfg = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=96,
+                    max_position_embeddings=16)
+    reference = GPTModel(cfg)
+    reference.init_weights(seed=11)  # the whole model on one device, parameter by parameter
+    for workers in (1, 4):
+        with torch.device("meta"):
+            model = GPTModel(cfg)
+        model.to_empty(device="cpu")
+        init_parameters(model, cfg, 11, workers=workers)
+        for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+            assert torch.equal(a, b), (workers, name)
