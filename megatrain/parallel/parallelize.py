@@ -198,28 +198,40 @@ def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims,
 
 
 def _init_workers() -> int:
-    """Threads that draw initial values at once: the cores this process may use, at most 16."""
+    """Threads that draw initial values at once: this process's share of the usable cores (the node's
+    ranks share them, ``LOCAL_WORLD_SIZE``), at most 16."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
         cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(16, cores // local_ranks))
 
 
-def _in_order(fn: Callable[[Any], torch.Tensor], items: list, workers: int) -> Iterator[torch.Tensor]:
-    """``fn(item)`` for each item, in order, computed by ``workers`` threads at most ``2 * workers``
-    items ahead of the consumer (so the values waiting to be copied stay few)."""
+# Bytes of drawn values that may wait for their copy at once (one larger tensor still goes alone).
+_INIT_BYTES_IN_FLIGHT = 2 << 30
+
+
+def _in_order(fn: Callable[[Any], torch.Tensor], items: list, workers: int, nbytes: Callable[[Any], int],
+              budget: int = _INIT_BYTES_IN_FLIGHT) -> Iterator[torch.Tensor]:
+    """``fn(item)`` for each item, in order, computed by ``workers`` threads ahead of the consumer while
+    the results not yet consumed hold at most ``budget`` bytes (``nbytes(item)`` each)."""
     if workers <= 1:
         yield from map(fn, items)
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="init") as pool:
         pending: deque = deque()
+        held = 0
         for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
+            size = nbytes(item)
+            while pending and (held + size > budget or len(pending) >= 2 * workers):
+                future, done_size = pending.popleft()
+                held -= done_size
+                yield future.result()
+            pending.append((pool.submit(fn, item), size))
+            held += size
         while pending:
-            yield pending.popleft().result()
+            yield pending.popleft()[0].result()
 
 
 @torch.no_grad()
@@ -227,8 +239,8 @@ def init_parameters(model: nn.Module, config: Any, seed: int,
                     initial_value: Callable[..., torch.Tensor] | None = None, workers: int | None = None) -> None:
     """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``
     (default: the family of ``config``'s rules). Each value comes from its own seeded generator, so
-    ``workers`` threads (default: the usable cores, at most 16) draw them at once with the same
-    result, the largest first (one tensor is one generator's stream: the embedding and output layer
+    ``workers`` threads (default: this process's share of the usable cores, at most 16) draw them at once
+    with the same result (at most 2 GiB of drawn values waiting for their copy), the largest first (one tensor is one generator's stream: the embedding and output layer
     bound the time); the copies into the parameters stay on this thread (the same order on every rank)."""
     initial_value = initial_value or family_of_config(config).initial_value
     named = sorted(model.named_parameters(), key=lambda item: -item[1].numel())  # stable: ties in model order
@@ -237,7 +249,8 @@ def init_parameters(model: nn.Module, config: Any, seed: int,
         name, param = item
         return initial_value(canonical_parameter_name(name), param.shape, config, seed)
 
-    for (name, param), full in zip(named, _in_order(draw, named, workers or _init_workers())):
+    values = _in_order(draw, named, workers or _init_workers(), nbytes=lambda item: 4 * item[1].numel())
+    for (name, param), full in zip(named, values):
         if isinstance(param, DTensor):
             local = param.to_local()
             shard = _local_shard(full.to(device=local.device, dtype=local.dtype), param)

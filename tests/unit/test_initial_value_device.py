@@ -35,3 +35,26 @@ def test_threads_drawing_the_initial_values_give_the_model_its_one_set_of_weight
         init_parameters(model, cfg, 11, workers=workers)
         for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
             assert torch.equal(a, b), (workers, name)
+
+
+def test_values_come_in_order_with_few_bytes_waiting():
+    import threading
+
+    from megatrain.parallel.parallelize import _in_order
+
+    waiting, most, lock = [0], [0], threading.Lock()
+
+    def draw(n):
+        with lock:
+            waiting[0] += n
+            most[0] = max(most[0], waiting[0])
+        return torch.full((n,), float(n))
+
+    sizes = [9, 1, 8, 2, 7, 3, 6, 4, 5]
+    out = []
+    for n, value in zip(sizes, _in_order(draw, sizes, 3, nbytes=lambda n: n, budget=10)):
+        out.append(int(value[0]))
+        with lock:
+            waiting[0] -= n
+    assert out == sizes
+    assert most[0] <= 10  # drawn values not yet taken never held more than the budget
