@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from megatrain.host_threads import host_threads
+
 BLOCK = 64 << 20  # bytes per checksum
 CHECKSUM = "crc32/64MiB"
 _READ = 8 << 20  # bytes per read while checksumming a block
@@ -56,16 +58,6 @@ class Marker:
 
 
 # ---------------------------------------------------------------------------------------------- checksums
-
-def hash_threads() -> int:
-    """Threads for checksumming on this process: its share of the CPUs among the ranks of its node."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(16, cpus // local))
-
 
 _local = threading.local()
 
@@ -96,7 +88,7 @@ def compute_checksums(directory: str, names: Iterable[str], threads: int | None 
     names = sorted(names)
     sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in names}
     jobs = [(n, i) for n in names for i in range(_blocks(sizes[n]))]
-    workers = min(len(jobs), threads or hash_threads()) or 1
+    workers = min(len(jobs), threads or host_threads()) or 1
     if workers == 1:
         crcs = [_block_crc(os.path.join(directory, n), i) for n, i in jobs]
     else:

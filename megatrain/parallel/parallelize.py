@@ -28,7 +28,6 @@ dim, dtype and masks, and warns when only the slow math fallback would run.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from megatrain.host_threads import host_threads
 from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.common.layer_stacks import transformer_layers
 from megatrain.models.registry import ModelFamily, family_of_config
@@ -197,17 +197,6 @@ def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims,
             and cfg.recompute.granularity != "full")
 
 
-def _init_workers() -> int:
-    """Threads that draw initial values at once: this process's share of the usable cores (the node's
-    ranks share them, ``LOCAL_WORLD_SIZE``), at most 16."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
-        cores = os.cpu_count() or 1
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(16, cores // local_ranks))
-
-
 # Bytes of drawn values that may wait for their copy at once (one larger tensor still goes alone).
 _INIT_BYTES_IN_FLIGHT = 2 << 30
 
@@ -249,7 +238,7 @@ def init_parameters(model: nn.Module, config: Any, seed: int,
         name, param = item
         return initial_value(canonical_parameter_name(name), param.shape, config, seed)
 
-    values = _in_order(draw, named, workers or _init_workers(), nbytes=lambda item: 4 * item[1].numel())
+    values = _in_order(draw, named, workers or host_threads(), nbytes=lambda item: 4 * item[1].numel())
     for (name, param), full in zip(named, values):
         if isinstance(param, DTensor):
             local = param.to_local()
