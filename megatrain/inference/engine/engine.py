@@ -69,7 +69,8 @@ class EngineConfig:
     the smallest key-length bucket of the graphs. ``prefill_tokens``: new prompts are packed into one
     prefill forward up to this many tokens (a longer prompt runs alone). ``compile_decode``: the decode forward through
     torch.compile (also inside the graphs); ``gemv_tuning``: that compilation's Triton kernels tuned by
-    coordinate descent on CUDA, a batch-1 step's matmuls as tuned reductions (``engine/runner.py``). ``heartbeat_s``: the idle plan interval under tensor
+    coordinate descent on CUDA, a batch-1 step's matmuls as tuned reductions (``engine/decode_compile.py``).
+    ``heartbeat_s``: the idle plan interval under tensor
     parallelism. ``lookahead``: greedy decode steps run one step ahead of the host (one process).
     ``capture_graphs_at_start``: record every decode graph (each batch and key-length bucket) on the
     engine thread before the first step, as a server wants: no request waits for a recording (or a
