@@ -1,0 +1,195 @@
+"""T5's encoder attention alone, forward + backward, in the ways megatrain can run it: where do the
+relative position bias's milliseconds go? Prints a table.
+
+    python benchmarks/t5_attention.py                          # T5-base encoder (12 layers, b 64, 12 x 64, s 512), CUDA
+    python benchmarks/t5_attention.py --shape tiny --device cpu --variants sdpa-bias sdpa-pad   # a smoke run
+
+Every variant runs the encoder's 12 self-attentions of one step (fresh bf16 q, k, v per layer, the
+one [buckets, heads] bias table shared by all layers, the same padding), compiled as a whole with
+``torch.compile``, then their backward from fixed output gradients; the time is the median of
+``--iters`` forward + backward passes (CUDA events). Variants (the first is what ``pretrain_t5.py``
+runs in the Hugging Face layout today):
+
+* ``sdpa-bias``: the bias and the padding as one [b, heads, s, s] float mask built once per forward
+  (``megatrain.models.t5.model.self_attention_mask``), every layer's SDPA reading it and writing its
+  gradient ([b, heads, s, s] per layer, summed across layers and then over the batch);
+* ``sdpa-bias-frozen``: the same mask with the table not trained (no mask gradient): what the
+  gradient costs;
+* ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
+  over the batch at once instead of accumulated across layers at [b, heads, s, s];
+* ``sdpa-pad``: the padding alone ([b, 1, 1, s] bool), no bias: the floor the learned-position
+  layout runs at;
+* ``flex``: FlexAttention as ``--attention-backend flex`` runs it (the bias as a score_mod over the
+  [b, heads, distances] table, the padding as a block mask, ``flex_attention.CUDA_KERNEL_OPTIONS``);
+  ``flex-frozen`` with the table not trained; ``flex-pad`` the block mask alone; ``flex-tiles-*``
+  the trained bias with other kernel tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {"t5-base": (12, 64, 12, 512, 64), "tiny": (2, 4, 4, 64, 16)}  # layers, batch, heads, seq, head dim
+
+TILES = {
+    "flex-tiles-128x64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2,
+                          "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+    "flex-tiles-bwd64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2,
+                         "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+    "flex-tiles-bwd128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2,
+                          "BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64},
+    "flex-tiles-warps8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8,
+                          "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+}
+VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-per-layer", "sdpa-pad", "flex", "flex-frozen", "flex-pad",
+            *TILES]
+
+
+def lengths(batch: int, seq: int, seed: int):
+    """Encoder lengths like span-corrupted T5 samples: most near 0.9 s, one in ten short."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = (seq * 0.9 + 10 * torch.randn(batch, generator=g)).round().clamp(8, seq).long()
+    short = torch.rand(batch, generator=g) < 0.1
+    n[short] = torch.randint(8, seq + 1, (int(short.sum()),), generator=g)
+    return n
+
+
+def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Callable:
+    """The compiled encoder-attention function of one variant: (qs, ks, vs) -> outputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatrain.models.common import flex_attention as fa
+    from megatrain.models.t5.model import padding_key_mask, self_attention_mask
+
+    if variant.startswith("sdpa"):
+        def fn(qs, ks, vs):
+            if variant == "sdpa-pad":
+                mask = padding_key_mask(keep)
+            elif variant == "sdpa-bias-per-layer":
+                mask = None
+            else:
+                bias = bias_table(seq, seq, keep.device)
+                if variant == "sdpa-bias-frozen":
+                    bias = bias.detach()
+                mask = self_attention_mask(keep, seq, causal=False, bias=bias, dtype=dtype)
+            outs = []
+            for q, k, v in zip(qs, ks, vs):
+                m = mask if mask is not None else self_attention_mask(
+                    keep, seq, causal=False, bias=bias_table(seq, seq, keep.device), dtype=dtype)
+                outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+            return outs
+        return torch.compile(fn)
+
+    fa.CUDA_KERNEL_OPTIONS = dict(TILES.get(variant, _DEFAULT_TILES))
+
+    def flex_fn(qs, ks, vs):
+        bias = None
+        if variant != "flex-pad":
+            table, offset = bias_table.distance_bias(seq, seq, keep.device, pad_to=fa.BLOCK_SIZE)
+            if variant == "flex-frozen":
+                table = table.detach()
+            bias = (table.unsqueeze(0).expand(keep.shape[0], -1, -1).contiguous(), offset)
+        mask = fa.flex_mask(keep != 0, seq, seq, causal=False, device=keep.device, position_bias=bias)
+        return [fa.flex_attention_forward(q, k, v, mask) for q, k, v in zip(qs, ks, vs)]
+    return torch.compile(flex_fn)
+
+
+_DEFAULT_TILES: dict = {}
+
+
+def run_variant(variant: str, args) -> dict:
+    import torch
+
+    from megatrain.models.common.relative_position import RelativePositionBias
+
+    layers, b, h, s, d = SHAPES[args.shape]
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    table = RelativePositionBias(h, num_buckets=32, max_distance=128, bidirectional=True).to(dev)
+    n = lengths(b, s, seed=1).to(dev)
+    keep = (torch.arange(s, device=dev)[None, :] < n[:, None]).long()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def leaf():
+        return torch.randn(b, s, h, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+
+    qs, ks, vs = ([leaf() for _ in range(layers)] for _ in range(3))
+    grads = [torch.randn(b, h, s, d, device=dev, dtype=dtype) for _ in range(layers)]
+    torch._dynamo.reset()
+    fn = build(variant, layers, table, keep, s, dtype)
+    times = []
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.warmup + args.iters):
+        for t in (*qs, *ks, *vs, *table.parameters()):
+            t.grad = None
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            import time
+            t0 = time.perf_counter()
+        outs = fn(qs, ks, vs)
+        torch.autograd.backward(outs, grads)
+        if dev.type == "cuda":
+            end.record()
+            sync()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= args.warmup:
+            times.append(ms)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    return {"variant": variant, "ms": statistics.median(times), "per_layer_ms": statistics.median(times) / layers,
+            "peak_gib": peak, "bias_grad": None if table.relative_attention_bias.weight.grad is None
+            else float(table.relative_attention_bias.weight.grad.float().norm())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="t5-base")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--output", default=None, help="also write the table here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from megatrain.models.common import flex_attention as fa
+
+    global _DEFAULT_TILES
+    _DEFAULT_TILES = dict(fa.CUDA_KERNEL_OPTIONS)
+    layers, b, h, s, d = SHAPES[args.shape]
+    lines = [f"T5 encoder attention, {layers} layers, b {b}, {h} heads x {d}, s {s}, torch {torch.__version__}, "
+             f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}", "",
+             "| variant | ms fwd+bwd (all layers) | ms per layer | peak GiB | bias grad norm |", "|---|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    for variant in args.variants:
+        try:
+            r = run_variant(variant, args)
+            row = (f"| {variant} | {r['ms']:.2f} | {r['per_layer_ms']:.3f} | {r['peak_gib']:.1f} | "
+                   f"{'-' if r['bias_grad'] is None else format(r['bias_grad'], '.4g')} |")
+        except Exception as e:  # one variant's failure is one row
+            msg = str(e).strip().splitlines()
+            row = f"| {variant} | failed: {type(e).__name__}: {(msg[0] if msg else '')[:160]} | | | |"
+        print(row, flush=True)
+        lines.append(row)
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
