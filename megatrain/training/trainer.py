@@ -45,6 +45,7 @@ from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megatrain.training.lr_schedule import LRScheduler
 from megatrain.optimizer import build_optimizer
 from megatrain.training.run_config import RunConfig
+from megatrain.training.setup_log import SetupTimers, print_datetime, print_time_to_initialize
 from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep, summed
 
 __all__ = ["Trainer", "pretrain", "print_rank0", "print_rank_last", "StepResult", "ExitRequest"]
@@ -94,6 +95,9 @@ class Trainer(StepMixin, EvaluationMixin):
                         data_parallel_random_init=args.data_parallel_random_init)
 
         self.tokenizer = build_tokenizer(args)
+        print_time_to_initialize(self.device)
+        self.setup_timers = SetupTimers(self.device)
+        self.setup_timers.start("model-and-optimizer-setup")
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
         self._found_checkpoint = checkpointing.find_checkpoint(
@@ -165,7 +169,12 @@ class Trainer(StepMixin, EvaluationMixin):
             self._load(load)
         if self._found_checkpoint is None and self.family.start_parts is not None:
             start_parts(self.family.start_parts(args), self.module, verify=not args.no_verify_checkpoint_checksums)
+        self.setup_timers.stop("model-and-optimizer-setup")
+        print_datetime("after model, optimizer, and learning rate scheduler are built")
+        self.setup_timers.start("train/valid/test-data-iterators-setup")
         self._build_data()
+        self.setup_timers.stop("train/valid/test-data-iterators-setup")
+        print_datetime("after dataloaders are built")
         if self._rng_checkpoint:  # last: building the data iterators draws from the RNG
             checkpointing.restore_rng(self._rng_checkpoint)
 
@@ -543,8 +552,13 @@ def pretrain(args: argparse.Namespace, trainer_class: type[Trainer] = Trainer,
     trainer = trainer_class(args, family=family)
     finished = False
     try:
+        print_rank0("done with setup ...")
+        trainer.setup_timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"])
         if not args.skip_train:
+            print_rank0("training ...")
+            print_datetime("before the start of training step")
             trainer.train()
+            print_datetime("after training is done")
         it = trainer.state.iteration
         if args.save and (not args.save_interval or it % args.save_interval != 0) and not args.skip_train:
             trainer.save()

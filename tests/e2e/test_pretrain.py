@@ -29,6 +29,17 @@ def test_pretrain_logs_loss_validation_tensorboard_and_generates(tiny_corpus, tm
                     "--eval-iters", "2", "--tensorboard-dir", str(tb), "--save", str(save)])
     lines = train_lines(proc.stdout)
     assert [d["iteration"] for d in lines] == [10, 20, 30, 40, 50, 60]
+    # Megatron's set-up lines, in Megatron's order, before the first iteration's line
+    setup = [l for l in proc.stdout.splitlines()[:proc.stdout.splitlines().index(
+        next(l for l in proc.stdout.splitlines() if "] iteration " in l))]]
+    order = ["time to initialize megatron (seconds): ", "[after megatron is initialized] datetime: ",
+             "[after model, optimizer, and learning rate scheduler are built] datetime: ",
+             "[after dataloaders are built] datetime: ", "done with setup ...", "(min, max) time across ranks (ms):",
+             "    model-and-optimizer-setup ......................: (", "    train/valid/test-data-iterators-setup ..........: (",
+             "training ...", "[before the start of training step] datetime: "]
+    found = [next(i for i, l in enumerate(setup) if l.startswith(prefix)) for prefix in order]
+    assert found == sorted(found), setup
+    assert "[after training is done] datetime: " in proc.stdout
     losses = [d["lm loss"] for d in lines]
     assert losses[-1] < losses[0] - 0.5 and losses[-1] < min(losses[:3]), losses  # clearly falling
     assert all(d["consumed samples"] == d["iteration"] * 8 for d in lines)
