@@ -289,6 +289,7 @@ def run_titan(a: argparse.Namespace, timeout: float | None) -> str:
            "--iters", str(max(a.iters - a.warmup, 3))]
     if a.device == "cpu":
         cmd += ["--device", "cpu", "--tiny", "--no-compile"]
+    cmd += list(a.titan_args)
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -301,7 +302,9 @@ def run_titan(a: argparse.Namespace, timeout: float | None) -> str:
     print(f"[torchtitan] {json.dumps(d)}", flush=True)
     if "error" in d:
         return f"torchtitan {d.get('torchtitan', '?')} failed: {d['error'][:300]}"
-    return (f"torchtitan {d['torchtitan']} ({d['shape']}, micro {d['micro']}, seq {d['seq']}, compile + FSDP2 bf16"
+    how = ("per-block compile" if d.get("compile") else "eager") + f", {d.get('fsdp', '?')}, " \
+        + d.get("mixed_precision", "?")
+    return (f"torchtitan {d['torchtitan']} ({d['shape']}, micro {d['micro']}, seq {d['seq']}, {how}"
             f"{', CUDA graphs' if d.get('cuda_graphs') else ''}): {d['step_ms']:.1f} ms/step, {d['tflops']:.1f} "
             f"TFLOP/s, {d['tokens_per_s']:,.0f} tokens/s, peak {d.get('peak_mem_gb', '-')} GiB")
 
@@ -345,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--device", default=None, help="cpu: smoke test (megatrain side; nanoGPT's bench.py needs CUDA)")
     ap.add_argument("--titan", action="store_true", help="also run benchmarks/torchtitan_peer.py (llama rows)")
+    ap.add_argument("--titan-args", nargs="*", default=[], help="more torchtitan_peer.py flags (e.g. --fsdp)")
     return ap
 
 

@@ -4,30 +4,60 @@ trained on random tokens, one JSON line out.
     python benchmarks/torchtitan_peer.py --warmup 4 --iters 6            # GPU, llama-1.2b row shape
     python benchmarks/torchtitan_peer.py --tiny --device cpu --no-compile --warmup 1 --iters 1
 
-torchtitan and its few pure-Python dependencies come from the wheels in ``.whl_titan/`` (unpacked
-into a temporary folder put in front of ``sys.path``; nothing is installed, the machine's torch is
-untouched). The shape is ``throughput.py``'s llama-1.2b at micro batch 2 (the ``llama-2`` row of
-``peers.py``): 16 layers, hidden 2048, 32 heads, 8 KV heads, SwiGLU FFN 8192, untied embeddings,
-vocabulary 128256 (megatrain's padded one), seq 4096.
+Written for torchtitan 0.2.2 (0.3.0 needs a newer torch than the GPU machine's: its
+``torch.distributed.fsdp.DataParallelMeshDims`` is missing from torch 2.11; the 0.3.0 version of this
+script is in git history). torchtitan and its few pure-Python dependencies (tyro, docstring-parser,
+typeguard, typing_extensions) come from the wheels in ``.whl_titan/``, unpacked into a temporary
+folder put in front of ``sys.path``; nothing is installed, the machine's torch is untouched.
 
-What the script does, as torchtitan's ``Trainer`` does on one GPU (the trainer module itself is
-not used: it imports the data/tokenizer/metrics stack, which needs packages the GPU machine may
-lack): torch.distributed with world size 1 (``torchtitan.distributed.utils.init_distributed``),
-``ParallelDims.from_config``, the model built on the meta device in float32
-(``TrainingConfig.dtype``), ``parallelize_llama`` (per-block ``torch.compile`` and FSDP2
-``fully_shard`` with bf16 parameters / fp32 reductions, activation checkpointing off),
-``to_empty`` + ``init_weights``, the chunked cross-entropy loss on the lm head, the fused AdamW
-of ``default_adamw``, the fwd+bwd under the SPMD context and (trainer default) CUDA-graphed,
-gradient clipping at 1.0 via torchtitan's ``clip_grad_norm_``, then the optimizer step.
+The shape is ``throughput.py``'s llama-1.2b at micro batch 2 (the ``llama-2`` row of ``peers.py``):
+16 layers, hidden 2048, 32 heads, 8 KV heads, SwiGLU FFN 8192, untied embeddings, vocabulary 128256
+(megatrain's padded one), seq 4096. torchtitan's ``TransformerModelArgs`` has no FFN size: its rule is
+``multiple_of * ceil(int(ffn_dim_multiplier * int(8 * dim / 3)) / multiple_of)``; ffn_dim_multiplier
+1.5 with multiple_of 256 (Llama 3.2 1B's values) gives exactly 8192 at dim 2048 (and 256 at the tiny
+shape's dim 64). The JSON's ``params`` is torchtitan's count; ``params_megatrain`` megatrain's for the
+row (``parameter_counts``): they must be equal (1,498,482,688).
 
-Output: one JSON line. On any failure: ``{"error": ...}`` and exit status 0.
+What the script does is ``torchtitan.train.Trainer`` on one GPU, step by step (the trainer module
+itself is not used: it needs a dataset, a tokenizer and the metrics stack): the JobConfig parsed by
+torchtitan's ``ConfigManager`` (tyro) from trainer flags (``--activation_checkpoint.mode none``,
+``--compile.enable``), ``init_distributed`` (world size 1), ``ParallelDims`` from the parallelism
+config, ``set_determinism``, the model built on the meta device in float32 (``training.dtype``),
+the (empty) model converters, ``parallelize_llama`` (per-TransformerBlock ``torch.compile`` with
+fullgraph), ``to_empty`` + ``init_weights``, the cross-entropy loss of ``build_cross_entropy_loss``
+(sum, divided by the valid-token count; compiled too: ``compile.components`` holds "loss"),
+``build_optimizers`` (AdamW, ``implementation="fused"``), ``build_lr_schedulers``, the fwd+bwd under
+``get_train_context`` and ``maybe_enable_amp``, gradient clipping at 1.0 via torchtitan's
+``dist_utils.clip_grad_norm_``, the optimizer and scheduler steps, its garbage-collection handler.
+
+One GPU means NO FSDP in torchtitan 0.2.2: ``ParallelDims.fsdp_enabled`` is ``dp_shard > 1 or cp > 1``,
+and with world size 1 ``dp_shard`` resolves to 1, so ``parallelize_llama`` skips ``apply_fsdp``; the
+parameters stay float32 and ``maybe_enable_amp`` wraps forward + loss in ``torch.autocast(bfloat16)``
+instead. That is what this script does by default. ``--fsdp`` applies torchtitan's own ``apply_fsdp``
+(FSDP2 ``fully_shard`` with bf16 parameters / fp32 reductions, the trainer's ``dp_shard > 1`` path) on a
+one-rank "fsdp" mesh after ``parallelize_llama`` and runs without autocast, as the trainer does then.
+Torchtitan 0.2.2 has no CUDA-graphed train step: ``--no-cuda-graphs`` is accepted, ``cuda_graphs`` is
+always false. Attention: ``--attn sdpa`` (default, the llama3 flavors' own; causal), ``flex`` or
+``varlen`` (the ``8B_flex`` / ``8B_varlen`` flavors' ``block_causal`` masks, built each step as the
+trainer does; the random tokens never contain the stand-in EOS id, so one document per row: the
+same work as causal).
+
+Stubbed, never used on this path (the import chain of ``torchtitan.models.llama3`` reaches them):
+the dataloader (torchdata), metrics (tensorboard), tokenizer (tokenizers), validator and HF
+dataset modules (datasets), and the MoE Triton kernels where triton is missing.
+
+Output: one JSON line. On any failure (or a non-finite loss): ``{"error": ...}`` and exit status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -40,8 +70,18 @@ REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl_titan"
 
 # throughput.py's llama-1.2b with the llama-2 row's batch (peers.py)
-FULL = dict(layers=16, dim=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=4096, micro=2)
-TINY = dict(layers=2, dim=64, heads=4, kv_heads=2, ffn=256, vocab=512, seq=128, micro=2)
+FULL = {"layers": 16, "dim": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192, "vocab": 128256, "seq": 4096, "micro": 2}
+TINY = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 512, "seq": 128, "micro": 2}
+
+# torchtitan modules that the llama3 import chain reaches but a training step never uses; they need
+# packages (torchdata, tensorboard, tokenizers, datasets) the GPU machine may lack
+STUBBED = (
+    "torchtitan.components.dataloader",
+    "torchtitan.components.metrics",
+    "torchtitan.components.tokenizer",
+    "torchtitan.components.validate",
+    "torchtitan.hf_datasets.text_datasets",
+)
 
 
 def emit(obj: dict) -> None:
@@ -60,8 +100,9 @@ def unpack_wheels(wheel_dir: Path, target: Path) -> list[str]:
             z.extractall(dest)
     sys.path.insert(0, str(target))
     try:
-        import typing_extensions  # noqa: F401
         from importlib.metadata import version
+
+        import typing_extensions  # noqa: F401
         major, minor = (int(x) for x in version("typing_extensions").split(".")[:2])
         old = (major, minor) < (4, 14)
     except Exception:  # noqa: BLE001
@@ -72,68 +113,60 @@ def unpack_wheels(wheel_dir: Path, target: Path) -> list[str]:
     return [w.name for w in wheels]
 
 
-def stub_triton_kernels_if_missing() -> bool:
-    """torchtitan.models.common imports the MoE all-to-all kernels (Triton) at import time; a
-    CPU-only machine has no triton. Those kernels are never used by a dense llama3, so stand in
-    an empty module for them there. Returns whether the stub was installed."""
-    try:
-        import triton  # noqa: F401
-        return False
-    except ImportError:
-        pass
-    name = "torchtitan.distributed.minimal_async_ep.kernels"
-    mod = types.ModuleType(name)
+class _StubModule(types.ModuleType):
+    """A module whose every public name is a class that raises when instantiated or called: good
+    for ``from m import X``, subclassing and annotations, never for use."""
 
-    def _missing(attr: str):
+    def __getattr__(self, attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
+        mod = self.__name__
 
-        def _no_triton(*_a, **_k):
-            raise RuntimeError(f"{attr}: triton is not installed")
-        return _no_triton
-
-    mod.__getattr__ = _missing  # type: ignore[attr-defined]
-    sys.modules[name] = mod
-    return True
+        def _unavailable(*_a, **_k):
+            raise RuntimeError(f"{mod}.{attr} is stubbed out by torchtitan_peer.py")
+        cls = type(attr, (), {"__init__": _unavailable, "__module__": mod})
+        setattr(self, attr, cls)
+        return cls
 
 
-def megatrain_flops_per_step() -> tuple[float | None, str]:
-    """Model FLOPs of one step of peers.py's llama-2 row, from megatrain's own formula."""
+def install_stubs() -> list[str]:
+    """Stand in ``STUBBED`` (and the MoE Triton kernels where triton is missing); returns the names."""
+    names = list(STUBBED)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        names.append("torchtitan.models.moe.kernels")
+    for name in names:
+        sys.modules[name] = _StubModule(name)
+    return names
+
+
+def ffn_args(dim: int, ffn: int) -> tuple[float, int]:
+    """(ffn_dim_multiplier, multiple_of) for which torchtitan's FeedForward gives hidden size ``ffn``."""
+    def rule(mult: float, multiple_of: int) -> int:  # llama3/model/model.py FeedForward.__init__
+        hidden = int(mult * int(2 * (4 * dim) / 3))
+        return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+    for mult, multiple_of in ((1.5, 256), (1.3, 1024), (ffn / int(8 * dim / 3), ffn)):
+        if rule(mult, multiple_of) == ffn:
+            return mult, multiple_of
+    raise ValueError(f"no ffn_dim_multiplier/multiple_of gives hidden size {ffn} at dim {dim}")
+
+
+def megatrain_reference() -> tuple[float | None, int | None, str]:
+    """Model FLOPs of one step of peers.py's llama-2 row (megatrain's own formula) and megatrain's
+    parameter count of that model."""
     try:
         sys.path.insert(0, str(REPO / "benchmarks"))
         sys.path.insert(0, str(REPO))
-        from peers import ROWS, expected_flops
-        return float(expected_flops(ROWS["llama-2"], [])), "megatrain num_floating_point_operations (peers.expected_flops, row llama-2)"
+        from peers import ROWS, expected_flops, megatrain_model
+
+        from megatrain.models.gpt.memory import parameter_counts
+        row = ROWS["llama-2"]
+        _, cfg, _ = megatrain_model(row, [])
+        return (float(expected_flops(row, [])), int(parameter_counts(cfg)[2]),
+                "megatrain num_floating_point_operations (peers.expected_flops, row llama-2)")
     except Exception as e:  # noqa: BLE001
-        return None, f"megatrain formula unavailable: {type(e).__name__}: {e}"
-
-
-def build_model_config(s: dict, attn_backend: str):
-    """torchtitan's Llama3Model.Config in the style of its own flavors (llama3/__init__.py: 8B's
-    untied embeddings and inits, fused QKV, complex RoPE with llama scaling) at our shape."""
-    from functools import partial
-
-    import torch.nn as nn
-    from torchtitan.models import llama3 as L
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-
-    dim, vocab = s["dim"], s["vocab"]
-    return L.Llama3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        enable_weight_tying=False,  # megatrain's llama-1.2b unties embeddings
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                        param_init={"weight": partial(nn.init.normal_, std=1.0)}),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": nn.init.ones_}),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=L._output_linear_init(dim)),
-        layers=L._build_llama3_layers(
-            fuse_qkv=True, n_layers=s["layers"], dim=dim, n_heads=s["heads"], n_kv_heads=s["kv_heads"],
-            hidden_dim=s["ffn"],
-            # max_seq_len = training seq_len: what Decoder.Config.update_from_config does in the trainer
-            rope=ComplexRoPE.Config(dim=dim // s["heads"], max_seq_len=s["seq"], theta=500000, scaling="llama"),
-            attn_backend=attn_backend,
-        ),
-    )
+        return None, None, f"megatrain formula unavailable: {type(e).__name__}: {e}"
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -145,124 +178,159 @@ def run(a: argparse.Namespace) -> dict:
     stage = "unpack wheels"
     try:
         tmp = Path(tempfile.mkdtemp(prefix="titan-whl-"))
+        a.tmp_dirs.append(tmp)
         result["wheels"] = unpack_wheels(Path(a.wheels), tmp)
         stage = "import"
-        import torch
-        result["torch"] = torch.__version__
         if a.device == "cpu":
             os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-        result["triton_stub"] = stub_triton_kernels_if_missing()
-        import spmd_types as spmd
+        import torch
+        result["torch"] = torch.__version__
+        result["stubs"] = install_stubs()
+        result["triton_stub"] = "torchtitan.models.moe.kernels" in result["stubs"]
         import torchtitan
-        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-        from torchtitan.components.optimizer import default_adamw
-        from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+        import torchtitan.tools.utils as tt_utils
+        from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
+        from torchtitan.components.lr_scheduler import build_lr_schedulers
+        from torchtitan.components.optimizer import build_optimizers
+        from torchtitan.config import TORCH_DTYPE_MAP, ConfigManager
         from torchtitan.distributed import ParallelDims
         from torchtitan.distributed import utils as dist_utils
-        from torchtitan.models.llama3 import parallelize_llama
+        from torchtitan.models.llama3 import (
+            Transformer,
+            TransformerModelArgs,
+            parallelize_llama,
+        )
+        from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+        from torchtitan.protocols.model_converter import build_model_converters
         result["torchtitan"] = torchtitan.__version__
 
-        stage = "init distributed"
-        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                     ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
-            os.environ.setdefault(k, v)
-        device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        stage = "config"
         dump = tempfile.mkdtemp(prefix="titan-dump-")
-        training = TrainingConfig(local_batch_size=s["micro"], seq_len=s["seq"], steps=a.warmup + a.iters,
-                                  max_norm=1.0, disable_cuda_graphs=not a.cuda_graphs)
-        parallelism = ParallelismConfig()
-        compile_config = CompileConfig(enable=a.compile)
-        if device.type == "cpu":
+        a.tmp_dirs.append(Path(dump))
+        flags = ["--model.name", "llama3", "--model.hf_assets_path", dump, "--job.dump_folder", dump,
+                 "--training.local_batch_size", str(s["micro"]), "--training.seq_len", str(s["seq"]),
+                 "--training.steps", str(a.warmup + a.iters), "--training.max_norm", "1.0",
+                 "--activation_checkpoint.mode", "none", "--debug.seed", "0", "--optimizer.implementation", "fused"]
+        if a.compile:
+            flags.append("--compile.enable")
+        job = ConfigManager().parse_args(flags)
+        mult, multiple_of = ffn_args(s["dim"], s["ffn"])
+        attn_mask = "causal" if a.attn == "sdpa" else "block_causal"
+        margs = TransformerModelArgs(dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"], n_kv_heads=s["kv_heads"],
+                                     vocab_size=s["vocab"], ffn_dim_multiplier=mult, multiple_of=multiple_of,
+                                     rope_theta=500000, attn_type=a.attn, attn_mask_type=attn_mask)
+        margs.update_from_config(job)  # max_seq_len = training seq_len, as the trainer does
+        result.update(attn=f"{a.attn} ({attn_mask})", compile=job.compile.enable,
+                      ffn_dim_multiplier=mult, multiple_of=multiple_of)
+
+        stage = "init distributed"
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                     ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+            os.environ.setdefault(k, v)
+        if a.device == "cpu":
             # CPU smoke test only: torchtitan assumes "cuda" when no accelerator is found; point its
             # module-level device_type at the CPU and start gloo ourselves (init_distributed then
             # sees an initialized group and keeps it).
             import torch.distributed as dist
             import torchtitan.distributed.parallel_dims as pd_mod
-            import torchtitan.tools.utils as tt_utils
             for m in (tt_utils, pd_mod, dist_utils):
-                m.device_type = "cpu"
+                m.device_type, m.device_module = "cpu", torch.cpu
             dist.init_process_group("gloo", rank=0, world_size=1)
-        world = dist_utils.init_distributed(CommConfig(), enable_cpu_backend=False, base_folder=dump)
-        dims = ParallelDims.from_config(parallelism, world)
-        dist_utils.set_spmd_backend(parallelism.spmd_backend)
-        torch.manual_seed(0)
+            device = torch.device("cpu")
+        else:
+            device = torch.device(f"{tt_utils.device_type}:{int(os.environ['LOCAL_RANK'])}")
+            tt_utils.device_module.set_device(device)
+        world = dist_utils.init_distributed(job.comm, enable_cpu_backend=job.training.enable_cpu_offload,
+                                            base_folder=job.job.dump_folder)
+        p = job.parallelism
+        dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+                            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                            ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world)
+        gc_handler = tt_utils.GarbageCollection(gc_freq=job.training.gc_freq, debug=job.training.gc_debug)
+        dist_utils.set_determinism(dims, device, job.debug, distinct_seed_mesh_dims=["pp"])
 
         stage = "build model"
-        mcfg = build_model_config(s, a.attn)
-        with torch.device("meta"):
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float32 if training.dtype == "float32" else torch.bfloat16)
-            try:
-                model = mcfg.build()
-            finally:
-                torch.set_default_dtype(prev)
-        nparams, flops_per_token = mcfg.get_nparams_and_flops(model, s["seq"])
+        with torch.device("meta"), tt_utils.set_default_dtype(TORCH_DTYPE_MAP[job.training.dtype]):
+            model = Transformer(margs)
+        converters = build_model_converters(job, dims)
+        converters.convert(model)
+        nparams, flops_per_token = margs.get_nparams_and_flops(model, job.training.seq_len)
         result["params"] = int(nparams)
+        result["ffn_hidden"] = int(model.layers["0"].feed_forward.w1.weight.shape[0])
+        loss_fn = build_cross_entropy_loss(job, parallel_dims=dims)
 
         stage = "parallelize_llama"
-        model = parallelize_llama(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                                  compile_config=compile_config, ac_config=None, dump_folder=dump)
+        model = parallelize_llama(model, dims, job)
+        if a.fsdp and not dims.fsdp_enabled:
+            # the trainer's dp_shard > 1 path, on a one-rank mesh (see the module docstring)
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+            apply_fsdp(model, mesh, param_dtype=TORCH_DTYPE_MAP[job.training.mixed_precision_param],
+                       reduce_dtype=TORCH_DTYPE_MAP[job.training.mixed_precision_reduce], pp_enabled=False,
+                       cpu_offload=False, reshard_after_forward_policy=p.fsdp_reshard_after_forward)
+        fsdp = a.fsdp or dims.fsdp_enabled
         model.to_empty(device=device.type)
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         model.train()
         result["fsdp"] = type(model).__name__
+        result["mixed_precision"] = (f"FSDP2 {job.training.mixed_precision_param} params, "
+                                     f"{job.training.mixed_precision_reduce} reduce" if fsdp else
+                                     f"torch.autocast({job.training.mixed_precision_param}), "
+                                     f"{job.training.dtype} params")
 
-        stage = "loss and optimizer"
-        loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=s["vocab"])
-                                            ).build(compile_config=compile_config)
-        loss_fn.set_lm_head(model.lm_head)
-        model._skip_lm_head = True
-        optimizers = default_adamw(lr=3e-4).build(model_parts=[model])
+        stage = "optimizer"
+        optimizers = build_optimizers([model], job.optimizer, dims)
+        lr_schedulers = build_lr_schedulers(optimizers, job.lr_scheduler, job.training.steps)
+        optimizers.register_step_post_hook(lambda *_a, **_k: converters.post_optimizer_hook([model]))
         opt0 = optimizers.optimizers[0]
         result["optimizer"] = f"{type(opt0).__name__} fused={opt0.param_groups[0].get('fused')}"
-        ctx = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
-
-        def fwd_bwd(inputs, labels, global_valid_tokens, extra_kwargs):
-            with ctx():
-                pred = model(inputs, **extra_kwargs)
-                loss, _ = loss_fn(pred, labels, global_valid_tokens, positions=extra_kwargs["positions"])
-                del pred
-                with spmd.no_typecheck():
-                    loss.backward()
-            return loss
-
+        train_context = dist_utils.get_train_context(False)  # loss parallel needs TP
+        amp = (dist_utils.maybe_enable_amp(dims, job.training.mixed_precision_param, device.type)
+               if not fsdp else contextlib.nullcontext())
+        result["cuda_graphs"] = False  # torchtitan 0.2.2 has no CUDA-graphed step
         if device.type == "cpu" and a.attn == "flex":
             # CPU smoke test only: FlexAttention has no CPU backward; stand in causal SDPA for its
             # compiled kernel (the masks are causal here: one document per row). Never on CUDA.
             import torch.nn.functional as F
-            from torchtitan.models.common.attention import FlexAttention
+            from torchtitan.models.attention import FlexAttentionWrapper
 
-            def _cpu_causal(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
-            FlexAttention._compiled_flex_attn = staticmethod(_cpu_causal)
+            def _cpu_causal(q, k, v, *, block_mask, scale, enable_gqa, return_lse):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+            FlexAttentionWrapper._compiled_flex_attn = staticmethod(_cpu_causal)
             result["cpu_attention_shim"] = "causal SDPA in place of compiled flex_attention"
 
-        step_fn = fwd_bwd
-        if a.cuda_graphs and device.type == "cuda":
-            from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
-            step_fn = wrap_with_cuda_graph(fwd_bwd)
-        result["cuda_graphs"] = step_fn is not fwd_bwd
-
+        stage = "data"
         g = torch.Generator(device="cpu").manual_seed(1)
-        tokens = torch.randint(0, s["vocab"], (s["micro"], s["seq"] + 1), generator=g).to(device)
-        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        positions = torch.arange(s["seq"], device=device).unsqueeze(0).expand(s["micro"], -1).contiguous()
-        valid = torch.tensor(labels.numel(), dtype=torch.int64, device=device)
-        params = list(model.parameters())
+        eos = s["vocab"] - 1  # never drawn: one document per row for the block_causal masks
+        tokenizer = types.SimpleNamespace(eos_id=eos)
+        tokens = torch.randint(0, eos, (s["micro"], s["seq"] + 1), generator=g)
+        cpu_inputs, cpu_labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        params = [p_ for p_ in model.parameters()]
+        state = {"step": 0}
 
         def train_step():
-            optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)
-            extra = {"positions": positions}
-            if a.attn in ("flex", "flex_flash", "varlen"):  # as Trainer.post_dataloading_process
-                extra["attention_masks"] = model.get_attention_masks(positions=positions)
-            loss = step_fn(inputs, labels, valid, extra)
-            loss = loss.detach().clone()
-            dist_utils.clip_grad_norm_(params, training.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+            # Trainer.train_step with one micro batch (gradient accumulation 1), no logging
+            state["step"] += 1
+            gc_handler.run(state["step"])
+            optimizers.zero_grad()
+            valid = (cpu_labels != IGNORE_INDEX).sum().to(device).float()  # dp off: the local count
+            inputs, labels = cpu_inputs.to(device), cpu_labels.to(device)
+            extra = {}
+            if a.attn in ("flex", "varlen"):  # Trainer.post_dataloading_process
+                extra["attention_masks"] = model.get_attention_masks(input_batch=inputs, tokenizer=tokenizer,
+                                                                     extra_inputs={})
+            with train_context():
+                with amp:
+                    pred = model(inputs, **extra)
+                    loss = loss_fn(pred, labels) / valid
+                del pred
+                loss.backward()
+            dist_utils.clip_grad_norm_(params, job.training.max_norm, foreach=True,
+                                       pp_mesh=dims.get_optional_mesh("pp"), ep_enabled=dims.ep_enabled)
             optimizers.step()
-            return loss
+            lr_schedulers.step()
+            return loss.detach()
 
         def sync():
             if device.type == "cuda":
@@ -293,17 +361,20 @@ def run(a: argparse.Namespace) -> dict:
                 losses.append(train_step())
                 times_ms.append((time.perf_counter() - t) * 1e3)
         sync()
-        times_ms.sort()
-        med = times_ms[len(times_ms) // 2] if len(times_ms) % 2 else sum(times_ms[len(times_ms) // 2 - 1:][:2]) / 2
+        med = statistics.median(times_ms)
         tokens_per_step = s["micro"] * s["seq"]
+        loss_values = [float(x) for x in losses]
         result.update({
             "step_ms": round(med, 2),
             "step_ms_all": [round(t, 2) for t in times_ms],
             "tokens_per_s": round(tokens_per_step / (med / 1e3), 1),
-            "losses": [round(float(x), 4) for x in losses],
+            "losses": [round(x, 4) for x in loss_values],
+            "loss_finite": all(math.isfinite(x) for x in loss_values),
         })
         if s == FULL:
-            flops, src = megatrain_flops_per_step()
+            flops, mt_params, src = megatrain_reference()
+            result["params_megatrain"] = mt_params
+            result["params_match"] = mt_params == result["params"] if mt_params else None
         else:
             flops, src = None, "megatrain formula only for the full llama-1.2b row shape"
         titan_flops = flops_per_token * tokens_per_step
@@ -315,6 +386,8 @@ def run(a: argparse.Namespace) -> dict:
             result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             result["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
             result["gpu"] = torch.cuda.get_device_name(0)
+        if not result["loss_finite"]:
+            result["error"] = f"non-finite loss: {result['losses']}"
         return result
     except BaseException as e:  # noqa: BLE001 -- the table shows the reason
         tb = traceback.format_exc().strip().splitlines()
@@ -322,34 +395,41 @@ def run(a: argparse.Namespace) -> dict:
         result["traceback_tail"] = tb[-8:]
         return result
     finally:
-        try:
+        with contextlib.suppress(Exception):
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--warmup", type=int, default=4, help="untimed steps (compile, CUDA-graph capture)")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps (compile)")
     ap.add_argument("--iters", type=int, default=6, help="timed steps (median reported)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke test")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's layers")
     ap.add_argument("--seq", type=int, default=None, help="override the shape's sequence length")
     ap.add_argument("--micro", type=int, default=None, help="override the shape's micro batch")
-    ap.add_argument("--attn", default="flex", help="torchtitan attention backend (its default: flex)")
+    ap.add_argument("--attn", choices=["sdpa", "flex", "varlen"], default="sdpa",
+                    help="torchtitan attention (its llama3 flavors' default: sdpa)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="no per-block torch.compile")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="torchtitan's apply_fsdp (bf16 params, fp32 reduce) on a one-rank mesh; the 0.2.2 "
+                         "trainer itself skips FSDP on one GPU and uses bf16 autocast")
+    ap.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=False,
+                    help="accepted for compatibility; torchtitan 0.2.2 has no CUDA-graphed step")
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                    help="eager fwd+bwd (the trainer's default is CUDA-graphed: training.disable_cuda_graphs=False)")
+                    help="accepted for compatibility (the default: 0.2.2 has no CUDA graphs)")
     ap.add_argument("--wheels", default=str(WHEELS))
     a = ap.parse_args()
     if a.iters < 1 or a.warmup < 0:
         emit({"peer": "torchtitan", "error": "--iters must be >= 1 and --warmup >= 0"})
         return
+    a.tmp_dirs = []
     emit(run(a))
     sys.stdout.flush()
+    for d in a.tmp_dirs:
+        shutil.rmtree(d, ignore_errors=True)
     os._exit(0)  # exit 0 whatever happened (compile workers, process groups)
 
 
