@@ -21,8 +21,8 @@ runs in the Hugging Face layout today):
   layout runs at;
 * ``flex``: FlexAttention as ``--attention-backend flex`` runs it (the bias as a score_mod over the
   [b, heads, distances] table, the padding as a block mask, ``flex_attention.CUDA_KERNEL_OPTIONS``);
-  ``flex-frozen`` with the table not trained; ``flex-pad`` the block mask alone; ``flex-tiles-*``
-  the trained bias with other kernel tiles.
+  ``flex-frozen`` with the table not trained; ``flex-pad`` the block mask alone; ``flex-fwd-*``
+  the trained bias with other kernel tiles; ``flex-autotune`` with inductor's max-autotune choosing them.
 """
 
 from __future__ import annotations
@@ -38,18 +38,23 @@ sys.path.insert(0, str(REPO))
 
 SHAPES = {"t5-base": (12, 64, 12, 512, 64), "tiny": (2, 4, 4, 64, 16)}  # layers, batch, heads, seq, head dim
 
+# Kernel options (``fwd_``/``bwd_`` prefixes reach one kernel only); a variant's options replace
+# flex_attention.CUDA_KERNEL_OPTIONS for its run.
 TILES = {
-    "flex-tiles-128x64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2,
-                          "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
-    "flex-tiles-bwd64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2,
-                         "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
-    "flex-tiles-bwd128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2,
-                          "BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64},
-    "flex-tiles-warps8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8,
-                          "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+    # the forward at inductor's Hopper default for bf16 d 64 (128 x 128, three stages), backward tiles that fit
+    "flex-fwd-default-bwd-32x64": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                                   "bwd_num_stages": 2},
+    "flex-fwd-default-bwd-64x64": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                                   "bwd_num_stages": 2},
+    "flex-fwd-default-bwd-64x128": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                                    "bwd_BLOCK_N2": 64, "bwd_num_stages": 2, "bwd_num_warps": 8},
+    "flex-fwd-128x64-bwd-32x64": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3,
+                                  "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                                  "bwd_num_stages": 2},
 }
+AUTOTUNED = "flex-autotune"  # no options: inductor's max-autotune picks among its flex configs
 VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-per-layer", "sdpa-pad", "flex", "flex-frozen", "flex-pad",
-            *TILES]
+            *TILES, AUTOTUNED]
 
 
 def lengths(batch: int, seq: int, seed: int):
@@ -90,7 +95,7 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
             return outs
         return torch.compile(fn)
 
-    fa.CUDA_KERNEL_OPTIONS = dict(TILES.get(variant, _DEFAULT_TILES))
+    fa.CUDA_KERNEL_OPTIONS = {} if variant == AUTOTUNED else dict(TILES.get(variant, _DEFAULT_TILES))
 
     def flex_fn(qs, ks, vs):
         bias = None
@@ -101,7 +106,7 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
             bias = (table.unsqueeze(0).expand(keep.shape[0], -1, -1).contiguous(), offset)
         mask = fa.flex_mask(keep != 0, seq, seq, causal=False, device=keep.device, position_bias=bias)
         return [fa.flex_attention_forward(q, k, v, mask) for q, k, v in zip(qs, ks, vs)]
-    return torch.compile(flex_fn)
+    return torch.compile(flex_fn, mode="max-autotune-no-cudagraphs" if variant == AUTOTUNED else None)
 
 
 _DEFAULT_TILES: dict = {}
@@ -187,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             row = f"| {variant} | failed: {type(e).__name__}: {(msg[0] if msg else '')[:160]} | | | |"
         print(row, flush=True)
         lines.append(row)
-    if args.output:
-        Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        if args.output:  # after every row: a call cut short keeps the rows done
+            Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
