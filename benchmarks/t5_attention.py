@@ -28,6 +28,7 @@ runs in the Hugging Face layout today):
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--output", default=None, help="also write the table here")
+    p.add_argument("--best-options", default=None,
+                   help="write the fastest trained-bias flex variant's kernel options here (JSON, for "
+                        "MEGATRAIN_FLEX_KERNEL_OPTIONS)")
     args = p.parse_args(argv)
 
     import torch
@@ -178,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     global _DEFAULT_TILES
     _DEFAULT_TILES = dict(fa.CUDA_KERNEL_OPTIONS)
     layers, b, h, s, d = SHAPES[args.shape]
+    best: tuple[float, str] | None = None
     lines = [f"T5 encoder attention, {layers} layers, b {b}, {h} heads x {d}, s {s}, torch {torch.__version__}, "
              f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}", "",
              "| variant | ms fwd+bwd (all layers) | ms per layer | peak GiB | bias grad norm |", "|---|---:|---:|---:|---:|"]
@@ -185,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.variants:
         try:
             r = run_variant(variant, args)
+            if variant in ("flex", AUTOTUNED, *TILES) and (best is None or r["ms"] < best[0]):
+                best = (r["ms"], variant)
             row = (f"| {variant} | {r['ms']:.2f} | {r['per_layer_ms']:.3f} | {r['peak_gib']:.1f} | "
                    f"{'-' if r['bias_grad'] is None else format(r['bias_grad'], '.4g')} |")
         except Exception as e:  # one variant's failure is one row
@@ -194,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(row)
         if args.output:  # after every row: a call cut short keeps the rows done
             Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if best is not None and args.best_options:
+        # the fastest FlexAttention variant with the trained bias, as MEGATRAIN_FLEX_KERNEL_OPTIONS takes it
+        options = {} if best[1] == AUTOTUNED else TILES.get(best[1], _DEFAULT_TILES)
+        Path(args.best_options).write_text(json.dumps(options), encoding="utf-8")
+        print(f"fastest flex variant with the trained bias: {best[1]} ({best[0]:.2f} ms): {json.dumps(options)}")
 
 
 if __name__ == "__main__":

@@ -232,6 +232,23 @@ def test_the_backend_choice():
     assert not T5Model(_cfg("auto")).uses_flex_attention()
 
 
+def test_flex_kernel_options_from_the_environment(monkeypatch):
+    """MEGATRAIN_FLEX_KERNEL_OPTIONS replaces the CUDA kernels' options; a malformed value is refused when
+    the flags are read (a one-line error naming the variable), not inside the compiled step."""
+    from megatrain.models.common import flex_attention as fa
+
+    monkeypatch.delenv(fa.KERNEL_OPTIONS_ENV, raising=False)
+    assert fa.cuda_kernel_options() == fa.CUDA_KERNEL_OPTIONS and fa.cuda_kernel_options() is not fa.CUDA_KERNEL_OPTIONS
+    monkeypatch.setenv(fa.KERNEL_OPTIONS_ENV, '{"bwd_BLOCK_M1": 64, "bwd_num_stages": 2}')
+    assert fa.cuda_kernel_options() == {"bwd_BLOCK_M1": 64, "bwd_num_stages": 2}
+    assert attention_backend_from_args(argparse.Namespace(attention_backend="flex")) == "flex"
+    for bad in ("{BLOCK_M: 64}", "[64]", '{"BLOCK_M": "big"}'):
+        monkeypatch.setenv(fa.KERNEL_OPTIONS_ENV, bad)
+        with pytest.raises(ValueError, match=fa.KERNEL_OPTIONS_ENV):
+            attention_backend_from_args(argparse.Namespace(attention_backend="flex"))
+        assert attention_backend_from_args(argparse.Namespace(attention_backend="auto")) == "auto"  # not read
+
+
 @needs_flex
 def test_flex_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="attention dropout"):

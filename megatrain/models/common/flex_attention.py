@@ -28,6 +28,8 @@ attention dropout), so models keep SDPA there; the forward runs anywhere (tests 
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -150,12 +152,32 @@ def flex_mask(key_keep: torch.Tensor | None, q_len: int, k_len: int, *, causal: 
 
 _COMPILED: Callable[..., torch.Tensor] | None = None
 
+KERNEL_OPTIONS_ENV = "MEGATRAIN_FLEX_KERNEL_OPTIONS"
+
 # Tiles for the CUDA kernels (forward BLOCK_M x BLOCK_N, backward M1/N1 and M2/N2) no larger than
 # what fits the shared memory of one Hopper SM when the whole model is compiled around the call: the
 # defaults (128 x 64, three stages) asked for 304 KiB of the H200's 227 KiB in T5-base's compiled
 # training step.
 CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2,
                        "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+
+
+def cuda_kernel_options() -> dict[str, Any]:
+    """The CUDA kernels' options: :data:`CUDA_KERNEL_OPTIONS`, or a JSON object in the environment variable
+    ``MEGATRAIN_FLEX_KERNEL_OPTIONS`` (flex_attention's ``kernel_options``: ``BLOCK_M``, ``num_stages``, ...;
+    ``fwd_``/``bwd_`` prefixed for one kernel only; ``{}`` for inductor's own choice) for a GPU the defaults
+    do not suit."""
+    text = os.environ.get(KERNEL_OPTIONS_ENV)
+    if text is None:
+        return dict(CUDA_KERNEL_OPTIONS)
+    try:
+        options = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{KERNEL_OPTIONS_ENV}: not JSON ({e}): {text!r}") from None
+    if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, (int, float, bool))
+                                                for k, v in options.items()):
+        raise ValueError(f"{KERNEL_OPTIONS_ENV}: expected a JSON object of names to numbers, got {text!r}")
+    return options
 
 
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
@@ -193,7 +215,7 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
     kwargs: dict[str, Any] = {"score_mod": score_mod, "block_mask": mask.block_mask}
     if q.is_cuda:
-        kwargs["kernel_options"] = dict(CUDA_KERNEL_OPTIONS)
+        kwargs["kernel_options"] = cuda_kernel_options()
     if enable_gqa:
         kwargs["enable_gqa"] = True
     if scale is not None:

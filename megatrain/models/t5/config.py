@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from megatrain.models.common.config import TransformerConfig, transformer_fields_from_args
+from megatrain.models.common.flex_attention import cuda_kernel_options
 
 __all__ = ["T5Config", "t5_config_from_args", "ATTENTION_BACKENDS", "attention_backend_from_args",
            "uses_flex_attention", "attention_description"]
@@ -26,7 +27,10 @@ def attention_backend_from_args(args: argparse.Namespace) -> str:
         return "auto"
     if value not in _MEGATRON_ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(_MEGATRON_ATTENTION_BACKENDS)}, got {value!r}")
-    return _MEGATRON_ATTENTION_BACKENDS[value]
+    backend = _MEGATRON_ATTENTION_BACKENDS[value]
+    if uses_flex_attention(backend):
+        cuda_kernel_options()  # a malformed MEGATRAIN_FLEX_KERNEL_OPTIONS is an error at start-up, not in the step
+    return backend
 
 
 @dataclass
