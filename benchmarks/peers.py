@@ -259,6 +259,11 @@ def table_lines(results: list[dict], env: str, matmul_rate: float | None, titan:
             if d and "error" in d:
                 text = d["error"].strip().splitlines()
                 notes.append(f"- {r['row']} {side} {d.get('skipped') or 'failed'}: {text[-1] if text else ''}")
+        m = r["megatrain"] or {}
+        if "first iteration s" in m:
+            notes.append(f"- {r['row']} megatrain start-up {m['first iter s']:.1f} s: initialisation {m['init s']:.1f}, "
+                         f"model and optimizer {m['model+optimizer s']:.1f}, data {m['data s']:.1f}, the first "
+                         f"iteration (compilation) {m['first iteration s']:.1f}")
         f = r.get("flops") or {}
         if f.get("expected") and ("megatrain" in f or "nanoGPT" in f):
             shown = ", ".join(f"{k} {f[k] / 1e12:.2f}" for k in ("megatrain", "nanoGPT") if k in f)

@@ -134,10 +134,17 @@ def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, ti
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = None
     lines, tail = [], []
+    setup: dict[str, float] = {}  # Megatron's set-up lines: seconds to initialize, the set-up timers (max over ranks)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
             tail = (tail + [line])[-30:]
+            if line.startswith("time to initialize megatron (seconds): "):
+                setup["init s"] = float(line.rsplit(":", 1)[1])
+            for timer, key in (("model-and-optimizer-setup", "model+optimizer s"),
+                               ("train/valid/test-data-iterators-setup", "data s")):
+                if line.lstrip().startswith(timer + " ") and "(" in line:
+                    setup[key] = float(line.rsplit(",", 1)[1].strip(" )\n")) / 1e3
             if "] iteration " in line:
                 if first is None:
                     first = time.time() - t0
@@ -162,6 +169,9 @@ def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, ti
     row["% of matmul peak"] = 100 * row["TFLOP/s/GPU"] / matmul_peak if matmul_peak else None
     row["peak GiB"] = max(d.get("peak mem (GiB)", 0.0) for d in steady)
     row["first iter s"] = first
+    row.update(setup)
+    if first is not None and len(setup) == 3:  # the rest of the time to the first line: its iteration (compilation)
+        row["first iteration s"] = first - sum(setup.values())
     row["final loss"] = steady[-1].get("lm loss")
     return row
 
