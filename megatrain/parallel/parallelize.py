@@ -229,23 +229,30 @@ def init_parameters(model: nn.Module, config: Any, seed: int,
     """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``
     (default: the family of ``config``'s rules). Each value comes from its own seeded generator, so
     ``workers`` threads (default: this process's share of the usable cores, at most 16) draw them at once
-    with the same result (at most 2 GiB of drawn values waiting for their copy), the largest first (one tensor is one generator's stream: the embedding and output layer
-    bound the time); the copies into the parameters stay on this thread (the same order on every rank)."""
+    with the same result (at most 2 GiB of drawn values waiting for their copy), the largest first (one tensor
+    is one generator's stream: the embedding and output layer bound the time). Each thread fills the plain
+    parameters it drew; DTensor shards are cut and filled on this thread (the same order on every rank)."""
     initial_value = initial_value or family_of_config(config).initial_value
     named = sorted(model.named_parameters(), key=lambda item: -item[1].numel())  # stable: ties in model order
 
-    def draw(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    def draw(item: tuple[str, torch.Tensor]) -> torch.Tensor | None:
         name, param = item
-        return initial_value(canonical_parameter_name(name), param.shape, config, seed)
+        full = initial_value(canonical_parameter_name(name), param.shape, config, seed)
+        if isinstance(param, DTensor):
+            return full  # sharded on this thread, in the same order on every rank
+        # A plain parameter is filled here, in the drawing thread: on a CPU the first writes to its fresh
+        # memory (page faults) and on a GPU the staging of the pageable host-to-device copy run in parallel.
+        with torch.no_grad():  # grad mode is per thread
+            param.copy_(full.to(dtype=param.dtype))
+        return None
 
     values = _in_order(draw, named, workers or host_threads(), nbytes=lambda item: 4 * item[1].numel())
     for (name, param), full in zip(named, values):
         if isinstance(param, DTensor):
+            assert full is not None
             local = param.to_local()
             shard = _local_shard(full.to(device=local.device, dtype=local.dtype), param)
             local.copy_(shard)
-        else:
-            param.copy_(full.to(dtype=param.dtype))
 
 
 def _local_shard(full: torch.Tensor, like: DTensor) -> torch.Tensor:
