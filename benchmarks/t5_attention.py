@@ -17,6 +17,8 @@ runs in the Hugging Face layout today):
   gradient costs;
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
+* ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose
+  backward sums that layer's mask gradient over the batch at once;
 * ``sdpa-pad``: the padding alone ([b, 1, 1, s] bool), no bias: the floor the learned-position
   layout runs at;
 * ``flex``: FlexAttention as ``--attention-backend flex`` runs it (the bias as a score_mod over the
@@ -28,6 +30,7 @@ runs in the Hugging Face layout today):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -54,7 +57,7 @@ TILES = {
                                   "bwd_num_stages": 2},
 }
 AUTOTUNED = "flex-autotune"  # no options: inductor's max-autotune picks among its flex configs
-VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-per-layer", "sdpa-pad", "flex", "flex-frozen", "flex-pad",
+VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-per-layer", "sdpa-bias-shared", "sdpa-pad", "flex", "flex-frozen", "flex-pad",
             *TILES, AUTOTUNED]
 
 
@@ -69,6 +72,28 @@ def lengths(batch: int, seq: int, seed: int):
     return n
 
 
+@functools.cache
+def _shared_mask_class():
+    import torch
+
+    class SharedMask(torch.autograd.Function):
+        """The mask built once per forward (``mask``, no graph of its own) handed to a layer as if built
+        from ``bias`` [1, heads, s, s]: the layer's mask gradient is summed over the batch where keys are
+        kept at once (one [1, heads, s, s] gradient per layer, not [b, heads, s, s] ones accumulated)."""
+
+        @staticmethod
+        def forward(ctx, bias, mask, keep):
+            ctx.save_for_backward(keep)
+            ctx.bias_dtype = bias.dtype
+            return mask.view_as(mask)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (keep,) = ctx.saved_tensors
+            return grad.masked_fill(~keep, 0).sum(0, keepdim=True, dtype=torch.float32).to(ctx.bias_dtype), None, None
+    return SharedMask
+
+
 def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Callable:
     """The compiled encoder-attention function of one variant: (qs, ks, vs) -> outputs."""
     import torch
@@ -78,11 +103,18 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
     from megatrain.models.t5.model import padding_key_mask, self_attention_mask
 
     if variant.startswith("sdpa"):
+        shared_mask = _shared_mask_class()
+
         def fn(qs, ks, vs):
+            shared = None
             if variant == "sdpa-pad":
                 mask = padding_key_mask(keep)
             elif variant == "sdpa-bias-per-layer":
                 mask = None
+            elif variant == "sdpa-bias-shared":
+                bias = bias_table(seq, seq, keep.device)
+                mask = self_attention_mask(keep, seq, causal=False, bias=bias.detach(), dtype=dtype)
+                shared = (bias, padding_key_mask(keep))
             else:
                 bias = bias_table(seq, seq, keep.device)
                 if variant == "sdpa-bias-frozen":
@@ -92,6 +124,8 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
             for q, k, v in zip(qs, ks, vs):
                 m = mask if mask is not None else self_attention_mask(
                     keep, seq, causal=False, bias=bias_table(seq, seq, keep.device), dtype=dtype)
+                if shared is not None:
+                    m = shared_mask.apply(shared[0], mask, shared[1])
                 outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=m))
             return outs
         return torch.compile(fn)
