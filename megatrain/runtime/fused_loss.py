@@ -172,13 +172,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             elif ctx.needs_input_grad[1]:
                 grad_weight = (grad_logits.t() @ h).to(weight_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[9]:
-                grad_bias = grad_logits.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+                grad_bias = grad_logits.sum(0, dtype=_stats_dtype(grad_logits.dtype)).to(ctx.bias_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, grad_bias
+
+
+# labeled_rows_only: below this share of labeled rows the gather of those rows pays for itself
+LABELED_ROWS_WORTH_GATHERING = 0.9
+
+
+def _labeled_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The flat indices of the rows with a label, where they are few enough to compute alone (one
+    device-to-host synchronisation for their count); None to compute every row (also while a CUDA graph
+    is being recorded, where a data-dependent size cannot be)."""
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    rows = (labels.reshape(-1) != ignore_index).nonzero().squeeze(1)
+    return rows if rows.numel() < LABELED_ROWS_WORTH_GATHERING * labels.numel() else None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                           *, ignore_index: int = -100, compile: bool = False, half_weight: torch.Tensor | None = None,
-                          prev_grad: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                          prev_grad: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                          labeled_rows_only: bool = False) -> torch.Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, labels)`` in float32, shaped like ``labels``.
 
     hidden [..., h] (after the final norm), weight [V, h] (the output layer or the tied word
@@ -188,15 +203,23 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     ``half_weight``: a compute-dtype copy of ``weight`` to use instead of casting it; then the weight
     gradient is ``prev_grad + G^T h`` in float32 from one matmul (gradient-accumulation fusion,
     :mod:`megatrain.runtime.grad_accumulation_fusion`).
+    ``labeled_rows_only``: where most labels are ``ignore_index`` (an image's positions, a prompt), the
+    output layer and the loss run on the labeled rows alone (gathered; their losses scattered back, the
+    other rows 0 with no gradient, as before). The same maths; it costs one synchronisation for the count.
     """
     if chunk_size <= 0:
         raise ValueError(f"--cross-entropy-chunk-size must be positive for the chunked loss, got {chunk_size}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match")
-    flat = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                            int(chunk_size), int(ignore_index),
+    rows_h, rows_t = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    rows = _labeled_rows(labels, ignore_index) if labeled_rows_only else None
+    if rows is not None:
+        rows_h, rows_t = rows_h.index_select(0, rows), rows_t.index_select(0, rows)
+    flat = _ChunkedLinearCrossEntropy.apply(rows_h, weight, rows_t, int(chunk_size), int(ignore_index),
                                             compute_dtype(hidden) if half_weight is None else half_weight.dtype,
                                             bool(compile), half_weight, prev_grad, bias)
+    if rows is not None:
+        flat = flat.new_zeros(labels.numel()).index_copy(0, rows, flat)
     return flat.view(labels.shape)
 
 
@@ -212,6 +235,7 @@ class ChunkedCrossEntropy:
 
     chunk_size: int = 1024
     compile: bool = False
+    labeled_rows_only: bool = False  # see chunked_cross_entropy (models whose labels are mostly ignored)
     half_weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
     main_grad_in: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -229,4 +253,5 @@ class ChunkedCrossEntropy:
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile,
-                                     half_weight=self.half_weight, prev_grad=self.main_grad_in, bias=bias)
+                                     half_weight=self.half_weight, prev_grad=self.main_grad_in, bias=bias,
+                                     labeled_rows_only=self.labeled_rows_only)

@@ -31,6 +31,39 @@ def test_matches_cross_entropy_of_the_logits_in_float64(chunk_size):
     assert _rel(out, ref) < 1e-12 and _rel(gh, ref_gh) < 1e-12 and _rel(gw, ref_gw) < 1e-12
 
 
+@pytest.mark.parametrize("ignored", [0.0, 0.5, 0.95, 1.0])
+def test_labeled_rows_only_is_the_same_maths(ignored):
+    """The output layer and loss on the labeled rows alone (gathered, scattered back): the same loss and
+    gradients as every row, with or without the bias and the fused weight gradient; nearly every row
+    labeled (above the gathering threshold) and no row labeled both work."""
+    torch.manual_seed(2)
+    h = torch.randn(4, 25, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 50, (4, 25))
+    y[torch.rand(4, 25) < ignored] = -100
+    g = torch.randn(4, 25, dtype=torch.float64)
+    for kw in ({}, {"bias": bias}, {"half_weight": w.detach(), "prev_grad": torch.randn(50, 16, dtype=torch.float64)}):
+        ref = chunked_cross_entropy(h, w, y, 7, **kw)
+        ref_grads = torch.autograd.grad((ref * g).sum(), (h, w, bias) if "bias" in kw else (h,) if "half_weight" in kw
+                                        else (h, w))
+        out = chunked_cross_entropy(h, w, y, 7, labeled_rows_only=True, **kw)
+        grads = torch.autograd.grad((out * g).sum(), (h, w, bias) if "bias" in kw else (h,) if "half_weight" in kw
+                                    else (h, w))
+        assert out.shape == (4, 25) and bool((out[y == -100] == 0).all())
+        assert _rel(out, ref) < 1e-12 if ignored < 1.0 else bool((out == 0).all())
+        for a, b in zip(grads, ref_grads):
+            assert _rel(a, b) < 1e-12, (kw.keys(), _rel(a, b))
+
+
+def test_the_llava_model_asks_for_labeled_rows_only():
+    from megatrain.models.llava.model import LlavaModel
+    from megatrain.parallel.parallelize import ChunkedCrossEntropy as Head
+
+    assert LlavaModel.sparse_labels and Head is ChunkedCrossEntropy
+    assert not getattr(GPTModel, "sparse_labels", False)  # pre-training labels every row: no synchronisation
+
+
 def _tiny(untied: bool, **kw) -> GPTConfig:
     return GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
                      hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=untied, **kw)
