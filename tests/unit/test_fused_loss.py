@@ -153,3 +153,30 @@ def test_compiled_chunk_work_takes_all_rows_in_one_call():
     from megatrain.runtime.fused_loss import _rows_per_call
     assert _rows_per_call(8192, 1024, compile=True) == 8192
     assert _rows_per_call(8192, 1024, compile=False) == 1024
+
+
+def test_sft_objective_trains_the_responses_with_the_labeled_rows_only_head():
+    """Fine-tuning ignores the prompts' labels, so its chunked head computes the response rows alone: the
+    masked loss and every gradient equal the pre-training objective's over every row."""
+    from megatrain.data.batch import CausalLMBatch
+    from megatrain.models.gpt.objective import CausalLMObjective
+    from megatrain.training.finetune import SFTObjective
+
+    torch.manual_seed(3)
+    model = GPTModel(_tiny(True))
+    tokens, labels = torch.randint(0, 96, (2, 24)), torch.randint(0, 96, (2, 24))
+    loss_mask = torch.zeros(2, 24)
+    loss_mask[0, 15:], loss_mask[1, 20:] = 1, 1  # the responses; the prompts before them
+    batch = CausalLMBatch(tokens=tokens, labels=labels, loss_mask=loss_mask)
+    results = []
+    for objective, head in ((CausalLMObjective(), ChunkedCrossEntropy(chunk_size=8)),
+                            (SFTObjective(), ChunkedCrossEntropy(chunk_size=8, labeled_rows_only=True))):
+        model.loss_head = head
+        model.zero_grad(set_to_none=True)
+        ((loss, count),) = objective.losses(objective.forward(model, batch), objective.loss_target(batch))
+        (loss / count).backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ref, ref_grads), (out, grads) = results
+    assert _rel(out, ref) < 1e-6
+    for name, g in ref_grads.items():
+        assert _rel(grads[name], g) < 1e-5, name
