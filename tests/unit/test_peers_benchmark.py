@@ -166,6 +166,9 @@ def test_cpu_run_of_the_tiny_row(tmp_path):
     cells = [c.strip().replace(",", "") for c in row.strip("|").split("|")]
     assert cells[1] == "8" and float(cells[2]) > 0 and cells[6] == "50.0"
     assert float(cells[10]) == pytest.approx(50.0 / float(cells[2]), rel=0.02, abs=0.006)
+    # the start-up split, from pretrain_gpt.py's Megatron set-up lines
+    split = next(line for line in text.splitlines() if line.startswith("- tiny-8 megatrain start-up "))
+    assert "initialisation" in split and "model and optimizer" in split and "(compilation)" in split
 
 
 @pytest.mark.timeout(120)
