@@ -158,8 +158,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     has_lm_head = hasattr(model, "loss_head")  # models with a language-model head declare the slot
     if cfg.cross_entropy_chunk_size > 0 and not dims.tp_enabled and has_lm_head:
         model.loss_head = ChunkedCrossEntropy(cfg.cross_entropy_chunk_size,
-                                              compile=cfg.compile_layers and device.type == "cuda",
-                                              labeled_rows_only=bool(getattr(model, "sparse_labels", False)))
+                                              compile=cfg.compile_layers and device.type == "cuda")
     expert_mesh = dims.expert_mesh()["edp"] if expert_fsdp else None
     keep_unsharded = apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel, expert_mesh) if fsdp else False
     if any(p.is_meta for p in model.parameters()):

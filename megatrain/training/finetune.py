@@ -14,6 +14,7 @@ SFT conversations instead, one packed sample per line, rendered by ``--sft-token
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +25,6 @@ from megatrain.data.sft_dataset import SFTConfig, build_sft_datasets, sft_batch
 from megatrain.data.tokenizers.sft import IGNORE_INDEX, SFTTokenizer
 from megatrain.errors import user_errors_exit
 from megatrain.models.gpt.objective import CausalLMObjective
-from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.parallel.distributed import setup_env_from_slurm
 from megatrain.training.arguments import build_parser as build_pretrain_parser
 from megatrain.training.arguments import parse_args
@@ -48,26 +48,20 @@ class SFTObjective(CausalLMObjective):
     and attention mask restarting at every packed example."""
 
     batches_in_cuda_graph = False  # sft_batch decides on the host whether a batch needs an attention mask
+    sparse_labels = True  # the prompts' labels are ignored (forward)
 
     def make_batch(self, samples: Any) -> CausalLMBatch:
         return sft_batch(samples)
 
     def forward(self, model: Any, batch: CausalLMBatch) -> torch.Tensor:
-        # The prompts' labels ignored (their loss is masked out anyway): the chunked loss head then runs
-        # the output layer on the response tokens alone (labeled_rows_only, set by SFTTrainer).
-        labels = batch.labels.masked_fill(batch.loss_mask == 0, IGNORE_INDEX)
-        return model(batch.tokens, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
-                     labels=labels)
+        # The prompts' labels ignored (their loss is masked out anyway), so that the chunked loss head runs
+        # the output layer on the response tokens alone (sparse_labels).
+        return super().forward(model, replace(batch, labels=batch.labels.masked_fill(batch.loss_mask == 0,
+                                                                                     IGNORE_INDEX)))
 
 
 class SFTTrainer(Trainer):
     """The pre-training loop with jsonl examples whose batches carry their own (response-only) loss mask."""
-
-    def __init__(self, args: argparse.Namespace, *rest: Any, **kw: Any) -> None:
-        super().__init__(args, *rest, **kw)
-        head = getattr(self.module, "loss_head", None)
-        if isinstance(head, ChunkedCrossEntropy):  # the prompts' rows have no label (SFTObjective.forward)
-            head.labeled_rows_only = True
 
     def build_objective(self) -> SFTObjective:
         return SFTObjective()

@@ -33,6 +33,7 @@ from megatrain.parallel.random import seed_everything
 from megatrain import checkpoint as checkpointing
 from megatrain.checkpoint import TrainState
 from megatrain.runtime.cuda_graph import MicroBatchGraphs
+from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.training.batch_rampup import BatchRampup
 from megatrain.training.builders import choose_device, padded_vocab_size
 from megatrain.training.console import print_rank0, print_rank_last, setup_logging
@@ -134,6 +135,8 @@ class Trainer(StepMixin, EvaluationMixin):
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         self.parallelized = self._build_model()
+        if isinstance(self.parallelized.loss_head, ChunkedCrossEntropy):
+            self.parallelized.loss_head.labeled_rows_only = self.objective.sparse_labels
         self.model = self.parallelized.model  # DDP wrapper or the (sharded) model itself
         self.module = self.parallelized.module  # the family's model, for its methods and state dicts
         self.grad_fusion = self.parallelized.grad_fusion

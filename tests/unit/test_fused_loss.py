@@ -56,12 +56,14 @@ def test_labeled_rows_only_is_the_same_maths(ignored):
             assert _rel(a, b) < 1e-12, (kw.keys(), _rel(a, b))
 
 
-def test_the_llava_model_asks_for_labeled_rows_only():
-    from megatrain.models.llava.model import LlavaModel
-    from megatrain.parallel.parallelize import ChunkedCrossEntropy as Head
+def test_the_llava_and_sft_objectives_ask_for_labeled_rows_only():
+    from megatrain.models.gpt.objective import CausalLMObjective
+    from megatrain.models.llava.objective import LlavaObjective
+    from megatrain.training.finetune import SFTObjective
+    from megatrain.training.trainer import ChunkedCrossEntropy as Head
 
-    assert LlavaModel.sparse_labels and Head is ChunkedCrossEntropy
-    assert not getattr(GPTModel, "sparse_labels", False)  # pre-training labels every row: no synchronisation
+    assert LlavaObjective.sparse_labels and SFTObjective.sparse_labels and Head is ChunkedCrossEntropy
+    assert not CausalLMObjective.sparse_labels  # pre-training labels every row: no synchronisation
 
 
 def _tiny(untied: bool, **kw) -> GPTConfig:

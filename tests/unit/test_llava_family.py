@@ -106,6 +106,22 @@ def test_frozen_parts_have_no_gradients_no_optimizer_state_and_do_not_change(pat
         assert any(not torch.equal(after[n].detach(), before[n]) for n in before if n.startswith(part)), part
 
 
+def test_the_chunked_loss_head_computes_the_labeled_rows_alone(paths):
+    """LLaVA's labels are answer-only (LlavaObjective.sparse_labels): with the chunked loss head the trainer
+    has it compute the labeled rows alone, and training runs through it; pre-training GPT keeps every row."""
+    from megatrain.runtime.fused_loss import ChunkedCrossEntropy
+
+    args = parse_family_args("llava", [*vlm_args(paths), "--freeze-ViT", "--train-iters", "2",
+                                       "--cross-entropy-chunk-size", "16"], prog="pretrain_vlm.py")
+    t = Trainer(args, family="llava")
+    head = t.module.loss_head
+    assert isinstance(head, ChunkedCrossEntropy) and head.labeled_rows_only
+    t.train()
+    t.close()
+    assert t.last_result is not None and all(torch.isfinite(torch.as_tensor(v)).all()
+                                             for v in t.last_result[1].losses.values())
+
+
 @pytest.mark.parametrize("extra,line", [
     (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported for the LLaVA family"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 is not supported for the LLaVA family"),

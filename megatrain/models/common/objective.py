@@ -34,6 +34,9 @@ class Objective:
     # Whether make_batch is device work only (no host synchronisation), so that a CUDA graph of the
     # micro-batch can hold it (--cuda-graph-impl local).
     batches_in_cuda_graph: bool = True
+    # Whether forward hands the model labels that are mostly IGNORE (-100): an image's positions, a prompt.
+    # The trainer then has the chunked loss head compute the labeled rows alone (fused_loss, labeled_rows_only).
+    sparse_labels: bool = False
 
     def make_batch(self, samples: Any) -> Any:
         raise NotImplementedError

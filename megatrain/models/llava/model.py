@@ -44,10 +44,6 @@ class LlavaModel(nn.Module):
     is already expanded), or with ``labels`` the per-token loss [b, S]. For training, call
     :meth:`expand_tokens` first to get the labels and loss mask of the expanded sequence."""
 
-    # Most labels are ignored (every image position, the prompts): the chunked loss head then computes the
-    # output layer on the labeled rows alone (megatrain.runtime.fused_loss, labeled_rows_only).
-    sparse_labels = True
-
     def __init__(self, config: LlavaConfig) -> None:
         super().__init__()
         self.config = config

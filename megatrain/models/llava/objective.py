@@ -35,6 +35,7 @@ class LlavaObjective(Objective):
 
     loss_names = ("lm loss",)
     batches_in_cuda_graph = False  # the images' count varies from batch to batch
+    sparse_labels = True  # every image position and the prompts are ignored
 
     def __init__(self, pipeline: tuple[Any, int] | None = None) -> None:
         self.pipeline = pipeline  # (LlavaConfig, the stages' sequence length) under pipeline parallelism
