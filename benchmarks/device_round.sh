@@ -19,6 +19,7 @@
 #   bash benchmarks/device_round.sh seam16     # nvidia-h200, ~8 min: the three shapes at the commit before issue 16's
 #                                              # seam (its tree unpacked in bench_base/: `git archive c3bedb8 megatrain
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
+#   bash benchmarks/device_round.sh vlm-t5     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, t5_attention.py's SDPA split, T5 beside transformers
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -127,10 +128,19 @@ case "${1:-table}" in
       done
     done
     ;;
+  vlm-t5)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (labeled-rows head), then T5's attention split
+    timeout 330 python benchmarks/vlm_speed.py --iters 13 --warmup 8 --timeout 160 --output "$OUT/vlm.md" \
+      > "$OUT/vlm.log" 2>&1
+    timeout 110 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-frozen sdpa-bias-shared sdpa-pad \
+      --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
+    timeout 140 python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 --timeout 68 \
+      --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
+    tail -4 "$OUT"/*.log
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|vlm-t5]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
