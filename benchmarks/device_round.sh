@@ -133,7 +133,8 @@ case "${1:-table}" in
       > "$OUT/vlm.log" 2>&1
     timeout 110 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-frozen sdpa-bias-shared sdpa-pad \
       --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
-    timeout 140 python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 --timeout 68 \
+    left=$((585 - SECONDS)); row=$(( left / 2 > 118 ? 118 : left / 2 ))
+    timeout $left python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 --timeout $row \
       --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
     tail -4 "$OUT"/*.log
     ;;
