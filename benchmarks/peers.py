@@ -40,7 +40,7 @@ formula (the ratio does not depend on it), and every failure.
 timeout is cut to what is left. The partial table is written to ``--output`` after every row.
 ``--profile``: instead of timing, the kernel tables of one megatrain step (``profile_step.py``) and
 one nanoGPT step (``profile_peer.py``), per row, into ``--profile-dir`` (``<row>_megatrain_kernels.txt``,
-``<row>_nanogpt_kernels.txt``), and a side-by-side table of
+``<row>_nanogpt_kernels.txt``; with ``--titan`` also ``llama-2_torchtitan_kernels.txt``), and a side-by-side table of
 ms per kernel category (the categories of ``profile_step.py``) printed at the end.
 """
 
@@ -436,10 +436,12 @@ def load_categories(folder: Path) -> dict | None:
         return None
 
 
-def category_lines(name: str, mt: dict | None, peer: dict | None, has_peer: bool = True) -> list[str]:
+def category_lines(name: str, mt: dict | None, peer: dict | None, has_peer: bool = True,
+                   peer_name: str = "nanoGPT") -> list[str]:
     """ms per step of every kernel category, both sides (``summary.json`` of profile_step.py and
-    profile_peer.py) and megatrain minus nanoGPT."""
-    lines = [f"### {name}", "", "| category | megatrain ms/step | nanoGPT ms/step | difference |", "|---|---|---|---|"]
+    profile_peer.py or torchtitan_peer.py) and megatrain minus the peer."""
+    lines = [f"### {name}", "", f"| category | megatrain ms/step | {peer_name} ms/step | difference |",
+             "|---|---|---|---|"]
     cm = (mt or {}).get("categories_ms_per_step", {})
     cp = (peer or {}).get("categories_ms_per_step", {})
     cats = sorted(set(cm) | set(cp), key=lambda c: -max(cm.get(c, 0.0), cp.get(c, 0.0)))
@@ -452,7 +454,7 @@ def category_lines(name: str, mt: dict | None, peer: dict | None, has_peer: bool
     for label, x, y in rows:
         diff = f"{x - y:+.2f}" if x is not None and y is not None else ""
         lines.append(f"| {label} | {_num(x, 2)} | {_num(y, 2)} | {diff} |")
-    missing = [side for side, d, wanted in (("megatrain", mt, True), ("nanoGPT", peer, has_peer)) if wanted and not d]
+    missing = [side for side, d, wanted in (("megatrain", mt, True), (peer_name, peer, has_peer)) if wanted and not d]
     if missing:
         lines += ["", f"({' and '.join(missing)} profile missing: see the log above)"]
     elif not has_peer:
@@ -505,7 +507,19 @@ def profile(a: argparse.Namespace) -> list[str]:
                     shutil.copyfile(folder / "kernels.txt", out / f"{row.name}_{key}_kernels.txt")
             lines += category_lines(f"{row.name} (global batch {row.global_batch})", load_categories(work["megatrain"]),
                                     load_categories(work["nanogpt"]) if shape else None, has_peer=shape is not None)
-    lines.append(f"kernel tables: {out}/<row>_megatrain_kernels.txt and {out}/<row>_nanogpt_kernels.txt")
+            if a.titan and row.name == "llama-2":
+                folder = Path(tmp) / f"{row.name}_torchtitan"
+                cmd = [sys.executable, "benchmarks/torchtitan_peer.py", "--warmup", "4", "--iters", "1",
+                       "--profile", str(folder), "--profile-steps", str(a.profile_steps), "--top", "40",
+                       *(["--device", "cpu", "--tiny", "--no-compile"] if a.device == "cpu" else []),
+                       *a.titan_args]
+                _run_logged(cmd, clock.timeout(a.timeout), f"{row.name} torchtitan profile")
+                if (folder / "kernels.txt").is_file():
+                    shutil.copyfile(folder / "kernels.txt", out / f"{row.name}_torchtitan_kernels.txt")
+                lines += category_lines(f"{row.name} beside torchtitan", load_categories(work["megatrain"]),
+                                        load_categories(folder), peer_name="torchtitan")
+    lines.append(f"kernel tables: {out}/<row>_megatrain_kernels.txt, {out}/<row>_nanogpt_kernels.txt"
+                 + (f" and {out}/llama-2_torchtitan_kernels.txt" if a.titan else ""))
     return lines
 
 

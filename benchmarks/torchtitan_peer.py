@@ -46,6 +46,10 @@ Stubbed, never used on this path (the import chain of ``torchtitan.models.llama3
 the dataloader (torchdata), metrics (tensorboard), tokenizer (tokenizers), validator and HF
 dataset modules (datasets), and the MoE Triton kernels where triton is missing.
 
+``--profile DIR`` profiles ``--profile-steps`` more steps after the timed ones and writes ``profile_step.py``'s
+kernel table and categories to ``DIR/kernels.txt`` and ``DIR/summary.json`` (``peers.py --profile --titan``
+puts them beside megatrain's).
+
 Output: one JSON line. On any failure (or a non-finite loss): ``{"error": ...}`` and exit status 0.
 """
 
@@ -169,6 +173,42 @@ def megatrain_reference() -> tuple[float | None, int | None, str]:
         return None, None, f"megatrain formula unavailable: {type(e).__name__}: {e}"
 
 
+def profile_steps(train_step, sync, a: argparse.Namespace, device, result: dict) -> str:
+    """``--profile DIR``: ``--profile-steps`` more steps under torch.profiler; the kernel table,
+    categories and idle gaps of ``profile_step.py`` (as ``profile_peer.py`` writes nanoGPT's) go to
+    ``DIR/kernels.txt`` and ``DIR/summary.json``. Returns the folder."""
+    import torch
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from profile_step import cpu_rows, idle_gaps, kernel_intervals, kernel_rows, render, render_gaps, write_atomic
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.time()
+        for _ in range(a.profile_steps):
+            train_step()
+        sync()
+        wall_ms = (time.time() - t0) * 1000 / a.profile_steps
+    intervals = kernel_intervals(prof) if cuda else []
+    rows = kernel_rows(prof, intervals) if cuda else cpu_rows(prof)
+    header = (f"torchtitan {result.get('torchtitan')} llama3 L{result['layers']} dim {result['dim']} heads "
+              f"{result['heads']}/{result['kv_heads']} ffn {result['ffn']} vocab {result['vocab']} | "
+              f"{result['micro']} x {result['seq']} tokens/step | {result.get('mixed_precision')} | compile "
+              f"{result.get('compile')} | torch {torch.__version__} | "
+              f"{torch.cuda.get_device_name(device) if cuda else 'cpu: operators by self CPU time'}")
+    table, summary = render(rows, a.top, a.profile_steps, wall_ms, header)
+    if cuda:
+        gaps = idle_gaps(intervals)
+        table += "\n" + render_gaps(gaps, a.profile_steps, min(a.top, 20))
+        summary["idle_ms_per_step"] = sum(r["total_us"] for r in gaps) / 1000 / a.profile_steps
+        summary["idle_before"] = [{**r, "ms_per_step": r["total_us"] / 1000 / a.profile_steps} for r in gaps[:a.top]]
+    summary.update(peer="torchtitan", **{k: result[k] for k in ("layers", "dim", "heads", "seq", "vocab", "micro")})
+    out = Path(a.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "kernels.txt", (table + "\n").encode())
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1).encode())
+    return str(out)
+
+
 def run(a: argparse.Namespace) -> dict:
     s = dict(TINY if a.tiny else FULL)
     for k in ("layers", "seq", "micro"):
@@ -209,7 +249,7 @@ def run(a: argparse.Namespace) -> dict:
         a.tmp_dirs.append(Path(dump))
         flags = ["--model.name", "llama3", "--model.hf_assets_path", dump, "--job.dump_folder", dump,
                  "--training.local_batch_size", str(s["micro"]), "--training.seq_len", str(s["seq"]),
-                 "--training.steps", str(a.warmup + a.iters), "--training.max_norm", "1.0",
+                 "--training.steps", str(a.warmup + a.iters + (a.profile_steps if a.profile else 0) + 1), "--training.max_norm", "1.0",
                  "--activation_checkpoint.mode", "none", "--debug.seed", "0", "--optimizer.implementation", "fused"]
         if a.compile:
             flags.append("--compile.enable")
@@ -361,6 +401,9 @@ def run(a: argparse.Namespace) -> dict:
                 losses.append(train_step())
                 times_ms.append((time.perf_counter() - t) * 1e3)
         sync()
+        if a.profile:
+            stage = "profiled steps"
+            result["profile"] = profile_steps(train_step, sync, a, device, result)
         med = statistics.median(times_ms)
         tokens_per_step = s["micro"] * s["seq"]
         loss_values = [float(x) for x in losses]
@@ -421,6 +464,11 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                     help="accepted for compatibility (the default: 0.2.2 has no CUDA graphs)")
     ap.add_argument("--wheels", default=str(WHEELS))
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed steps, profile more steps: kernels.txt and summary.json into DIR "
+                         "(profile_step.py's tables, as profile_peer.py writes nanoGPT's)")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=40, help="kernel table rows with --profile")
     a = ap.parse_args()
     if a.iters < 1 or a.warmup < 0:
         emit({"peer": "torchtitan", "error": "--iters must be >= 1 and --warmup >= 0"})

@@ -132,6 +132,10 @@ def test_category_lines_side_by_side():
     assert "| wall | 27.00 | 30.00 | -3.00 |" in lines
     assert any("nanoGPT profile missing" in line for line in peers.category_lines("x", mt, None))
     assert any("megatrain only" in line for line in peers.category_lines("x", mt, None, has_peer=False))
+    titan = peers.category_lines("llama-2 beside torchtitan", mt, pr, peer_name="torchtitan")
+    assert "| category | megatrain ms/step | torchtitan ms/step | difference |" in titan
+    assert any("torchtitan profile missing" in line for line in peers.category_lines("x", mt, None,
+                                                                                      peer_name="torchtitan"))
 
 
 def test_results_file_appends_with_heading(tmp_path):
