@@ -20,6 +20,7 @@
 #                                              # seam (its tree unpacked in bench_base/: `git archive c3bedb8 megatrain
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
 #   bash benchmarks/device_round.sh vlm-t5     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, t5_attention.py's SDPA split, T5 beside transformers
+#   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA profiles beside torchtitan's, bf16 vs fp8
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -138,10 +139,20 @@ case "${1:-table}" in
       --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
     tail -4 "$OUT"/*.log
     ;;
+  llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B's two kernel tables
+            # (megatrain, torchtitan), then bf16 and fp8 hybrid timed back to back, then the fp8 step's table
+    timeout 250 python benchmarks/peers.py --profile --rows llama-2 --titan --timeout 120 --budget 240 \
+      --profile-dir "$OUT" --output "$OUT/llama_profiles.md" > "$OUT/llama_profiles.log" 2>&1
+    left=$((585 - SECONDS))
+    timeout $(( left > 240 ? 240 : left )) $B llama-1.2b --iters 10 --warmup 4 --timeout 115 --extra "" \
+      --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > "$OUT/llama_fp8.log" 2>&1
+    left=$((585 - SECONDS)); [ $left -gt 60 ] && profile llama-1.2b $left "--fp8-format hybrid" fp8
+    tail -3 "$OUT"/*.log
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|vlm-t5]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|vlm-t5|llama21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
