@@ -15,6 +15,9 @@ runs in the Hugging Face layout today):
   gradient ([b, heads, s, s] per layer, summed across layers and then over the batch);
 * ``sdpa-bias-frozen``: the same mask with the table not trained (no mask gradient): what the
   gradient costs;
+* ``sdpa-bias-frozen-cudnn``, ``sdpa-pad-cudnn``: those two with SDPA held to cuDNN's attention
+  (``sdpa_kernel(CUDNN_ATTENTION)``; its backward gives no mask gradient, so only frozen masks): is
+  cuDNN's flash-style kernel with a [b, heads, s, s] bias faster than the efficient kernel's?
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose
@@ -30,6 +33,7 @@ runs in the Hugging Face layout today):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -57,7 +61,8 @@ TILES = {
                                   "bwd_num_stages": 2},
 }
 AUTOTUNED = "flex-autotune"  # no options: inductor's max-autotune picks among its flex configs
-VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-per-layer", "sdpa-bias-shared", "sdpa-pad", "flex", "flex-frozen", "flex-pad",
+VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-per-layer", "sdpa-bias-shared",
+            "sdpa-pad", "sdpa-pad-cudnn", "flex", "flex-frozen", "flex-pad",
             *TILES, AUTOTUNED]
 
 
@@ -107,7 +112,7 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
 
         def fn(qs, ks, vs):
             shared = None
-            if variant == "sdpa-pad":
+            if variant.startswith("sdpa-pad"):
                 mask = padding_key_mask(keep)
             elif variant == "sdpa-bias-per-layer":
                 mask = None
@@ -117,7 +122,7 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
                 shared = (bias, padding_key_mask(keep))
             else:
                 bias = bias_table(seq, seq, keep.device)
-                if variant == "sdpa-bias-frozen":
+                if variant.startswith("sdpa-bias-frozen"):
                     bias = bias.detach()
                 mask = self_attention_mask(keep, seq, causal=False, bias=bias, dtype=dtype)
             outs = []
@@ -166,7 +171,17 @@ def run_variant(variant: str, args) -> dict:
     qs, ks, vs = ([leaf() for _ in range(layers)] for _ in range(3))
     grads = [torch.randn(b, h, s, d, device=dev, dtype=dtype) for _ in range(layers)]
     torch._dynamo.reset()
-    fn = build(variant, layers, table, keep, s, dtype)
+    with contextlib.ExitStack() as stack:
+        if variant.endswith("-cudnn"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))
+        return _timed(variant, args, build(variant, layers, table, keep, s, dtype), qs, ks, vs, grads, table, dev)
+
+
+def _timed(variant: str, args, fn, qs, ks, vs, grads, table, dev) -> dict:
+    import torch
+
+    layers = len(qs)
     times = []
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if dev.type == "cuda":
