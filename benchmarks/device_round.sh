@@ -132,7 +132,7 @@ case "${1:-table}" in
   vlm-t5)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (labeled-rows head), then T5's attention split
     timeout 330 python benchmarks/vlm_speed.py --iters 13 --warmup 8 --timeout 160 --output "$OUT/vlm.md" \
       > "$OUT/vlm.log" 2>&1
-    timeout 130 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-frozen sdpa-bias-shared sdpa-pad sdpa-bias-frozen-cudnn sdpa-pad-cudnn \
+    timeout 130 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-frozen sdpa-bias-shared sdpa-pad sdpa-bias-tap sdpa-bias-frozen-cudnn sdpa-pad-cudnn sdpa-bias-tap-cudnn \
       --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
     left=$((585 - SECONDS)); row=$(( left / 2 > 118 ? 118 : left / 2 ))
     timeout $left python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 --timeout $row \

@@ -18,6 +18,8 @@ runs in the Hugging Face layout today):
 * ``sdpa-bias-frozen-cudnn``, ``sdpa-pad-cudnn``: those two with SDPA held to cuDNN's attention
   (``sdpa_kernel(CUDNN_ATTENTION)``; its backward gives no mask gradient, so only frozen masks): is
   cuDNN's flash-style kernel with a [b, heads, s, s] bias faster than the efficient kernel's?
+* ``sdpa-bias-tap`` (``-cudnn``): SDPA on the detached mask, the bias gradient recomputed apart
+  (``megatrain.models.common.bias_gradient``: one score recomputation per layer, summed over the batch);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose
@@ -61,8 +63,8 @@ TILES = {
                                   "bwd_num_stages": 2},
 }
 AUTOTUNED = "flex-autotune"  # no options: inductor's max-autotune picks among its flex configs
-VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-per-layer", "sdpa-bias-shared",
-            "sdpa-pad", "sdpa-pad-cudnn", "flex", "flex-frozen", "flex-pad",
+VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-tap", "sdpa-bias-tap-cudnn",
+            "sdpa-bias-per-layer", "sdpa-bias-shared", "sdpa-pad", "sdpa-pad-cudnn", "flex", "flex-frozen", "flex-pad",
             *TILES, AUTOTUNED]
 
 
@@ -105,6 +107,7 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
     import torch.nn.functional as F
 
     from megatrain.models.common import flex_attention as fa
+    from megatrain.models.common.bias_gradient import attention_with_bias, biased_mask
     from megatrain.models.t5.model import padding_key_mask, self_attention_mask
 
     if variant.startswith("sdpa"):
@@ -116,6 +119,10 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
                 mask = padding_key_mask(keep)
             elif variant == "sdpa-bias-per-layer":
                 mask = None
+            elif variant.startswith("sdpa-bias-tap"):
+                bias = bias_table(seq, seq, keep.device)
+                mask = biased_mask(bias, padding_key_mask(keep), dtype)
+                return [attention_with_bias(q, k, v, mask, bias) for q, k, v in zip(qs, ks, vs)]
             elif variant == "sdpa-bias-shared":
                 bias = bias_table(seq, seq, keep.device)
                 mask = self_attention_mask(keep, seq, causal=False, bias=bias.detach(), dtype=dtype)
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from megatrain.models.common import flex_attention as fa
+    from megatrain.models.common.bias_gradient import attention_with_bias, biased_mask
 
     global _DEFAULT_TILES
     _DEFAULT_TILES = dict(fa.CUDA_KERNEL_OPTIONS)

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_tiny_cpu_run_prints_a_row_per_variant(tmp_path):
     out = tmp_path / "t5_attention.md"
-    variants = ["sdpa-bias", "sdpa-bias-shared", "sdpa-bias-per-layer", "sdpa-bias-frozen", "sdpa-pad"]
+    variants = ["sdpa-bias", "sdpa-bias-shared", "sdpa-bias-per-layer", "sdpa-bias-tap", "sdpa-bias-frozen", "sdpa-pad"]
     proc = subprocess.run([sys.executable, "benchmarks/t5_attention.py", "--shape", "tiny", "--device", "cpu",
                            "--iters", "1", "--warmup", "1", "--output", str(out), "--variants", *variants],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -21,6 +21,6 @@ def test_tiny_cpu_run_prints_a_row_per_variant(tmp_path):
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip().strip("|").split("|")]
                                           for line in out.read_text().splitlines()[4:])}
     assert list(rows) == variants and not any("failed" in r[1] for r in rows.values()), rows
-    trained = {rows[v][4] for v in ("sdpa-bias", "sdpa-bias-shared", "sdpa-bias-per-layer")}
+    trained = {rows[v][4] for v in ("sdpa-bias", "sdpa-bias-shared", "sdpa-bias-per-layer", "sdpa-bias-tap")}
     assert len(trained) == 1 and trained != {"-"}, rows
     assert rows["sdpa-bias-frozen"][4] == rows["sdpa-pad"][4] == "-"

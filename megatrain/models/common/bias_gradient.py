@@ -1,0 +1,84 @@
+"""Attention with a trained additive bias whose gradient SDPA's fused kernels need not compute.
+
+A T5 layer adds a learned relative-position bias to its scores. Given a float mask that requires a
+gradient, PyTorch's SDPA falls back to its memory-efficient kernel in a mode that writes the whole
+[b, heads, s, s] score gradient; held to a mask without gradient, it runs its faster kernels.
+:func:`attention_with_bias` runs SDPA on the detached mask (queries, keys and values get their
+gradients from SDPA's own backward) and gives the bias its gradient through :class:`BiasGradient`, an
+identity on the attention output whose backward recomputes the scores once and forms
+
+    dS = P * (dO v^T - rowsum(dO * O)),   P = softmax(q k^T * scale + mask)
+
+summed over the dimensions the bias broadcasts over (the batch, for a bias shared by every sample).
+That is the same gradient autograd would give the mask, in float32 from scores in the inputs' dtype
+(as an unfused attention computes them). Under ``torch.compile`` the recomputation fuses into the
+two matmuls and one reduction pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class BiasGradient(torch.autograd.Function):
+    """``apply(out, q, k, v, mask, bias, scale)`` -> ``out`` unchanged; its backward passes the output
+    gradient through and returns the gradient of ``bias`` (the additive part of ``mask``, which is
+    ``bias`` with -inf where a key is hidden, broadcast to the scores' shape)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, mask, bias, scale):  # type: ignore[override]
+        ctx.save_for_backward(out, q, k, v, mask)
+        ctx.scale = scale
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        out, q, k, v, mask = ctx.saved_tensors
+        k_, v_ = _repeat_kv(k, q), _repeat_kv(v, q)
+        scores = (torch.matmul(q, k_.transpose(-1, -2)).float() * ctx.scale + mask.float())
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # rows with every key hidden
+        probs = torch.exp(scores - lse)
+        grad_probs = torch.matmul(grad_out, v_.transpose(-1, -2)).float()
+        rowdot = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        grad_scores = probs * (grad_probs - rowdot)
+        return (grad_out, None, None, None, None, _sum_to(grad_scores, ctx.bias_shape).to(ctx.bias_dtype), None)
+
+
+def _repeat_kv(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Keys or values with fewer heads than the queries (grouped-query attention) repeated to match."""
+    groups = q.shape[-3] // t.shape[-3]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
+def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``grad`` summed over the leading and size-1 dimensions that ``shape`` broadcasts over."""
+    lead = grad.dim() - len(shape)
+    if lead:
+        grad = grad.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def biased_mask(bias: torch.Tensor, keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The mask SDPA reads: ``bias`` (detached) with -inf where ``keep`` (bool, broadcastable) is False,
+    in ``dtype``. Build it once and hand it to every layer that shares the bias."""
+    mask = bias.detach() if keep is None else bias.detach().masked_fill(~keep, float("-inf"))
+    return mask.to(dtype)
+
+
+def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        bias: torch.Tensor | None = None, *, scale: float | None = None) -> torch.Tensor:
+    """SDPA of ``q`` [b, heads, s_q, d], ``k``/``v`` [b, heads_kv, s_k, d] under ``mask`` (from
+    :func:`biased_mask`); when ``bias`` (the trained tensor the mask was built from) requires a
+    gradient, it gets one through :class:`BiasGradient` while SDPA runs on the detached mask."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    gqa = {"enable_gqa": True} if k.shape[-3] != q.shape[-3] else {}
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+    if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+        out = BiasGradient.apply(out, q, k, v, mask, bias, scale)
+    return out
