@@ -19,7 +19,8 @@
 #   bash benchmarks/device_round.sh seam16     # nvidia-h200, ~8 min: the three shapes at the commit before issue 16's
 #                                              # seam (its tree unpacked in bench_base/: `git archive c3bedb8 megatrain
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
-#   bash benchmarks/device_round.sh vlm-t5     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, t5_attention.py's SDPA split, T5 beside transformers
+#   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
+#   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA profiles beside torchtitan's, bf16 vs fp8
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
@@ -129,14 +130,23 @@ case "${1:-table}" in
       done
     done
     ;;
-  vlm-t5)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (labeled-rows head), then T5's attention split
+  t5-18)  # nvidia-h200 or H100, ~9.5 min: T5's encoder attention variants, then T5 beside transformers with both bias gradients
+    timeout 150 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-tap sdpa-bias-frozen sdpa-pad \
+      sdpa-bias-frozen-cudnn sdpa-bias-tap-cudnn sdpa-pad-cudnn sdpa-bias-shared \
+      --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
+    left=$((585 - SECONDS)); row=$(( left / 3 > 118 ? 118 : left / 3 ))
+    timeout $left python benchmarks/t5_speed.py --rows hf-layout-recompute,transformers,hf-layout --iters 10 \
+      --warmup 5 --timeout $row --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
+    tail -4 "$OUT"/*.log
+    ;;
+  vlm-20)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (the labeled-rows head), then the megatrain step's profile
     timeout 330 python benchmarks/vlm_speed.py --iters 13 --warmup 8 --timeout 160 --output "$OUT/vlm.md" \
       > "$OUT/vlm.log" 2>&1
-    timeout 130 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-frozen sdpa-bias-shared sdpa-pad sdpa-bias-tap sdpa-bias-frozen-cudnn sdpa-pad-cudnn sdpa-bias-tap-cudnn \
-      --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
-    left=$((585 - SECONDS)); row=$(( left / 2 > 118 ? 118 : left / 2 ))
-    timeout $left python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 --timeout $row \
-      --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
+    left=$((585 - SECONDS))
+    [ $left -gt 90 ] && timeout $left python benchmarks/vlm_speed.py --rows megatrain --iters 12 --warmup 8 \
+      --timeout $((left - 5)) --extra "--profile --profile-step-start 10 --profile-step-end 12 --profile-dir /tmp/vlm" \
+      > "$OUT/vlm_profile.log" 2>&1 && python benchmarks/trace_kernels.py /tmp/vlm/trace_rank0_iters10-12.json \
+      --iterations 2 --top 40 > "$OUT/vlm_kernels.txt" 2>&1
     tail -4 "$OUT"/*.log
     ;;
   llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B's two kernel tables
@@ -153,6 +163,6 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|vlm-t5|llama21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|vlm-20|llama21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

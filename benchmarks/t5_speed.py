@@ -45,7 +45,8 @@ Entry point for a device call (all rows on one GPU, inside one 10-minute call):
 ``python benchmarks/t5_speed.py --output $OUT/t5_speed.md`` (defaults ``--iters 12 --warmup 5``; every
 row's process has its own ``--timeout``, 180 s, and every row prints a JSON line as it finishes, so a
 call cut short still shows the rows done). ``--rows`` picks rows (``transformers-eager`` and
-``hf-layout-flex`` add one each).
+``hf-layout-flex`` add one each; ``hf-layout-recompute`` runs the HF layout with
+``MEGATRAIN_T5_BIAS_GRADIENT=recompute``: SDPA on the detached mask, the bias gradient recomputed apart).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -136,7 +138,7 @@ def transformers_unties() -> bool:
 
 
 def run_megatrain(name: str, shape: str, iters: int, warmup: int, device: str, tmp: Path, timeout: int,
-                  extra: list[str]) -> dict:
+                  extra: list[str], env: dict[str, str] | None = None) -> dict:
     from megatrain.training.logging import parse_train_log_line
 
     Le, Ld, h, n, d, F, se, sd, b = SHAPES[shape]
@@ -161,7 +163,8 @@ def run_megatrain(name: str, shape: str, iters: int, warmup: int, device: str, t
     cmd += extra
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return {"row": name, "error": f"{out[-1500:]}\ntimed out after {timeout} s (--timeout)"}
@@ -245,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="example,hf-layout,transformers",
                     help="comma list of: example, hf-layout (megatrain rows), transformers (--attn), "
                          "transformers-eager (an extra row with eager attention), hf-layout-flex (an extra "
-                         "megatrain HF-layout row with FlexAttention instead of SDPA)")
+                         "megatrain HF-layout row with FlexAttention instead of SDPA), hf-layout-recompute (an "
+                         "extra HF-layout row with MEGATRAIN_T5_BIAS_GRADIENT=recompute)")
     ap.add_argument("--attn", default="best", choices=["best", "sdpa", "eager", "flex_attention"],
                     help="transformers' attn_implementation (best: SDPA if T5 offers it, else eager)")
     ap.add_argument("--output", default=None, help="also write the table to this file")
@@ -291,11 +295,15 @@ def main(argv: list[str] | None = None) -> None:
             "hf-layout-flex": ("megatrain pretrain_t5.py, HF T5 layout, FlexAttention (--attention-backend flex)",
                                HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])
                                + ["--attention-backend", "flex"]),
+            # not a default row: SDPA on the detached mask, the bias gradient recomputed apart
+            "hf-layout-recompute": ("megatrain pretrain_t5.py, HF T5 layout, MEGATRAIN_T5_BIAS_GRADIENT=recompute",
+                                    HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
         }
+        envs = {"hf-layout-recompute": {"MEGATRAIN_T5_BIAS_GRADIENT": "recompute"}}
         for key in [r for r in wanted if r in megatrain_rows]:
             name, flags = megatrain_rows[key]
             rows.append(run_megatrain(name, a.shape, a.iters, a.warmup, a.device, tmp, a.timeout,
-                                      flags + a.extra.split()))
+                                      flags + a.extra.split(), env=envs.get(key)))
             rows[-1]["key"] = key
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}), flush=True)
     for key, attn in (("transformers", a.attn), ("transformers-eager", "eager")):

@@ -70,3 +70,51 @@ def test_rows_with_every_key_hidden_give_finite_bias_gradient():
     assert "BiasGradient" in type(BiasGrad).__name__
     torch.autograd.backward(out, torch.randn_like(out), inputs=[bias])
     assert torch.isfinite(bias.grad).all()
+
+
+def _t5_step(bias_gradient: str, dtype=torch.float32, **overrides):
+    from tests.unit.t5_tiny import random_model
+
+    model = random_model(bias_gradient=bias_gradient, **overrides).to(dtype).train()
+    g = torch.Generator().manual_seed(3)
+    enc = torch.randint(5, 40, (3, 12), generator=g)
+    dec = torch.randint(5, 40, (3, 7), generator=g)
+    enc_pad = torch.ones(3, 12, dtype=torch.long)
+    enc_pad[1, 9:] = 0
+    dec_pad = torch.ones(3, 7, dtype=torch.long)
+    dec_pad[2, 5:] = 0
+    labels = torch.randint(5, 40, (3, 7), generator=g)
+    torch.manual_seed(11)  # the attention dropout's draws
+    loss = model(enc, dec, enc_pad, dec_pad, labels=labels).mean()
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_t5_recompute_gives_the_mask_paths_loss_and_gradients(dropout):
+    """T5 with ``bias_gradient="recompute"`` (and its fallback under attention dropout) trains as the
+    float mask with a gradient does: the same loss and gradients, both relative-bias tables included.
+    The tables' gradients are sums with much cancellation (each row of score gradients sums to zero),
+    so both float32 paths are held against float64: the recomputed one no further from it."""
+    loss_a, grads_a = _t5_step("mask", attention_dropout=dropout)
+    loss_b, grads_b = _t5_step("recompute", attention_dropout=dropout)
+    _, grads_64 = _t5_step("mask", torch.float64, attention_dropout=dropout)
+    assert torch.allclose(loss_a, loss_b, rtol=1e-6, atol=0)
+    assert grads_a.keys() == grads_b.keys() == grads_64.keys()
+    assert {"encoder_relative_pos_emb.relative_attention_bias.weight",
+            "decoder_relative_pos_emb.relative_attention_bias.weight"} <= grads_a.keys()
+    for name, want in grads_64.items():
+        err_a, err_b = ((g[name] - want).norm() / want.norm().clamp_min(1e-30) for g in (grads_a, grads_b))
+        assert err_b < max(1.5 * err_a, 1e-6) and err_b < 2e-4, f"{name}: {err_b:.2e} (mask path {err_a:.2e})"
+
+
+def test_t5_bias_gradient_from_env(monkeypatch):
+    from megatrain.models.t5.config import bias_gradient_from_env
+
+    monkeypatch.delenv("MEGATRAIN_T5_BIAS_GRADIENT", raising=False)
+    assert bias_gradient_from_env() == "mask"
+    monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "recompute")
+    assert bias_gradient_from_env() == "recompute"
+    monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "fast")
+    with pytest.raises(ValueError, match="MEGATRAIN_T5_BIAS_GRADIENT must be mask or recompute, got 'fast'"):
+        bias_gradient_from_env()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.common.config import TransformerConfig
+from megatrain.models.common.bias_gradient import BiasedMask, attention_with_bias
 from megatrain.models.common.flex_attention import FlexAttentionMask, flex_attention_forward
 from megatrain.models.common.norms import build_norm
 from megatrain.models.common.rope import RotaryEmbedding, apply_rotary, rope_scaling_of
@@ -236,6 +237,11 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         if isinstance(attention_mask, FlexAttentionMask):
             return self._flex(q, k, v, attention_mask, past)
+        if isinstance(attention_mask, BiasedMask):
+            if self.window is None and past == 0 and not (self.training and self.attention_dropout > 0):
+                return attention_with_bias(q, k, v, attention_mask.mask, attention_mask.bias,
+                                           scale=self.softmax_scale)
+            attention_mask = attention_mask.with_gradient()
         s = q.shape[2]
         if self.window is not None:
             if query_positions is None:

@@ -18,9 +18,26 @@ two matmuls and one reduction pass.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class BiasedMask:
+    """What a model hands its attention layers in place of a float mask when the mask's additive part
+    is trained: ``mask`` (from :func:`biased_mask`, no gradient, the scores' dtype) and ``bias``, the
+    tensor it was built from (its gradient comes from :class:`BiasGradient`)."""
+
+    mask: torch.Tensor
+    bias: torch.Tensor
+
+    def with_gradient(self) -> torch.Tensor:
+        """The mask as one tensor that passes its gradient on to ``bias`` (for paths that cannot
+        recompute the scores, such as attention dropout): the same values, one more [b, heads, s, s]
+        addition. Where a key is hidden the score gradient is zero, as through ``masked_fill``."""
+        return self.mask + (self.bias - self.bias.detach()).to(self.mask.dtype)
 
 
 class BiasGradient(torch.autograd.Function):
@@ -77,8 +94,9 @@ def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     :func:`biased_mask`); when ``bias`` (the trained tensor the mask was built from) requires a
     gradient, it gets one through :class:`BiasGradient` while SDPA runs on the detached mask."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    gqa = {"enable_gqa": True} if k.shape[-3] != q.shape[-3] else {}
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+    # with an explicit mask not every torch >= 2.6 kernel takes enable_gqa: shared key/value heads repeated
+    k, v = _repeat_kv(k, q), _repeat_kv(v, q)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if bias is not None and bias.requires_grad and torch.is_grad_enabled():
         out = BiasGradient.apply(out, q, k, v, mask, bias, scale)
     return out

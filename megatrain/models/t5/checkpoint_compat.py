@@ -18,4 +18,7 @@ CONFIG_CHECKS: dict[str, ConfigCheck] = {
     "decoder_seq_length": ConfigCheck("no", "--decoder-seq-length"),
     # the attention kernel (FlexAttention or SDPA): the same numbers either way
     "attention_backend": ConfigCheck("no", "--attention-backend"),
+    # how SDPA's relative bias gets its gradient (MEGATRAIN_T5_BIAS_GRADIENT, beside the kernel choice
+    # of --attention-backend): the same numbers either way
+    "bias_gradient": ConfigCheck("no", "--attention-backend"),
 }

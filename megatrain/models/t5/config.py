@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -10,9 +11,12 @@ from megatrain.models.common.config import TransformerConfig, transformer_fields
 from megatrain.models.common.flex_attention import cuda_kernel_options
 
 __all__ = ["T5Config", "t5_config_from_args", "ATTENTION_BACKENDS", "attention_backend_from_args",
+           "BIAS_GRADIENTS", "bias_gradient_from_env",
            "uses_flex_attention", "attention_description"]
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+BIAS_GRADIENTS = ("mask", "recompute")
+BIAS_GRADIENT_ENV = "MEGATRAIN_T5_BIAS_GRADIENT"
 # Megatron-LM's --attention-backend values (and megatrain's "flex") -> T5Config.attention_backend:
 # flash / fused / auto / unfused / local all give SDPA (it picks its fused kernel itself), "flex" the
 # FlexAttention path.
@@ -56,6 +60,11 @@ class T5Config(TransformerConfig):
     relative_attention_max_distance: int = 128
     decoder_seq_length: int | None = None
     attention_backend: str = "auto"  # "auto", "flex" or "sdpa"
+    # Through SDPA, how the trained relative bias gets its gradient: "mask" (SDPA's own, from a float mask
+    # that requires a gradient) or "recompute" (SDPA on the detached mask; the bias gradient recomputed
+    # apart, megatrain.models.common.bias_gradient). The same numbers; a speed choice
+    # (MEGATRAIN_T5_BIAS_GRADIENT, see bias_gradient_from_env).
+    bias_gradient: str = "mask"
     # The masks are explicit: encoder padding, decoder causal + padding, encoder padding for cross-attention.
     causal_attention: ClassVar[bool] = False
     position_embedding_types: ClassVar[tuple[str, ...]] = ("learned_absolute", "relative", "rope")
@@ -83,6 +92,8 @@ class T5Config(TransformerConfig):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"T5 attention_backend must be {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention_backend!r}")
+        if self.bias_gradient not in BIAS_GRADIENTS:
+            raise ValueError(f"T5 bias_gradient must be {' or '.join(BIAS_GRADIENTS)}, got {self.bias_gradient!r}")
         if self.attention_backend == "flex":
             from megatrain.models.common.flex_attention import flex_attention_available
 
@@ -114,7 +125,8 @@ def uses_flex_attention(backend: str) -> bool:
     return backend == "flex"
 
 
-def attention_description(backend: str, position_embedding_type: str, device_type: str) -> str:
+def attention_description(backend: str, position_embedding_type: str, device_type: str,
+                          bias_gradient: str = "mask") -> str:
     """One line saying how training's attention runs (the note ``pretrain_t5.py`` prints)."""
     relative = position_embedding_type == "relative"
     if uses_flex_attention(backend):
@@ -123,9 +135,22 @@ def attention_description(backend: str, position_embedding_type: str, device_typ
                + "padding and causality as block masks)")
     elif relative:
         how = "SDPA with the relative position bias and the padding as one float mask [b, heads, s, s] per stack"
+        if bias_gradient == "recompute":
+            how += " (no gradient; the bias gradient recomputed apart)"
     else:
         how = "SDPA with boolean padding masks"
     return f"T5 attention (attention backend {backend} on {device_type}): {how}"
+
+
+def bias_gradient_from_env() -> str:
+    """T5Config.bias_gradient from ``MEGATRAIN_T5_BIAS_GRADIENT`` (unset: the dataclass default); a
+    value other than ``mask`` or ``recompute`` is an error at start-up."""
+    value = os.environ.get(BIAS_GRADIENT_ENV, "").strip()
+    if not value:
+        return T5Config.bias_gradient
+    if value not in BIAS_GRADIENTS:
+        raise ValueError(f"{BIAS_GRADIENT_ENV} must be {' or '.join(BIAS_GRADIENTS)}, got {value!r}")
+    return value
 
 
 def t5_config_from_args(args: argparse.Namespace, vocab_size: int) -> T5Config:
@@ -136,4 +161,5 @@ def t5_config_from_args(args: argparse.Namespace, vocab_size: int) -> T5Config:
                     relative_attention_num_buckets=getattr(args, "relative_attention_num_buckets", 32),
                     relative_attention_max_distance=getattr(args, "relative_attention_max_distance", 128),
                     decoder_seq_length=getattr(args, "decoder_seq_length", None),
-                    attention_backend=attention_backend_from_args(args))
+                    attention_backend=attention_backend_from_args(args),
+                    bias_gradient=bias_gradient_from_env())

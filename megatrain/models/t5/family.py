@@ -12,7 +12,8 @@ import torch
 from megatrain.data.bert_dataset import BERT_TOKENIZER_TYPES
 from megatrain.models.registry import ModelFamily, register
 from megatrain.models.t5.checkpoint_compat import CONFIG_CHECKS
-from megatrain.models.t5.config import T5Config, attention_backend_from_args, attention_description, t5_config_from_args
+from megatrain.models.t5.config import (T5Config, attention_backend_from_args, attention_description,
+                                       bias_gradient_from_env, t5_config_from_args)
 from megatrain.models.t5.flags import add_t5_flags
 from megatrain.models.t5.flops import num_floating_point_operations
 from megatrain.models.t5.hf import ADAPTER
@@ -100,7 +101,7 @@ def check_t5_args(args: argparse.Namespace) -> None:
     # How attention will run (FlexAttention or SDPA), printed with the other notes at start-up.
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     note = attention_description(attention_backend_from_args(args), args.position_embedding_type,
-                                 str(device).split(":")[0])
+                                 str(device).split(":")[0], bias_gradient_from_env())
     if isinstance(getattr(args, "legacy_notes", None), list):
         args.legacy_notes.append(f"note: {note}")
 

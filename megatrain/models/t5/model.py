@@ -22,7 +22,8 @@ Attention scores are q k^T / sqrt(d) (Megatron's); with relative positions each 
 computed once per forward and added to every layer's self-attention scores. Padded keys are hidden
 from every query (Megatron's padding masks as Transformer Engine and Hugging Face apply them), so no
 row of scores is ever fully masked. Through SDPA the bias and the padding make one float mask [b,
-heads, s, s] per stack; through FlexAttention (``T5Config.attention_backend``, by default when
+heads, s, s] per stack (``T5Config.bias_gradient`` "recompute": the mask without gradient, the bias
+gradient recomputed apart, :mod:`megatrain.models.common.bias_gradient`); through FlexAttention (``T5Config.attention_backend``, by default when
 training with relative positions on CUDA) the bias is a [heads, distances] table read by a
 score_mod and the padding a block mask, built once per forward for all layers
 (:mod:`megatrain.models.common.flex_attention`).
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.common.attention import KVCache
+from megatrain.models.common.bias_gradient import BiasedMask
 from megatrain.models.common.embedding import Embedding
 from megatrain.models.common.flex_attention import BLOCK_SIZE, FlexAttentionMask, flex_mask
 from megatrain.models.common.heads import LogitsCrossEntropy, LossHead
@@ -181,7 +183,11 @@ class T5Model(nn.Module):
             return self_attention_mask(padding_mask, s, causal=causal)
         device_type = tokens.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        return self_attention_mask(padding_mask, s, causal=causal, bias=bias_table(s, s, tokens.device), dtype=dtype)
+        bias = bias_table(s, s, tokens.device)
+        if self.config.bias_gradient == "recompute" and bias.requires_grad and torch.is_grad_enabled():
+            mask = self_attention_mask(padding_mask, s, causal=causal, bias=bias.detach(), dtype=dtype)
+            return BiasedMask(mask, bias)
+        return self_attention_mask(padding_mask, s, causal=causal, bias=bias, dtype=dtype)
 
     def uses_flex_attention(self) -> bool:
         """Whether ``encode`` and ``decode`` run attention through FlexAttention (the config's
