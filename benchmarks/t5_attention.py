@@ -121,8 +121,9 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
                 mask = None
             elif variant.startswith("sdpa-bias-tap"):
                 bias = bias_table(seq, seq, keep.device)
-                mask = biased_mask(bias, padding_key_mask(keep), dtype)
-                return [attention_with_bias(q, k, v, mask, bias) for q, k, v in zip(qs, ks, vs)]
+                kept = padding_key_mask(keep)
+                mask = biased_mask(bias, kept, dtype)
+                return [attention_with_bias(q, k, v, mask, bias, kept) for q, k, v in zip(qs, ks, vs)]
             elif variant == "sdpa-bias-shared":
                 bias = bias_table(seq, seq, keep.device)
                 mask = self_attention_mask(keep, seq, causal=False, bias=bias.detach(), dtype=dtype)

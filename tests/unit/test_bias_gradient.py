@@ -35,7 +35,7 @@ def test_gradients_equal_autograd_through_sdpa(causal, bias_batch, hkv):
         return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
 
     def ours():
-        return attention_with_bias(q, k, v, biased_mask(bias, keep, q.dtype), bias)
+        return attention_with_bias(q, k, v, biased_mask(bias, keep, q.dtype), bias, keep)
 
     results = []
     for fn in (reference, ours):
@@ -65,7 +65,7 @@ def test_rows_with_every_key_hidden_give_finite_bias_gradient():
     bias = torch.randn(1, 4, 24, 24, requires_grad=True)
     keep = torch.ones(2, 1, 24, 24, dtype=torch.bool)
     keep[1, :, 5] = False  # query 5 of sample 1 sees no key
-    out = attention_with_bias(q, k, v, biased_mask(bias, keep, q.dtype), bias)
+    out = attention_with_bias(q, k, v, biased_mask(bias, keep, q.dtype), bias, keep)
     BiasGrad = out.grad_fn
     assert "BiasGradient" in type(BiasGrad).__name__
     torch.autograd.backward(out, torch.randn_like(out), inputs=[bias])

@@ -239,7 +239,7 @@ class CoreAttention(nn.Module):
             return self._flex(q, k, v, attention_mask, past)
         if isinstance(attention_mask, BiasedMask):
             if self.window is None and past == 0 and not (self.training and self.attention_dropout > 0):
-                return attention_with_bias(q, k, v, attention_mask.mask, attention_mask.bias,
+                return attention_with_bias(q, k, v, attention_mask.mask, attention_mask.bias, attention_mask.keep,
                                            scale=self.softmax_scale)
             attention_mask = attention_mask.with_gradient()
         s = q.shape[2]

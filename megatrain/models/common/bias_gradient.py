@@ -32,6 +32,7 @@ class BiasedMask:
 
     mask: torch.Tensor
     bias: torch.Tensor
+    keep: torch.Tensor | None = None  # bool, broadcastable to the scores: False where a key is hidden
 
     def with_gradient(self) -> torch.Tensor:
         """The mask as one tensor that passes its gradient on to ``bias`` (for paths that cannot
@@ -41,29 +42,33 @@ class BiasedMask:
 
 
 class BiasGradient(torch.autograd.Function):
-    """``apply(out, q, k, v, mask, bias, scale)`` -> ``out`` unchanged; its backward passes the output
-    gradient through and returns the gradient of ``bias`` (the additive part of ``mask``, which is
-    ``bias`` with -inf where a key is hidden, broadcast to the scores' shape)."""
+    """``apply(out, q, k, v, bias, keep, scale)`` -> ``out`` unchanged; its backward passes the output
+    gradient through and returns the gradient of ``bias`` (the scores' additive part, broadcast to
+    their shape; ``keep``: None or bool, False where a key is hidden). The scores are rebuilt from
+    ``bias`` and ``keep`` rather than read from the [b, heads, s, s] mask: a bias shared by the batch
+    ([1, heads, s, s], float32, a few MB) stays in cache."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v, mask, bias, scale):  # type: ignore[override]
-        ctx.save_for_backward(out, q, k, v, mask)
+    def forward(ctx, out, q, k, v, bias, keep, scale):  # type: ignore[override]
+        ctx.save_for_backward(out, q, k, v, bias.detach(), keep)
         ctx.scale = scale
         ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        out, q, k, v, mask = ctx.saved_tensors
+        out, q, k, v, bias, keep = ctx.saved_tensors
         k_, v_ = _repeat_kv(k, q), _repeat_kv(v, q)
-        scores = (torch.matmul(q, k_.transpose(-1, -2)).float() * ctx.scale + mask.float())
+        scores = torch.matmul(q, k_.transpose(-1, -2)).float() * ctx.scale + bias.float()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # rows with every key hidden
         probs = torch.exp(scores - lse)
         grad_probs = torch.matmul(grad_out, v_.transpose(-1, -2)).float()
         rowdot = (grad_out.float() * out.float()).sum(-1, keepdim=True)
         grad_scores = probs * (grad_probs - rowdot)
-        return (grad_out, None, None, None, None, _sum_to(grad_scores, ctx.bias_shape).to(ctx.bias_dtype), None)
+        return (grad_out, None, None, None, _sum_to(grad_scores, ctx.bias_shape).to(ctx.bias_dtype), None, None)
 
 
 def _repeat_kv(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -89,14 +94,16 @@ def biased_mask(bias: torch.Tensor, keep: torch.Tensor | None, dtype: torch.dtyp
 
 
 def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                        bias: torch.Tensor | None = None, *, scale: float | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None, keep: torch.Tensor | None = None, *,
+                        scale: float | None = None) -> torch.Tensor:
     """SDPA of ``q`` [b, heads, s_q, d], ``k``/``v`` [b, heads_kv, s_k, d] under ``mask`` (from
-    :func:`biased_mask`); when ``bias`` (the trained tensor the mask was built from) requires a
-    gradient, it gets one through :class:`BiasGradient` while SDPA runs on the detached mask."""
+    :func:`biased_mask` of ``bias`` and ``keep``); when ``bias`` (the trained tensor the mask was built
+    from) requires a gradient, it gets one through :class:`BiasGradient` while SDPA runs on the
+    detached mask."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # with an explicit mask not every torch >= 2.6 kernel takes enable_gqa: shared key/value heads repeated
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if bias is not None and bias.requires_grad and torch.is_grad_enabled():
-        out = BiasGradient.apply(out, q, k, v, mask, bias, scale)
+        out = BiasGradient.apply(out, q, k, v, bias, keep, scale)
     return out

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.models.common.attention import KVCache
-from megatrain.models.common.bias_gradient import BiasedMask
+from megatrain.models.common.bias_gradient import BiasedMask, biased_mask
 from megatrain.models.common.embedding import Embedding
 from megatrain.models.common.flex_attention import BLOCK_SIZE, FlexAttentionMask, flex_mask
 from megatrain.models.common.heads import LogitsCrossEntropy, LossHead
@@ -102,17 +102,27 @@ def padding_key_mask(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
     return (padding_mask != 0).view(padding_mask.shape[0], 1, 1, padding_mask.shape[1])
 
 
+def attention_keep(padding_mask: torch.Tensor | None, seq_length: int, *, causal: bool,
+                   device: torch.device | None = None, force: bool = False) -> torch.Tensor | None:
+    """bool [b or 1, 1, 1 or s, s], True where a query may attend to a key: padded keys hidden, later
+    keys too when ``causal``. None where nothing is hidden; a causal rule alone is made explicit only
+    with ``force`` (a float mask must carry it; plain causal attention needs no mask)."""
+    keep = padding_key_mask(padding_mask)
+    if causal and (keep is not None or force):
+        device = padding_mask.device if padding_mask is not None else device
+        earlier = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril().view(
+            1, 1, seq_length, seq_length)
+        keep = earlier if keep is None else keep & earlier
+    return keep
+
+
 def self_attention_mask(padding_mask: torch.Tensor | None, seq_length: int, *, causal: bool,
                         bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """One stack's self-attention mask: padded keys hidden, later keys too when ``causal``; with a
     relative position ``bias`` [1, heads, s, s] the bias with -inf where a key is hidden (in ``dtype``).
     None where nothing is hidden and there is no bias (plain causal or bidirectional attention)."""
-    keep = padding_key_mask(padding_mask)
-    if causal and (keep is not None or bias is not None):
-        device = padding_mask.device if padding_mask is not None else bias.device  # type: ignore[union-attr]
-        earlier = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril().view(
-            1, 1, seq_length, seq_length)
-        keep = earlier if keep is None else keep & earlier
+    keep = attention_keep(padding_mask, seq_length, causal=causal, device=None if bias is None else bias.device,
+                          force=bias is not None)
     if bias is None:
         return keep
     mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
@@ -185,8 +195,8 @@ class T5Model(nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         bias = bias_table(s, s, tokens.device)
         if self.config.bias_gradient == "recompute" and bias.requires_grad and torch.is_grad_enabled():
-            mask = self_attention_mask(padding_mask, s, causal=causal, bias=bias.detach(), dtype=dtype)
-            return BiasedMask(mask, bias)
+            keep = attention_keep(padding_mask, s, causal=causal, device=bias.device, force=True)
+            return BiasedMask(biased_mask(bias, keep, dtype or bias.dtype), bias, keep)
         return self_attention_mask(padding_mask, s, causal=causal, bias=bias, dtype=dtype)
 
     def uses_flex_attention(self) -> bool:
