@@ -30,8 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 from peers import DEFAULT_PEER_DIR, require_peer  # noqa: E402
-from profile_step import (  # noqa: E402
-    cpu_rows, idle_gaps, kernel_intervals, kernel_rows, render, render_gaps, write_atomic)
+from profile_step import kernel_report, profile_loop, write_atomic  # noqa: E402
 
 
 def load_peer_model(peer_dir: Path):
@@ -90,28 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"warm-up: {a.warmup} steps in {time.time() - t0:.1f} s (compilation included)", flush=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        t0 = time.time()
-        for _ in range(a.steps):
-            train_step()
-        sync()
-        wall_ms = (time.time() - t0) * 1000 / a.steps
+    prof, wall_ms = profile_loop(train_step, a.steps, sync, cuda)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-
-    intervals = kernel_intervals(prof) if cuda else []
-    rows = kernel_rows(prof, intervals) if cuda else cpu_rows(prof)
     header = (f"nanoGPT L{a.layers} H{a.hidden} heads {a.heads} vocab {a.vocab} | {a.micro * a.accumulation} x {a.seq} "
               f"tokens/step (micro {a.micro} x {a.accumulation}) | compile {cuda and not a.no_compile} | torch "
               f"{torch.__version__} | {torch.cuda.get_device_name(device) if cuda else 'cpu'}"
               + (f" | peak {peak_gib:.1f} GiB (profiled steps)" if peak_gib is not None else "")
               + ("" if cuda else " | CPU: operators by self CPU time"))
-    table, summary = render(rows, a.top, a.steps, wall_ms, header)
-    if cuda:
-        gaps = idle_gaps(intervals)
-        table += "\n" + render_gaps(gaps, a.steps, min(a.top, 20))
-        summary["idle_ms_per_step"] = sum(r["total_us"] for r in gaps) / 1000 / a.steps
-        summary["idle_before"] = [{**r, "ms_per_step": r["total_us"] / 1000 / a.steps} for r in gaps[:a.top]]
+    table, summary = kernel_report(prof, cuda, a.steps, wall_ms, header, a.top)
     summary.update(peer="nanoGPT", layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, vocab=a.vocab,
                    micro=a.micro, accumulation=a.accumulation, peak_gib=peak_gib, torch=torch.__version__)
     out = Path(a.out)

@@ -198,6 +198,34 @@ def render(rows: list[dict], top: int, steps: int, wall_ms: float, header: str) 
     return "\n".join(lines), summary
 
 
+def profile_loop(step, steps: int, sync, cuda: bool) -> tuple["torch.profiler.profile", float]:
+    """``steps`` calls of ``step`` under torch.profiler (CPU, and CUDA kernels when ``cuda``), then
+    ``sync``; returns the profile and the wall ms per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.time()
+        for _ in range(steps):
+            step()
+        sync()
+        wall_ms = (time.time() - t0) * 1000 / steps
+    return prof, wall_ms
+
+
+def kernel_report(prof: "torch.profiler.profile", cuda: bool, steps: int, wall_ms: float, header: str,
+                  top: int) -> tuple[str, dict]:
+    """The kernel table, categories and (CUDA) the device's idle gaps of a peer's profile, as
+    ``render`` and ``render_gaps`` print them; the summary gets ``idle_ms_per_step`` and ``idle_before``."""
+    intervals = kernel_intervals(prof) if cuda else []
+    rows = kernel_rows(prof, intervals) if cuda else cpu_rows(prof)
+    table, summary = render(rows, top, steps, wall_ms, header)
+    if cuda:
+        gaps = idle_gaps(intervals)
+        table += "\n" + render_gaps(gaps, steps, min(top, 20))
+        summary["idle_ms_per_step"] = sum(r["total_us"] for r in gaps) / 1000 / steps
+        summary["idle_before"] = [{**r, "ms_per_step": r["total_us"] / 1000 / steps} for r in gaps[:top]]
+    return table, summary
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)

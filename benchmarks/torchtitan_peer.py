@@ -179,28 +179,15 @@ def profile_steps(train_step, sync, a: argparse.Namespace, device, result: dict)
     ``DIR/kernels.txt`` and ``DIR/summary.json``. Returns the folder."""
     import torch
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from profile_step import cpu_rows, idle_gaps, kernel_intervals, kernel_rows, render, render_gaps, write_atomic
+    from profile_step import kernel_report, profile_loop, write_atomic
     cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        t0 = time.time()
-        for _ in range(a.profile_steps):
-            train_step()
-        sync()
-        wall_ms = (time.time() - t0) * 1000 / a.profile_steps
-    intervals = kernel_intervals(prof) if cuda else []
-    rows = kernel_rows(prof, intervals) if cuda else cpu_rows(prof)
+    prof, wall_ms = profile_loop(train_step, a.profile_steps, sync, cuda)
     header = (f"torchtitan {result.get('torchtitan')} llama3 L{result['layers']} dim {result['dim']} heads "
               f"{result['heads']}/{result['kv_heads']} ffn {result['ffn']} vocab {result['vocab']} | "
               f"{result['micro']} x {result['seq']} tokens/step | {result.get('mixed_precision')} | compile "
               f"{result.get('compile')} | torch {torch.__version__} | "
               f"{torch.cuda.get_device_name(device) if cuda else 'cpu: operators by self CPU time'}")
-    table, summary = render(rows, a.top, a.profile_steps, wall_ms, header)
-    if cuda:
-        gaps = idle_gaps(intervals)
-        table += "\n" + render_gaps(gaps, a.profile_steps, min(a.top, 20))
-        summary["idle_ms_per_step"] = sum(r["total_us"] for r in gaps) / 1000 / a.profile_steps
-        summary["idle_before"] = [{**r, "ms_per_step": r["total_us"] / 1000 / a.profile_steps} for r in gaps[:a.top]]
+    table, summary = kernel_report(prof, cuda, a.profile_steps, wall_ms, header, a.top)
     summary.update(peer="torchtitan", **{k: result[k] for k in ("layers", "dim", "heads", "seq", "vocab", "micro")})
     out = Path(a.profile)
     out.mkdir(parents=True, exist_ok=True)
