@@ -22,6 +22,7 @@
 #   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA profiles beside torchtitan's, bf16 vs fp8
+#   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): every peers.py row, torchtitan beside llama-2
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -159,10 +160,15 @@ case "${1:-table}" in
     left=$((585 - SECONDS)); [ $left -gt 60 ] && profile llama-1.2b $left "--fp8-format hybrid" fp8
     tail -3 "$OUT"/*.log
     ;;
+  peers21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): every peers.py row (GPT rows beside nanoGPT, llama-2 beside torchtitan)
+    timeout 590 python benchmarks/peers.py --iters 10 --warmup 4 --timeout 150 --budget 545 --titan \
+      --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
+    tail -5 "$OUT/peers.log"
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|vlm-20|llama21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|vlm-20|llama21|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
