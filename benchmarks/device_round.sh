@@ -21,8 +21,8 @@
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
 #   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
-#   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA profiles beside torchtitan's, bf16 vs fp8
-#   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): every peers.py row, torchtitan beside llama-2
+#   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
+#   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -150,19 +150,20 @@ case "${1:-table}" in
       --iterations 2 --top 40 > "$OUT/vlm_kernels.txt" 2>&1
     tail -4 "$OUT"/*.log
     ;;
-  llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B's two kernel tables
-            # (megatrain, torchtitan), then bf16 and fp8 hybrid timed back to back, then the fp8 step's table
-    timeout 250 python benchmarks/peers.py --profile --rows llama-2 --titan --timeout 120 --budget 240 \
+  llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B beside torchtitan (timed, then both
+            # kernel tables), then megatrain with --fp8-format hybrid (its ratio to the bf16 row above)
+    timeout 230 python benchmarks/peers.py --rows llama-2 --titan --iters 10 --warmup 4 --timeout 110 --budget 220 \
+      --output "$OUT/llama_titan.md" > "$OUT/llama_titan.log" 2>&1
+    timeout 230 python benchmarks/peers.py --profile --rows llama-2 --titan --timeout 110 --budget 220 \
       --profile-dir "$OUT" --output "$OUT/llama_profiles.md" > "$OUT/llama_profiles.log" 2>&1
     left=$((585 - SECONDS))
-    timeout $(( left > 240 ? 240 : left )) $B llama-1.2b --iters 10 --warmup 4 --timeout 115 --extra "" \
+    [ $left -gt 80 ] && timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $((left - 5)) \
       --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > "$OUT/llama_fp8.log" 2>&1
-    left=$((585 - SECONDS)); [ $left -gt 60 ] && profile llama-1.2b $left "--fp8-format hybrid" fp8
     tail -3 "$OUT"/*.log
     ;;
-  peers21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): every peers.py row (GPT rows beside nanoGPT, llama-2 beside torchtitan)
-    timeout 590 python benchmarks/peers.py --iters 10 --warmup 4 --timeout 150 --budget 545 --titan \
-      --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
+  peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
+    timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
+      --budget 545 --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
     tail -5 "$OUT/peers.log"
     ;;
   gpu-tests)
