@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.6"
 	$(PIP) install -q -e ".[dev]"
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q -e ".[triton-interpret]"
 	touch $@
 
 demo: env

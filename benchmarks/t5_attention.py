@@ -19,7 +19,8 @@ runs in the Hugging Face layout today):
   (``sdpa_kernel(CUDNN_ATTENTION)``; its backward gives no mask gradient, so only frozen masks): is
   cuDNN's flash-style kernel with a [b, heads, s, s] bias faster than the efficient kernel's?
 * ``sdpa-bias-tap`` (``-cudnn``): SDPA on the detached mask, the bias gradient recomputed apart
-  (``megatrain.models.common.bias_gradient``: one score recomputation per layer, summed over the batch);
+  (``megatrain.models.common.bias_gradient``: with Triton on CUDA the kernel of ``bias_gradient_kernel``,
+  tiles of the gradient summed over the batch in registers; else PyTorch under inductor);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose

@@ -118,3 +118,96 @@ def test_t5_bias_gradient_from_env(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "fast")
     with pytest.raises(ValueError, match="MEGATRAIN_T5_BIAS_GRADIENT must be mask or recompute, got 'fast'"):
         bias_gradient_from_env()
+
+
+KERNEL_CHECK = r"""
+import torch, torch.nn.functional as F
+from megatrain.models.common.bias_gradient import attention_with_bias, biased_mask, _kernel_applies
+from megatrain.models.common.bias_gradient_kernel import attention_bias_grad
+torch.manual_seed(0)
+worst = 0.0
+for b, h, hkv, m, n, d, causal in [(3, 4, 4, 70, 70, 16, False), (2, 4, 2, 40, 40, 32, True),
+                                   (2, 2, 2, 64, 96, 24, False), (1, 2, 2, 130, 130, 64, True)]:
+    q = torch.randn(b, h, m, d, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, requires_grad=True) for _ in range(2))
+    bias = torch.randn(1, h, m, n, requires_grad=True)
+    lengths = torch.randint(n // 2, n + 1, (b,))
+    keep = (torch.arange(n)[None, :] < lengths[:, None]).view(b, 1, 1, n)
+    if causal:
+        keep = keep & torch.ones(m, n, dtype=torch.bool).tril()
+    if causal and b == 1:
+        keep[0, 0, 5] = False  # a query that sees no key: probabilities 0, a finite gradient
+    assert _kernel_applies(q, bias, keep)
+    go = torch.randn(b, h, m, d)
+    out = attention_with_bias(q, k, v, biased_mask(bias, keep, q.dtype), bias, keep)
+    assert "BiasGradient" in type(out.grad_fn).__name__
+    out.backward(go)
+    got = bias.grad.clone()
+    bias.grad = None
+    kr, vr = (t.detach().repeat_interleave(h // hkv, 1) for t in (k, v))
+    mask = bias.masked_fill(~keep, float("-inf"))
+    ref_out = F.scaled_dot_product_attention(q.detach(), kr, vr, attn_mask=mask)
+    ref_out.backward(go)
+    want = torch.nan_to_num(bias.grad)
+    assert torch.isfinite(got).all()
+    rel = ((got - want).norm() / want.norm()).item()
+    worst = max(worst, rel)
+    alone = attention_bias_grad(q.detach(), k.detach(), v.detach(), ref_out.detach(), go, bias.detach(), keep,
+                                d ** -0.5)
+    assert alone.shape == (h, m, n) and ((alone - got[0]).norm() / got.norm()).item() < 1e-5
+assert worst < 1e-5, worst
+print("kernel ok", worst)
+"""
+
+
+def test_triton_kernel_under_the_interpreter_equals_autograd():
+    """The Triton kernel of the bias gradient (bias_gradient_kernel), run by Triton's interpreter on
+    the CPU (TRITON_INTERPRET=1 must be set before Triton is imported: a fresh process): the gradient
+    of SDPA's float mask within 1e-5, with padding, causality, grouped keys, lengths that are not
+    multiples of the tiles and a query that sees no key."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton", reason="make env installs Triton for these tests")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter predates numpy 2 support (3.9)")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0 and "kernel ok" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,compiled", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_triton_kernel_on_cuda_equals_the_pytorch_recomputation(dtype, compiled):
+    """On CUDA the kernel computes the bias gradient (T5-base's encoder shape, cut to 8 samples); the
+    same as the PyTorch recomputation in float64, eager and inside torch.compile."""
+    from megatrain.models.common import bias_gradient as bg
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    b, h, s, d = 8, 12, 512, 64
+    q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, h, s, s, device=dev, requires_grad=True)
+    lengths = torch.randint(s // 2, s + 1, (b,), device=dev)
+    keep = (torch.arange(s, device=dev)[None, :] < lengths[:, None]).view(b, 1, 1, s)
+    assert bg._kernel_applies(q, bias, keep)
+
+    def step(q, k, v, bias):
+        return attention_with_bias(q, k, v, biased_mask(bias, keep, q.dtype), bias, keep)
+
+    fn = torch.compile(step, fullgraph=True) if compiled else step
+    out = fn(q, k, v, bias)
+    go = torch.randn_like(out)
+    out.backward(go)
+    got = bias.grad.clone()
+    # the reference: the PyTorch path of BiasGradient.backward in float64 on the same output
+    scores = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5 + bias.detach().double()
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    dp = go.double() @ v.double().transpose(-1, -2)
+    want = (probs * (dp - (go.double() * out.detach().double()).sum(-1, keepdim=True))).sum(0, keepdim=True)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel

@@ -10,9 +10,11 @@ identity on the attention output whose backward recomputes the scores once and f
     dS = P * (dO v^T - rowsum(dO * O)),   P = softmax(q k^T * scale + mask)
 
 summed over the dimensions the bias broadcasts over (the batch, for a bias shared by every sample).
-That is the same gradient autograd would give the mask, in float32 from scores in the inputs' dtype
-(as an unfused attention computes them). Under ``torch.compile`` the recomputation fuses into the
-two matmuls and one reduction pass.
+That is the same gradient autograd would give the mask, in float32. On CUDA with Triton, a bias shared
+by the batch goes through the kernel of :mod:`megatrain.models.common.bias_gradient_kernel` (tiles of
+the gradient summed over the batch in registers, nothing of size batch x heads x s x s); elsewhere
+through PyTorch (scores in the inputs' dtype, as an unfused attention computes them; under inductor
+it keeps float32 [b, heads, s, s] intermediates, measured 2.0 ms a T5-base layer on an H100).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class BiasGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         out, q, k, v, bias, keep = ctx.saved_tensors
+        if _kernel_applies(q, bias, keep):
+            from megatrain.models.common.bias_gradient_kernel import attention_bias_grad
+
+            grad = attention_bias_grad(q, k, v, out, grad_out, bias, keep, ctx.scale).unsqueeze(0)
+            return grad_out, None, None, None, _sum_to(grad, ctx.bias_shape).to(ctx.bias_dtype), None, None
         k_, v_ = _repeat_kv(k, q), _repeat_kv(v, q)
         scores = torch.matmul(q, k_.transpose(-1, -2)).float() * ctx.scale + bias.float()
         if keep is not None:
@@ -69,6 +76,19 @@ class BiasGradient(torch.autograd.Function):
         rowdot = (grad_out.float() * out.float()).sum(-1, keepdim=True)
         grad_scores = probs * (grad_probs - rowdot)
         return (grad_out, None, None, None, _sum_to(grad_scores, ctx.bias_shape).to(ctx.bias_dtype), None, None)
+
+
+def _kernel_applies(q: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """Whether the Triton kernel (``bias_gradient_kernel``) computes the gradient: a bias shared by
+    the batch and the heads' own ([1, heads, ...]), a keep mask shared by the heads, and the kernel
+    available for the device (CUDA with Triton, or Triton's interpreter)."""
+    if bias.dim() != 4 or bias.shape[0] != 1 or bias.shape[1] != q.shape[1]:
+        return False
+    if keep is not None and (keep.dim() != 4 or keep.shape[1] != 1):
+        return False
+    from megatrain.models.common.bias_gradient_kernel import kernel_available
+
+    return kernel_available(q.device)
 
 
 def _repeat_kv(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,12 @@ def uses_flex_attention(backend: str) -> bool:
     return backend == "flex"
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def attention_description(backend: str, position_embedding_type: str, device_type: str,
                           bias_gradient: str = "mask") -> str:
     """One line saying how training's attention runs (the note ``pretrain_t5.py`` prints)."""
@@ -136,7 +142,8 @@ def attention_description(backend: str, position_embedding_type: str, device_typ
     elif relative:
         how = "SDPA with the relative position bias and the padding as one float mask [b, heads, s, s] per stack"
         if bias_gradient == "recompute":
-            how += " (no gradient; the bias gradient recomputed apart)"
+            how += " (no gradient; the bias gradient recomputed apart" + (
+                ", by a Triton kernel)" if device_type == "cuda" and _has_triton() else ", in PyTorch)")
     else:
         how = "SDPA with boolean padding masks"
     return f"T5 attention (attention backend {backend} on {device_type}): {how}"

@@ -1,0 +1,185 @@
+"""A Triton kernel for the gradient of an attention bias shared by the batch (T5's relative bias).
+
+``megatrain::attention_bias_grad(q, k, v, out, grad_out, bias, keep, scale)`` -> float32 [heads, s_q, s_k]:
+the sum over the batch of the score gradient ``P * (dO v^T - rowsum(dO * O))``, with
+``P = softmax(q k^T * scale + bias, keys hidden where keep is False)``. It is what
+:class:`~megatrain.models.common.bias_gradient.BiasGradient` computes in PyTorch, without any tensor of
+size batch x heads x s_q x s_k: one kernel computes each row's log-sum-exp over the keys; a second gives
+each program one [BLOCK_M, BLOCK_N] tile of one head's bias gradient and loops over the batch inside,
+recomputing the tile's scores and ``dO v^T`` with two small matmuls per sample and summing in registers,
+so the tile is written once (no atomics) and the sample's q, k, v and dO tiles are read from cache by
+the programs of the same head.
+
+Registered as a custom operator so ``torch.compile`` treats it as one opaque call. It runs on CUDA, and
+on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests check it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["kernel_available", "attention_bias_grad"]
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@functools.cache
+def _triton():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether the kernel can run for tensors on ``device``: Triton importable, and CUDA (or any
+    device under ``TRITON_INTERPRET=1``)."""
+    import os
+
+    if _triton() is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _kernels():
+    triton, tl = _triton()  # type: ignore[misc]
+
+    @triton.jit
+    def lse_kernel(Q, K, BIAS, KEEP, LSE, scale, H, KV_GROUP, M, N, D,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, sbh, sbm, sbn, skeepb, skeepm, skeepn,
+                   HAS_KEEP: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // KV_GROUP
+        rows = pid_m * BM + tl.arange(0, BM)
+        dims = tl.arange(0, BD)
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                    mask=(rows[:, None] < M) & (dims[None, :] < D), other=0.0)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        for start in tl.range(0, N, BN):
+            cols = start + tl.arange(0, BN)
+            k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dims[None, :] * skd,
+                        mask=(cols[:, None] < N) & (dims[None, :] < D), other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            inside = (rows[:, None] < M) & (cols[None, :] < N)
+            bias = tl.load(BIAS + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=inside, other=0.0)
+            s = s * scale + bias.to(tl.float32)
+            visible = inside
+            if HAS_KEEP:
+                keep = tl.load(KEEP + b * skeepb + rows[:, None] * skeepm + cols[None, :] * skeepn, mask=inside,
+                               other=0)
+                visible = visible & (keep != 0)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+            m_i = m_new
+        # a row whose keys are all hidden: +inf, so that its probabilities come out 0
+        lse = tl.where(m_i == float("-inf"), float("inf"), m_i + tl.log(l_i))
+        tl.store(LSE + pid_bh * M + rows, lse, mask=rows < M)
+
+    @triton.jit
+    def grad_kernel(Q, K, V, DO, BIAS, KEEP, LSE, DELTA, OUT, scale, B, H, KV_GROUP, M, N, D, DV,
+                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                    sbh, sbm, sbn, skeepb, skeepm, skeepn,
+                    HAS_KEEP: tl.constexpr, IEEE: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+        h = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        hk = h // KV_GROUP
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        dims = tl.arange(0, BD)
+        vdims = tl.arange(0, BDV)
+        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        bias = tl.load(BIAS + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=inside, other=0.0)
+        bias = bias.to(tl.float32)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for b in tl.range(0, B):
+            q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                        mask=(rows[:, None] < M) & (dims[None, :] < D), other=0.0)
+            k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dims[None, :] * skd,
+                        mask=(cols[:, None] < N) & (dims[None, :] < D), other=0.0)
+            do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + vdims[None, :] * sdd,
+                         mask=(rows[:, None] < M) & (vdims[None, :] < DV), other=0.0)
+            v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + vdims[None, :] * svd,
+                        mask=(cols[:, None] < N) & (vdims[None, :] < DV), other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+                dp = tl.dot(do, tl.trans(v))
+            s = s * scale + bias
+            visible = inside
+            if HAS_KEEP:
+                keep = tl.load(KEEP + b * skeepb + rows[:, None] * skeepm + cols[None, :] * skeepn, mask=inside,
+                               other=0)
+                visible = visible & (keep != 0)
+            lse = tl.load(LSE + (b * H + h) * M + rows, mask=rows < M, other=float("inf"))
+            delta = tl.load(DELTA + (b * H + h) * M + rows, mask=rows < M, other=0.0)
+            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+            acc += p * (dp - delta[:, None])
+        tl.store(OUT + h * M * N + rows[:, None] * N + cols[None, :], acc, mask=inside)
+
+    return triton, lse_kernel, grad_kernel
+
+
+def _strides(t: torch.Tensor | None, n: int) -> list[int]:
+    """``t``'s strides, 0 along size-1 (broadcast) dimensions; zeros for None."""
+    if t is None:
+        return [0] * n
+    return [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
+
+
+@torch.library.custom_op("megatrain::attention_bias_grad", mutates_args=())
+def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        grad_out: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """The batch-summed score gradient [heads, s_q, s_k] (float32) of SDPA(q, k, v) with the additive
+    ``bias`` [1, heads, s_q, s_k] and ``keep`` (None or bool [b or 1, 1, s_q or 1, s_k]), given its
+    output ``out`` and output gradient ``grad_out``; q [b, heads, s_q, d], k [b, heads_kv, s_k, d],
+    v [b, heads_kv, s_k, dv]."""
+    triton, lse_kernel, grad_kernel = _kernels()
+    B, H, M, D = q.shape
+    Hk, N, DV = k.shape[1], k.shape[2], v.shape[3]
+    assert bias.dim() == 4 and bias.shape[0] == 1 and bias.shape[1] == H, "a bias shared by the batch"
+    bias = bias.expand(1, H, M, N)
+    keep_u8 = None
+    if keep is not None:
+        assert keep.shape[1] == 1, "one keep mask for all heads"
+        keep_u8 = keep.to(torch.uint8)
+    ieee = q.dtype == torch.float32
+    bd, bdv = triton.next_power_of_2(max(D, 16)), triton.next_power_of_2(max(DV, 16))
+    sb, skeep = _strides(bias, 4), _strides(keep_u8, 4)
+    keep_arg = keep_u8 if keep_u8 is not None else q  # unused without HAS_KEEP
+    lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
+    lse_kernel[(B * H, triton.cdiv(M, BLOCK_M))](
+        q, k, bias, keep_arg, lse, scale, H, H // Hk, M, N, D, *q.stride(), *k.stride(), sb[1], sb[2], sb[3],
+        skeep[0], skeep[2], skeep[3], HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=BLOCK_M, BN=BLOCK_N, BD=bd)
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    grad = torch.empty(H, M, N, dtype=torch.float32, device=q.device)
+    grad_kernel[(H, triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+        q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
+        HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=BLOCK_M, BN=BLOCK_N, BD=bd, BDV=bdv)
+    return grad
+
+
+@attention_bias_grad.register_fake
+def _(q, k, v, out, grad_out, bias, keep, scale):
+    return q.new_empty((q.shape[1], q.shape[2], k.shape[2]), dtype=torch.float32)
