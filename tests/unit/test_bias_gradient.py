@@ -156,6 +156,13 @@ for b, h, hkv, m, n, d, causal in [(3, 4, 4, 70, 70, 16, False), (2, 4, 2, 40, 4
                                 d ** -0.5)
     assert alone.shape == (h, m, n) and ((alone - got[0]).norm() / got.norm()).item() < 1e-5
 assert worst < 1e-5, worst
+# T5 end to end (encoder padding; decoder causality and padding): the kernel's gradients as the mask's
+from tests.unit.test_bias_gradient import _t5_step
+(la, ga), (lb, gb) = _t5_step("mask"), _t5_step("recompute")
+assert torch.allclose(la, lb, rtol=1e-6, atol=0)
+for name in ("encoder_relative_pos_emb.relative_attention_bias.weight",
+             "decoder_relative_pos_emb.relative_attention_bias.weight"):
+    assert ((gb[name] - ga[name]).norm() / ga[name].norm()).item() < 1e-4, name
 print("kernel ok", worst)
 """
 

@@ -17,6 +17,8 @@ on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests che
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import torch
 
@@ -26,29 +28,21 @@ BLOCK_M = 64
 BLOCK_N = 64
 
 
-@functools.cache
-def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
+# Decided once at import (plain constants: torch.compile traces kernel_available without guards on imports)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on ``device``: Triton importable, and CUDA (or any
-    device under ``TRITON_INTERPRET=1``)."""
-    import os
-
-    if _triton() is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the kernel can run for tensors on ``device``: Triton installed, and CUDA (or any
+    device under ``TRITON_INTERPRET=1``, set before this module is imported)."""
+    return _HAS_TRITON and (device.type == "cuda" or _INTERPRETED)
 
 
 @functools.cache
 def _kernels():
-    triton, tl = _triton()  # type: ignore[misc]
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def lse_kernel(Q, K, BIAS, KEEP, LSE, scale, H, KV_GROUP, M, N, D,
