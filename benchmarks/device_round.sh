@@ -136,14 +136,15 @@ case "${1:-table}" in
     end=${ROUND_S:-585}
     timeout 60 python -m pytest -q -p no:cacheprovider tests/unit/test_bias_gradient.py -k cuda \
       > "$OUT/bias_gradient_gpu_tests.txt" 2>&1
-    timeout 100 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-tap sdpa-bias-frozen sdpa-pad \
+    timeout 130 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-tap sdpa-bias-frozen \
+      sdpa-bias-tap-128x64-w8 sdpa-bias-tap-64x128-w8 sdpa-bias-tap-64x64-w8 \
       --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
     left=$((end - SECONDS)); row=$(( left / 3 > 118 ? 118 : left / 3 ))
     timeout $left python benchmarks/t5_speed.py --rows hf-layout-recompute,hf-layout,transformers --iters 10 \
       --warmup 5 --timeout $row --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
     left=$((end - SECONDS))
-    [ $left -gt 60 ] && timeout $left python benchmarks/t5_attention.py --variants sdpa-bias-frozen-cudnn \
-      sdpa-bias-tap-cudnn sdpa-pad-cudnn sdpa-bias-shared --output "$OUT/t5_attention_more.md" > "$OUT/t5_attention_more.log" 2>&1
+    [ $left -gt 40 ] && timeout $left python benchmarks/t5_attention.py --variants sdpa-bias-tap-32x64-w4 sdpa-pad \
+      --output "$OUT/t5_attention_more.md" > "$OUT/t5_attention_more.log" 2>&1
     tail -4 "$OUT"/*.log
     ;;
   vlm-20)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (the labeled-rows head), then the megatrain step's profile

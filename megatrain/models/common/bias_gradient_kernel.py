@@ -5,7 +5,7 @@ the sum over the batch of the score gradient ``P * (dO v^T - rowsum(dO * O))``, 
 ``P = softmax(q k^T * scale + bias, keys hidden where keep is False)``. It is what
 :class:`~megatrain.models.common.bias_gradient.BiasGradient` computes in PyTorch, without any tensor of
 size batch x heads x s_q x s_k: one kernel computes each row's log-sum-exp over the keys; a second gives
-each program one [BLOCK_M, BLOCK_N] tile of one head's bias gradient and loops over the batch inside,
+each program one [BLOCK_M, BLOCK_N] tile (``TILE``) of one head's bias gradient and loops over the batch inside,
 recomputing the tile's scores and ``dO v^T`` with two small matmuls per sample and summing in registers,
 so the tile is written once (no atomics) and the sample's q, k, v and dO tiles are read from cache by
 the programs of the same head.
@@ -24,8 +24,10 @@ import torch
 
 __all__ = ["kernel_available", "attention_bias_grad"]
 
-BLOCK_M = 64
-BLOCK_N = 64
+# (BLOCK_M, BLOCK_N, num_warps) of the gradient kernel; the log-sum-exp kernel uses 64 x 64 with 4 warps.
+# A module attribute read at each call (benchmarks/t5_attention.py tries others).
+TILE = (64, 64, 4)
+LSE_TILE = (64, 64, 4)
 
 
 # Decided once at import (plain constants: torch.compile traces kernel_available without guards on imports)
@@ -162,15 +164,18 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     sb, skeep = _strides(bias, 4), _strides(keep_u8, 4)
     keep_arg = keep_u8 if keep_u8 is not None else q  # unused without HAS_KEEP
     lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
-    lse_kernel[(B * H, triton.cdiv(M, BLOCK_M))](
+    lbm, lbn, lwarps = LSE_TILE
+    lse_kernel[(B * H, triton.cdiv(M, lbm))](
         q, k, bias, keep_arg, lse, scale, H, H // Hk, M, N, D, *q.stride(), *k.stride(), sb[1], sb[2], sb[3],
-        skeep[0], skeep[2], skeep[3], HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=BLOCK_M, BN=BLOCK_N, BD=bd)
+        skeep[0], skeep[2], skeep[3], HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=lbm, BN=lbn, BD=bd,
+        num_warps=lwarps)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     grad = torch.empty(H, M, N, dtype=torch.float32, device=q.device)
-    grad_kernel[(H, triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+    bm, bn, warps = TILE
+    grad_kernel[(H, triton.cdiv(M, bm), triton.cdiv(N, bn))](
         q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
-        HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=BLOCK_M, BN=BLOCK_N, BD=bd, BDV=bdv)
+        HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps)
     return grad
 
 
