@@ -154,7 +154,9 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     B, H, M, D = q.shape
     Hk, N, DV = k.shape[1], k.shape[2], v.shape[3]
     assert bias.dim() == 4 and bias.shape[0] == 1 and bias.shape[1] == H, "a bias shared by the batch"
-    bias = bias.expand(1, H, M, N)
+    # one contiguous copy (12.6 MB at T5-base): T5's bias is a permuted view whose key stride is the head
+    # count, which would make every tile load gather one float per 32-byte sector
+    bias = bias.expand(1, H, M, N).contiguous()
     keep_u8 = None
     if keep is not None:
         assert keep.shape[1] == 1, "one keep mask for all heads"
