@@ -86,6 +86,8 @@ def _kernel_applies(q: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | No
         return False
     if keep is not None and (keep.dim() != 4 or keep.shape[1] != 1):
         return False
+    if q.numel() >= 2**31 or bias.shape[-2] * bias.shape[-1] * q.shape[1] >= 2**31:
+        return False  # the kernel's offsets are 32-bit
     from megatrain.models.common.bias_gradient_kernel import kernel_available
 
     return kernel_available(q.device)

@@ -4,11 +4,11 @@
 the sum over the batch of the score gradient ``P * (dO v^T - rowsum(dO * O))``, with
 ``P = softmax(q k^T * scale + bias, keys hidden where keep is False)``. It is what
 :class:`~megatrain.models.common.bias_gradient.BiasGradient` computes in PyTorch, without any tensor of
-size batch x heads x s_q x s_k: one kernel computes each row's log-sum-exp over the keys; a second gives
-each program one [BLOCK_M, BLOCK_N] tile (``TILE``) of one head's bias gradient and loops over the batch inside,
-recomputing the tile's scores and ``dO v^T`` with two small matmuls per sample and summing in registers,
-so the tile is written once (no atomics) and the sample's q, k, v and dO tiles are read from cache by
-the programs of the same head.
+size batch x heads x s_q x s_k: one kernel computes each row's log-sum-exp over the keys (and
+``rowsum(dO * O)``); a second gives each program one [BLOCK_M, BLOCK_N] tile (``TILE``) of one head's bias
+gradient and loops over the batch inside, recomputing the tile's scores and ``dO v^T`` with two small
+matmuls per sample and summing in registers, so the tile is written once (no atomics) and the sample's
+q, k, v and dO tiles are read from cache by the programs of the same head.
 
 Registered as a custom operator so ``torch.compile`` treats it as one opaque call. It runs on CUDA, and
 on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests check it).
@@ -47,10 +47,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def lse_kernel(Q, K, BIAS, KEEP, LSE, scale, H, KV_GROUP, M, N, D,
+    def lse_kernel(Q, K, BIAS, KEEP, LSE, O, DO, DELTA, scale, H, KV_GROUP, M, N, D, DV,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, sbh, sbm, sbn, skeepb, skeepm, skeepn,
+                   sob, soh, som, sod, sdb, sdh, sdm, sdd,
                    HAS_KEEP: tl.constexpr, IEEE: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
         b = pid_bh // H
@@ -86,6 +87,13 @@ def _kernels():
         # a row whose keys are all hidden: +inf, so that its probabilities come out 0
         lse = tl.where(m_i == float("-inf"), float("inf"), m_i + tl.log(l_i))
         tl.store(LSE + pid_bh * M + rows, lse, mask=rows < M)
+        # delta = rowsum(dO * O), the softmax backward's row term, from the same rows
+        vdims = tl.arange(0, BDV)
+        inside_v = (rows[:, None] < M) & (vdims[None, :] < DV)
+        o = tl.load(O + b * sob + h * soh + rows[:, None] * som + vdims[None, :] * sod, mask=inside_v, other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + vdims[None, :] * sdd, mask=inside_v, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + pid_bh * M + rows, delta, mask=rows < M)
 
     @triton.jit
     def grad_kernel(Q, K, V, DO, BIAS, KEEP, LSE, DELTA, OUT, scale, B, H, KV_GROUP, M, N, D, DV,
@@ -166,12 +174,12 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     sb, skeep = _strides(bias, 4), _strides(keep_u8, 4)
     keep_arg = keep_u8 if keep_u8 is not None else q  # unused without HAS_KEEP
     lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
+    delta = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
     lbm, lbn, lwarps = LSE_TILE
     lse_kernel[(B * H, triton.cdiv(M, lbm))](
-        q, k, bias, keep_arg, lse, scale, H, H // Hk, M, N, D, *q.stride(), *k.stride(), sb[1], sb[2], sb[3],
-        skeep[0], skeep[2], skeep[3], HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=lbm, BN=lbn, BD=bd,
-        num_warps=lwarps)
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+        q, k, bias, keep_arg, lse, out, grad_out, delta, scale, H, H // Hk, M, N, D, DV, *q.stride(), *k.stride(),
+        sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3], *out.stride(), *grad_out.stride(),
+        HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=lbm, BN=lbn, BD=bd, BDV=bdv, num_warps=lwarps)
     grad = torch.empty(H, M, N, dtype=torch.float32, device=q.device)
     bm, bn, warps = TILE
     grad_kernel[(H, triton.cdiv(M, bm), triton.cdiv(N, bn))](
