@@ -312,3 +312,13 @@ def test_every_config_field_has_a_checkpoint_check_and_a_flag():
         assert check.flag in options, check.flag
         if check.how == "compare" and name != "vocab_size":
             assert CONFIG_FIELD_DESTS.get(name, name) in dests, name
+
+
+def test_a_bad_bias_gradient_choice_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "fast")
+    with pytest.raises(SystemExit) as e:
+        _t5_args(tmp_path, *GOOD)
+    assert "MEGATRAIN_T5_BIAS_GRADIENT must be mask or recompute, got 'fast'" in str(e.value)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "recompute")
+    assert _t5_args(tmp_path, *GOOD, "--position-embedding-type", "relative") is not None
