@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import Optional
 
 import torch
 
@@ -150,9 +151,10 @@ def _strides(t: torch.Tensor | None, n: int) -> list[int]:
     return [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
 
 
+# Optional[...] rather than `X | None`: older torch's schema inference reads only typing's forms
 @torch.library.custom_op("megatrain::attention_bias_grad", mutates_args=())
 def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        grad_out: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
+                        grad_out: torch.Tensor, bias: torch.Tensor, keep: Optional[torch.Tensor],
                         scale: float) -> torch.Tensor:
     """The batch-summed score gradient [heads, s_q, s_k] (float32) of SDPA(q, k, v) with the additive
     ``bias`` [1, heads, s_q, s_k] and ``keep`` (None or bool [b or 1, 1, s_q or 1, s_k]), given its
