@@ -128,7 +128,7 @@ def build(variant: str, layers: int, bias_table, keep, seq: int, dtype) -> Calla
             elif variant.startswith("sdpa-bias-tap"):
                 bias = bias_table(seq, seq, keep.device)
                 kept = padding_key_mask(keep)
-                mask = biased_mask(bias, kept, dtype)
+                mask = biased_mask(bias.detach(), kept, dtype)
                 return [attention_with_bias(q, k, v, mask, bias, kept) for q, k, v in zip(qs, ks, vs)]
             elif variant == "sdpa-bias-shared":
                 bias = bias_table(seq, seq, keep.device)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 @dataclass
 class BiasedMask:
     """What a model hands its attention layers in place of a float mask when the mask's additive part
-    is trained: ``mask`` (from :func:`biased_mask`, no gradient, the scores' dtype) and ``bias``, the
+    is trained: ``mask`` (:func:`biased_mask` of the detached bias, the scores' dtype) and ``bias``, the
     tensor it was built from (its gradient comes from :class:`BiasGradient`)."""
 
     mask: torch.Tensor
@@ -109,9 +109,10 @@ def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def biased_mask(bias: torch.Tensor, keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The mask SDPA reads: ``bias`` (detached) with -inf where ``keep`` (bool, broadcastable) is False,
-    in ``dtype``. Build it once and hand it to every layer that shares the bias."""
-    mask = bias.detach() if keep is None else bias.detach().masked_fill(~keep, float("-inf"))
+    """An additive mask: ``bias`` with -inf where ``keep`` (bool, broadcastable) is False, in ``dtype``
+    (differentiable in ``bias``; give ``bias.detach()`` for the mask of a :class:`BiasedMask`). Build it
+    once and hand it to every layer that shares the bias."""
+    mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
     return mask.to(dtype)
 
 
@@ -125,7 +126,7 @@ def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # with an explicit mask not every torch >= 2.6 kernel takes enable_gqa: shared key/value heads repeated
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.detach(), scale=scale)
     if bias is not None and bias.requires_grad and torch.is_grad_enabled():
         out = BiasGradient.apply(out, q, k, v, bias, keep, scale)
     return out

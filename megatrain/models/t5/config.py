@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
+from megatrain.models.common.bias_gradient_kernel import kernel_available
 from megatrain.models.common.config import TransformerConfig, transformer_fields_from_args
 from megatrain.models.common.flex_attention import cuda_kernel_options
 
@@ -125,12 +128,6 @@ def uses_flex_attention(backend: str) -> bool:
     return backend == "flex"
 
 
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
 def attention_description(backend: str, position_embedding_type: str, device_type: str,
                           bias_gradient: str = "mask") -> str:
     """One line saying how training's attention runs (the note ``pretrain_t5.py`` prints)."""
@@ -143,7 +140,7 @@ def attention_description(backend: str, position_embedding_type: str, device_typ
         how = "SDPA with the relative position bias and the padding as one float mask [b, heads, s, s] per stack"
         if bias_gradient == "recompute":
             how += " (no gradient; the bias gradient recomputed apart" + (
-                ", by a Triton kernel)" if device_type == "cuda" and _has_triton() else ", in PyTorch)")
+                ", by a Triton kernel)" if kernel_available(torch.device(device_type)) else ", in PyTorch)")
     else:
         how = "SDPA with boolean padding masks"
     return f"T5 attention (attention backend {backend} on {device_type}): {how}"

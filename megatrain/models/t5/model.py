@@ -123,10 +123,7 @@ def self_attention_mask(padding_mask: torch.Tensor | None, seq_length: int, *, c
     None where nothing is hidden and there is no bias (plain causal or bidirectional attention)."""
     keep = attention_keep(padding_mask, seq_length, causal=causal, device=None if bias is None else bias.device,
                           force=bias is not None)
-    if bias is None:
-        return keep
-    mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
-    return mask if dtype is None else mask.to(dtype)
+    return keep if bias is None else biased_mask(bias, keep, dtype or bias.dtype)
 
 
 class T5Model(nn.Module):
@@ -196,7 +193,7 @@ class T5Model(nn.Module):
         bias = bias_table(s, s, tokens.device)
         if self.config.bias_gradient == "recompute" and bias.requires_grad and torch.is_grad_enabled():
             keep = attention_keep(padding_mask, s, causal=causal, device=bias.device, force=True)
-            return BiasedMask(biased_mask(bias, keep, dtype or bias.dtype), bias, keep)
+            return BiasedMask(biased_mask(bias.detach(), keep, dtype or bias.dtype), bias, keep)
         return self_attention_mask(padding_mask, s, causal=causal, bias=bias, dtype=dtype)
 
     def uses_flex_attention(self) -> bool:
