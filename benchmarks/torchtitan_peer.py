@@ -236,7 +236,10 @@ def run(a: argparse.Namespace) -> dict:
         a.tmp_dirs.append(Path(dump))
         flags = ["--model.name", "llama3", "--model.hf_assets_path", dump, "--job.dump_folder", dump,
                  "--training.local_batch_size", str(s["micro"]), "--training.seq_len", str(s["seq"]),
-                 "--training.steps", str(a.warmup + a.iters + (a.profile_steps if a.profile else 0) + 1), "--training.max_norm", "1.0",
+                 # every step run (warm-up, timed, profiled) plus one: torchtitan's warmup-stable-decay
+                 # schedule asserts that a decay step remains
+                 "--training.steps", str(a.warmup + a.iters + (a.profile_steps if a.profile else 0) + 1),
+                 "--training.max_norm", "1.0",
                  "--activation_checkpoint.mode", "none", "--debug.seed", "0", "--optimizer.implementation", "fused"]
         if a.compile:
             flags.append("--compile.enable")
