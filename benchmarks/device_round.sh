@@ -140,7 +140,7 @@ case "${1:-table}" in
       sdpa-bias-tap-128x64-w8 sdpa-bias-tap-64x128-w8 sdpa-bias-tap-64x64-w8 \
       --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
     left=$((end - SECONDS)); row=$(( left / 3 > 118 ? 118 : left / 3 ))
-    timeout $left python benchmarks/t5_speed.py --rows hf-layout-recompute,hf-layout,transformers --iters 10 \
+    timeout $left python benchmarks/t5_speed.py --rows hf-layout,hf-layout-mask,transformers --iters 10 \
       --warmup 5 --timeout $row --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
     left=$((end - SECONDS))
     [ $left -gt 40 ] && timeout $left python benchmarks/t5_attention.py --variants sdpa-bias-tap-32x64-w4 sdpa-pad \
@@ -158,14 +158,14 @@ case "${1:-table}" in
     tail -4 "$OUT"/*.log
     ;;
   llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B beside torchtitan (timed, then both
-            # kernel tables), then megatrain with --fp8-format hybrid (its ratio to the bf16 row above)
+            # kernel tables), then throughput.py's llama-1.2b (global batch 8) in bf16 and with --fp8-format hybrid
     timeout 230 python benchmarks/peers.py --rows llama-2 --titan --iters 10 --warmup 4 --timeout 110 --budget 220 \
       --output "$OUT/llama_titan.md" > "$OUT/llama_titan.log" 2>&1
     timeout 230 python benchmarks/peers.py --profile --rows llama-2 --titan --timeout 110 --budget 220 \
       --profile-dir "$OUT" --output "$OUT/llama_profiles.md" > "$OUT/llama_profiles.log" 2>&1
     left=$((585 - SECONDS))
-    [ $left -gt 80 ] && timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $((left - 5)) \
-      --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > "$OUT/llama_fp8.log" 2>&1
+    [ $left -gt 160 ] && timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $(((left - 10) / 2)) \
+      --extra "" --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > "$OUT/llama_fp8.log" 2>&1
     tail -3 "$OUT"/*.log
     ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT

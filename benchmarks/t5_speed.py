@@ -45,8 +45,10 @@ Entry point for a device call (all rows on one GPU, inside one 10-minute call):
 ``python benchmarks/t5_speed.py --output $OUT/t5_speed.md`` (defaults ``--iters 12 --warmup 5``; every
 row's process has its own ``--timeout``, 180 s, and every row prints a JSON line as it finishes, so a
 call cut short still shows the rows done). ``--rows`` picks rows (``transformers-eager`` and
-``hf-layout-flex`` add one each; ``hf-layout-recompute`` runs the HF layout with
-``MEGATRAIN_T5_BIAS_GRADIENT=recompute``: SDPA on the detached mask, the bias gradient recomputed apart).
+``hf-layout-flex`` add one each; ``hf-layout-mask`` runs the HF layout with
+``MEGATRAIN_T5_BIAS_GRADIENT=mask``: SDPA's own gradient of the float mask, the default before 2026-12-07,
+where ``hf-layout`` now recomputes the bias gradient apart with the Triton kernel on CUDA;
+``hf-layout-recompute`` forces the recomputation).
 """
 
 from __future__ import annotations
@@ -248,8 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="example,hf-layout,transformers",
                     help="comma list of: example, hf-layout (megatrain rows), transformers (--attn), "
                          "transformers-eager (an extra row with eager attention), hf-layout-flex (an extra "
-                         "megatrain HF-layout row with FlexAttention instead of SDPA), hf-layout-recompute (an "
-                         "extra HF-layout row with MEGATRAIN_T5_BIAS_GRADIENT=recompute)")
+                         "megatrain HF-layout row with FlexAttention instead of SDPA), hf-layout-mask and "
+                         "hf-layout-recompute (extra HF-layout rows with MEGATRAIN_T5_BIAS_GRADIENT=mask or "
+                         "=recompute)")
     ap.add_argument("--attn", default="best", choices=["best", "sdpa", "eager", "flex_attention"],
                     help="transformers' attn_implementation (best: SDPA if T5 offers it, else eager)")
     ap.add_argument("--output", default=None, help="also write the table to this file")
@@ -295,11 +298,14 @@ def main(argv: list[str] | None = None) -> None:
             "hf-layout-flex": ("megatrain pretrain_t5.py, HF T5 layout, FlexAttention (--attention-backend flex)",
                                HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])
                                + ["--attention-backend", "flex"]),
-            # not a default row: SDPA on the detached mask, the bias gradient recomputed apart
+            # not default rows: the bias gradient forced to SDPA's mask gradient, or to the recomputation
+            "hf-layout-mask": ("megatrain pretrain_t5.py, HF T5 layout, MEGATRAIN_T5_BIAS_GRADIENT=mask",
+                               HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
             "hf-layout-recompute": ("megatrain pretrain_t5.py, HF T5 layout, MEGATRAIN_T5_BIAS_GRADIENT=recompute",
                                     HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
         }
-        envs = {"hf-layout-recompute": {"MEGATRAIN_T5_BIAS_GRADIENT": "recompute"}}
+        envs = {"hf-layout-mask": {"MEGATRAIN_T5_BIAS_GRADIENT": "mask"},
+                "hf-layout-recompute": {"MEGATRAIN_T5_BIAS_GRADIENT": "recompute"}}
         for key in [r for r in wanted if r in megatrain_rows]:
             name, flags = megatrain_rows[key]
             rows.append(run_megatrain(name, a.shape, a.iters, a.warmup, a.device, tmp, a.timeout,

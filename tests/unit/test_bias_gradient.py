@@ -112,12 +112,37 @@ def test_t5_bias_gradient_from_env(monkeypatch):
     from megatrain.models.t5.config import bias_gradient_from_env
 
     monkeypatch.delenv("MEGATRAIN_T5_BIAS_GRADIENT", raising=False)
-    assert bias_gradient_from_env() == "mask"
-    monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "recompute")
-    assert bias_gradient_from_env() == "recompute"
+    assert bias_gradient_from_env() == "auto"
+    for value in ("mask", "recompute", "auto"):
+        monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", value)
+        assert bias_gradient_from_env() == value
     monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "fast")
-    with pytest.raises(ValueError, match="MEGATRAIN_T5_BIAS_GRADIENT must be mask or recompute, got 'fast'"):
+    with pytest.raises(ValueError, match="MEGATRAIN_T5_BIAS_GRADIENT must be auto, mask, recompute, got 'fast'"):
         bias_gradient_from_env()
+
+
+def test_auto_recomputes_only_where_the_triton_kernel_runs_on_a_gpu():
+    """"auto" picks the recomputation on CUDA with the Triton kernel, the mask's own gradient elsewhere
+    (the PyTorch recomputation is slower than the mask's gradient); the two forced choices hold anywhere."""
+    from megatrain.models.common.bias_gradient import BiasedMask
+    from megatrain.models.common.bias_gradient_kernel import kernel_available
+    from megatrain.models.t5.config import recomputes_bias_gradient
+    from tests.unit.t5_tiny import random_model
+
+    cpu = torch.device("cpu")
+    assert not recomputes_bias_gradient("auto", cpu)
+    assert recomputes_bias_gradient("recompute", cpu) and not recomputes_bias_gradient("mask", cpu)
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert recomputes_bias_gradient("auto", cuda) == kernel_available(cuda)
+    # the model follows it: on the CPU "auto" hands the layers a float mask with a gradient, "recompute"
+    # a BiasedMask
+    for choice, biased in (("auto", False), ("recompute", True)):
+        model = random_model(bias_gradient=choice).train()
+        tokens = torch.randint(0, model.config.vocab_size, (2, 8))
+        bias_table = model.encoder_relative_pos_emb
+        mask = model._mask(bias_table, None, tokens, causal=False)
+        assert isinstance(mask, BiasedMask) == biased, choice
 
 
 KERNEL_CHECK = r"""

@@ -318,7 +318,7 @@ def test_a_bad_bias_gradient_choice_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "fast")
     with pytest.raises(SystemExit) as e:
         _t5_args(tmp_path, *GOOD)
-    assert "MEGATRAIN_T5_BIAS_GRADIENT must be mask or recompute, got 'fast'" in str(e.value)
+    assert "MEGATRAIN_T5_BIAS_GRADIENT must be auto, mask, recompute, got 'fast'" in str(e.value)
     assert "\n" not in str(e.value)
     monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "recompute")
     assert _t5_args(tmp_path, *GOOD, "--position-embedding-type", "relative") is not None

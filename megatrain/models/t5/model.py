@@ -22,11 +22,11 @@ Attention scores are q k^T / sqrt(d) (Megatron's); with relative positions each 
 computed once per forward and added to every layer's self-attention scores. Padded keys are hidden
 from every query (Megatron's padding masks as Transformer Engine and Hugging Face apply them), so no
 row of scores is ever fully masked. Through SDPA the bias and the padding make one float mask [b,
-heads, s, s] per stack (``T5Config.bias_gradient`` "recompute": the mask without gradient, the bias
-gradient recomputed apart, :mod:`megatrain.models.common.bias_gradient`); through FlexAttention (``T5Config.attention_backend``, by default when
-training with relative positions on CUDA) the bias is a [heads, distances] table read by a
-score_mod and the padding a block mask, built once per forward for all layers
-(:mod:`megatrain.models.common.flex_attention`).
+heads, s, s] per stack; by default on CUDA with Triton (``T5Config.bias_gradient`` "auto", or
+"recompute") SDPA reads that mask without a gradient and the bias gradient is recomputed apart
+(:mod:`megatrain.models.common.bias_gradient`). Through FlexAttention (``T5Config.attention_backend``
+"flex") the bias is a [heads, distances] table read by a score_mod and the padding a block mask,
+built once per forward for all layers (:mod:`megatrain.models.common.flex_attention`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from megatrain.models.common.norms import build_norm
 from megatrain.models.common.relative_position import RelativePositionBias, relative_position_bucket
 from megatrain.models.common.rope import rotary_tables
 from megatrain.models.common.transformer_layer import TransformerLayer
-from megatrain.models.t5.config import T5Config
+from megatrain.models.t5.config import T5Config, recomputes_bias_gradient
 
 __all__ = ["T5Model", "T5Stack", "OutputLayer", "initial_value", "self_attention_mask", "padding_key_mask"]
 
@@ -191,7 +191,8 @@ class T5Model(nn.Module):
         device_type = tokens.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         bias = bias_table(s, s, tokens.device)
-        if self.config.bias_gradient == "recompute" and bias.requires_grad and torch.is_grad_enabled():
+        if (bias.requires_grad and torch.is_grad_enabled()
+                and recomputes_bias_gradient(self.config.bias_gradient, bias.device)):
             keep = attention_keep(padding_mask, s, causal=causal, device=bias.device, force=True)
             return BiasedMask(biased_mask(bias.detach(), keep, dtype or bias.dtype), bias, keep)
         return self_attention_mask(padding_mask, s, causal=causal, bias=bias, dtype=dtype)
