@@ -16,7 +16,9 @@ same protocol, the output weight inside the chunked loss, :mod:`megatrain.runtim
   ``megatrain::accumulate_wgrad_``. Before each micro-batch :meth:`GradAccumulationFusion.stage`
   moves each weight's ``.grad`` (zeros on the first) into ``main_grad_in`` and clears ``.grad``;
   the backward returns that same tensor, updated in place, and autograd takes it as the new
-  ``.grad`` without a copy or another addition.
+  ``.grad`` without a copy or another addition. An optimizer step of a single micro-batch stages
+  nothing (``stage(fresh=True)``): its weight-gradient matmuls write new float32 gradients, with no
+  zero-filled buffers to write and read.
 
 The numbers are the autocast path's in the forward; the weight gradients are more exact (no bf16
 rounding of each micro-batch's contribution). A layer called without staged gradients (evaluation,
@@ -260,9 +262,20 @@ class GradAccumulationFusion:
             for h, w in zip(halves, self._weights):
                 h.copy_(w)
 
-    def stage(self, hold_others: bool = False) -> None:
+    def stage(self, hold_others: bool = False, fresh: bool = False) -> None:
+        """Before a training micro-batch's forward. ``fresh``: the optimizer step's only micro-batch
+        (no gradients so far): nothing is staged, so every weight-gradient matmul writes a new float32
+        gradient (``wgrad_float32(None, ...)``) instead of adding into zero-filled buffers, which saves
+        one pass writing zeros over every fused weight's gradient and the matmuls' reads of them.
+        (Only for a single micro-batch: with several, the first one's graph would differ from the
+        others' under torch.compile, which would compile the model twice.)"""
         ws = self._weights
         grads = [w.grad for w in ws]
+        if fresh:
+            assert all(g is None for g in grads), "fresh: the step's gradients must start empty"
+            self._set_main_grads(None)
+            self._hold(hold_others)
+            return
         if all(g is None for g in grads):  # the step's first micro-batch: one multi-tensor fill
             grads = [torch.empty_like(w) for w in ws]
             torch._foreach_zero_(grads)
@@ -276,6 +289,9 @@ class GradAccumulationFusion:
             for w in ws:
                 w.grad = None
         self._set_main_grads(grads)
+        self._hold(hold_others)
+
+    def _hold(self, hold_others: bool) -> None:
         assert not self._held, "merge_held() was not called after the last backward"
         if hold_others:
             self._held = [(p, p.grad) for p in self.others if p.grad is not None]

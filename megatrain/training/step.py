@@ -126,12 +126,12 @@ class StepMixin:
         return scale if self.per_token_loss else scale * self.cp_size / self.num_micro_batches
 
     def _micro_batch_backward(self, batch: Any, weight: float, fusion: Any, hold_others: bool,
-                              prefetch: Any = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                              prefetch: Any = None, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Forward and backward of one training micro-batch, its gradients added to those so far:
         (its losses, their loss-token counts, ``prefetch()``'s result, called before the backward so
         that the next micro-batch's inputs are queued first)."""
         if fusion is not None:  # the gradients so far become the matmuls' addends
-            fusion.stage(hold_others=hold_others)
+            fusion.stage(hold_others=hold_others, fresh=fresh)
         loss_sums, n = self._batch_losses(batch)
         if fusion is not None:
             fusion.release()
@@ -172,6 +172,9 @@ class StepMixin:
         weight = self._micro_batch_weight(scale)
         train_iter = self.train_iter
         batch = self._rank_batch(next(train_iter))
+        # One micro-batch (and no CUDA graphs, whose recorded micro-batch adds into fixed buffers):
+        # the weight-gradient matmuls write the step's gradients instead of adding into zeros.
+        fresh = self.num_micro_batches == 1 and self.cuda_graphs is None
         for i in range(self.num_micro_batches):
             last = i == self.num_micro_batches - 1
             # Data-parallel gradient reduction only after the last micro-batch, which therefore
@@ -179,7 +182,7 @@ class StepMixin:
             with gradient_sync(self.model, last, self.parallelized.keep_unsharded):
                 losses, n, batch = self._micro_batch_backward(
                     batch, weight, fusion, hold_others=not (last and self.dims.replicas > 1),
-                    prefetch=None if last else lambda: self._rank_batch(next(train_iter)))
+                    prefetch=None if last else lambda: self._rank_batch(next(train_iter)), fresh=fresh)
             total += losses
             if self.per_token_loss:  # only the per-token loss reads the count
                 tokens += n

@@ -65,11 +65,13 @@ def test_whole_model_compile_trains_like_eager_on_cpu():
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [[], pytest.param(["--use-torch-compile"], marks=pytest.mark.long)],
                          ids=["eager", "compiled"])
-def test_gradient_accumulation_fusion_trains_like_autocast(compiled):
+@pytest.mark.parametrize("batch", [[], ["--global-batch-size", "4"]], ids=["two_micro_batches", "one_micro_batch"])
+def test_gradient_accumulation_fusion_trains_like_autocast(compiled, batch):
     """--bf16's default (half-precision weight copies, weight gradients added into the float32 gradient
-    inside the matmul) against autocast's per-micro-batch casts and autograd's additions."""
-    plain = _losses("--bf16", "--no-gradient-accumulation-fusion")
-    fused = _losses("--bf16", *compiled)
+    inside the matmul) against autocast's per-micro-batch casts and autograd's additions; with one
+    micro-batch per step the matmuls write the step's gradients (nothing staged)."""
+    plain = _losses("--bf16", "--no-gradient-accumulation-fusion", *batch)
+    fused = _losses("--bf16", *compiled, *batch)
     assert plain[-1][0] < plain[0][0] - 0.3
     for step, ((lp, gp), (lf, gf)) in enumerate(zip(plain, fused), start=1):
         assert abs(lf - lp) <= 1e-2 * abs(lp), (step, lp, lf)

@@ -134,9 +134,12 @@ def test_parallelize_applies_it_for_half_precision_only():
 
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
-def test_chunked_loss_output_weight_joins_the_fusion(untie):
+@pytest.mark.parametrize("fresh", [False, True])
+def test_chunked_loss_output_weight_joins_the_fusion(untie, fresh):
     """The output weight's matmuls in the chunked loss follow the protocol too (a tied weight also
-    gets the embedding's gradient, which autograd adds): equal to the plain model with float32 copies."""
+    gets the embedding's gradient, which autograd adds): equal to the plain model with float32 copies.
+    ``fresh``: one micro-batch staged with nothing (the matmuls write the gradients; the loss's chunks
+    add theirs to the first chunk's)."""
     fields = dict(GPT, untie_embeddings_and_output_weights=untie)
     torch.manual_seed(0)
     ref = GPTModel(GPTConfig(**fields))
@@ -146,14 +149,14 @@ def test_chunked_loss_output_weight_joins_the_fusion(untie):
         m.loss_head = ChunkedCrossEntropy(8)
     linears = convert_linears(m for layer in fused.layers.values() for m in layer.modules())
     fusion = GradAccumulationFusion(linears, torch.float32, [(fused.loss_head, fused.output_weight())])
-    tokens = [torch.randint(0, 96, (2, 16)) for _ in range(3)]
+    tokens = [torch.randint(0, 96, (2, 16)) for _ in range(1 if fresh else 3)]
     for step in range(2):
         for m in (ref, fused):
             m.zero_grad(set_to_none=True)
         fusion.refresh()
         for t in tokens:
             ref(t, labels=t.roll(-1, 1)).mean().backward()
-            fusion.stage()
+            fusion.stage(fresh=fresh)
             loss = fused(t, labels=t.roll(-1, 1)).mean()
             fusion.release()
             loss.backward()
@@ -274,3 +277,45 @@ def test_a_weight_with_a_gradient_keeps_it_when_others_start_from_zeros():
     assert torch.count_nonzero(fusion.linears[1].main_grad_in) == 0
     assert all(m.weight.grad is None for m in fusion.linears)
     fusion.release()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_single_micro_batch_writes_fresh_gradients(bias, compiled):
+    """``stage(fresh=True)`` (the step's only micro-batch) stages nothing: the weight-gradient matmuls
+    write new float32 gradients, equal to the plain layers' and to the zero-staged path's, step after
+    step, eager and compiled."""
+    ref, fused, fusion = _pair(bias, torch.float32)
+    _, staged, staged_fusion = _pair(bias, torch.float32)
+    run = torch.compile(fused) if compiled else fused
+    for step in range(3):
+        x = torch.randn(3, 5, 24)
+        for m in (ref, fused, staged):
+            m.zero_grad(set_to_none=True)
+        ref(x).square().sum().backward()
+        _accumulate(staged, [x], staged_fusion)
+        fusion.refresh()
+        fusion.stage(fresh=True)
+        assert all(m.main_grad_in is None for m in fusion.linears)
+        loss = run(x).square().sum()
+        fusion.release()
+        loss.backward()
+        for (name, a), b, c in zip(fused.named_parameters(), ref.parameters(), staged.parameters()):
+            assert a.grad.dtype == torch.float32
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * b.grad.abs().max().item(),
+                                       msg=f"step {step}: {name}")
+            torch.testing.assert_close(a.grad, c.grad, rtol=1e-5 if compiled else 1e-6,
+                                       atol=1e-6 * c.grad.abs().max().item() if compiled else 0,
+                                       msg=f"step {step}: {name}")
+        with torch.no_grad():
+            for m in (ref, fused, staged):
+                for p in m.parameters():
+                    p.sub_(0.01 * p.grad)
+
+
+def test_fresh_staging_refuses_gradients_left_from_before():
+    _, fused, fusion = _pair(False, torch.float32)
+    fusion.refresh()
+    fused(torch.randn(2, 24)).sum().backward()
+    with pytest.raises(AssertionError, match="must start empty"):
+        fusion.stage(fresh=True)
