@@ -137,15 +137,15 @@ case "${1:-table}" in
     timeout 60 python -m pytest -q -p no:cacheprovider tests/unit/test_bias_gradient.py -k cuda \
       > "$OUT/bias_gradient_gpu_tests.txt" 2>&1
     timeout 130 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-tap sdpa-bias-frozen \
-      sdpa-bias-tap-128x64-w8 sdpa-bias-tap-64x128-w8 sdpa-bias-tap-64x64-w8 \
+      sdpa-bias-tap-64x64-w8-s2 sdpa-bias-tap-64x64-w8-s4 sdpa-bias-tap-128x128-w8-s4 \
       --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
     left=$((end - SECONDS)); row=$(( left / 3 > 118 ? 118 : left / 3 ))
     timeout $left python benchmarks/t5_speed.py --rows hf-layout,hf-layout-mask,transformers --iters 10 \
       --warmup 5 --timeout $row --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
     left=$((end - SECONDS))
-    [ $left -gt 40 ] && timeout $left python benchmarks/t5_attention.py --variants sdpa-bias-tap-32x64-w4 sdpa-pad \
+    [ $left -gt 40 ] && timeout $left python benchmarks/t5_attention.py --variants sdpa-bias-tap-64x64-w4 sdpa-pad \
       --output "$OUT/t5_attention_more.md" > "$OUT/t5_attention_more.log" 2>&1
-    tail -4 "$OUT"/*.log
+    tail -n 4 "$OUT"/*.log
     ;;
   vlm-20)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (the labeled-rows head), then the megatrain step's profile
     timeout 330 python benchmarks/vlm_speed.py --iters 13 --warmup 8 --timeout 160 --output "$OUT/vlm.md" \
@@ -155,7 +155,7 @@ case "${1:-table}" in
       --timeout $((left - 5)) --extra "--profile --profile-step-start 10 --profile-step-end 12 --profile-dir /tmp/vlm" \
       > "$OUT/vlm_profile.log" 2>&1 && python benchmarks/trace_kernels.py /tmp/vlm/trace_rank0_iters10-12.json \
       --iterations 2 --top 40 > "$OUT/vlm_kernels.txt" 2>&1
-    tail -4 "$OUT"/*.log
+    tail -n 4 "$OUT"/*.log
     ;;
   llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B beside torchtitan (timed, then both
             # kernel tables), then throughput.py's llama-1.2b (global batch 8) in bf16 and with --fp8-format hybrid
@@ -166,7 +166,7 @@ case "${1:-table}" in
     left=$((585 - SECONDS))
     [ $left -gt 160 ] && timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $(((left - 10) / 2)) \
       --extra "" --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > "$OUT/llama_fp8.log" 2>&1
-    tail -3 "$OUT"/*.log
+    tail -n 3 "$OUT"/*.log
     ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \

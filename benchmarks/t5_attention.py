@@ -21,7 +21,8 @@ runs in the Hugging Face layout today):
 * ``sdpa-bias-tap`` (``-cudnn``): SDPA on the detached mask, the bias gradient recomputed apart
   (``megatrain.models.common.bias_gradient``: with Triton on CUDA the kernel of ``bias_gradient_kernel``,
   tiles of the gradient summed over the batch in registers; else PyTorch under inductor);
-  ``sdpa-bias-tap-BMxBN-wW`` the kernel with other tiles and warps (``bias_gradient_kernel.TILE``);
+  ``sdpa-bias-tap-BMxBN-wW`` the kernel with other tiles and warps (``bias_gradient_kernel.TILE``),
+  ``-sS`` with each tile's batch shared among S programs (``bias_gradient_kernel.SPLIT_BATCH``);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose
@@ -65,9 +66,12 @@ TILES = {
                                   "bwd_num_stages": 2},
 }
 AUTOTUNED = "flex-autotune"  # no options: inductor's max-autotune picks among its flex configs
-# the bias-gradient kernel's (BLOCK_M, BLOCK_N, num_warps) for the sdpa-bias-tap-* variants
-TAP_TILES = {"sdpa-bias-tap-128x64-w8": (128, 64, 8), "sdpa-bias-tap-64x128-w8": (64, 128, 8),
-             "sdpa-bias-tap-32x64-w4": (32, 64, 4), "sdpa-bias-tap-64x64-w8": (64, 64, 8)}
+# the bias-gradient kernel's ((BLOCK_M, BLOCK_N, num_warps), SPLIT_BATCH) for the sdpa-bias-tap-* variants
+# (sdpa-bias-tap itself: the module's defaults)
+TAP_TILES = {"sdpa-bias-tap-128x64-w8": ((128, 64, 8), 1), "sdpa-bias-tap-64x128-w8": ((64, 128, 8), 1),
+             "sdpa-bias-tap-32x64-w4": ((32, 64, 4), 1), "sdpa-bias-tap-64x64-w4": ((64, 64, 4), 1),
+             "sdpa-bias-tap-64x64-w8-s2": ((64, 64, 8), 2), "sdpa-bias-tap-64x64-w8-s4": ((64, 64, 8), 4),
+             "sdpa-bias-tap-128x128-w8-s4": ((128, 128, 8), 4)}
 VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-tap", "sdpa-bias-tap-cudnn",
             *TAP_TILES,
             "sdpa-bias-per-layer", "sdpa-bias-shared", "sdpa-pad", "sdpa-pad-cudnn", "flex", "flex-frozen", "flex-pad",
@@ -186,7 +190,9 @@ def run_variant(variant: str, args) -> dict:
     grads = [torch.randn(b, h, s, d, device=dev, dtype=dtype) for _ in range(layers)]
     torch._dynamo.reset()
     from megatrain.models.common import bias_gradient_kernel as bgk
-    bgk.TILE = TAP_TILES.get(variant, (64, 64, 4))
+    if not hasattr(bgk, "_DEFAULTS"):
+        bgk._DEFAULTS = (bgk.TILE, bgk.SPLIT_BATCH)
+    bgk.TILE, bgk.SPLIT_BATCH = TAP_TILES.get(variant, bgk._DEFAULTS)
     with contextlib.ExitStack() as stack:
         if variant.endswith("-cudnn"):
             from torch.nn.attention import SDPBackend, sdpa_kernel

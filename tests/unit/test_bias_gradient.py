@@ -180,6 +180,13 @@ for b, h, hkv, m, n, d, causal in [(3, 4, 4, 70, 70, 16, False), (2, 4, 2, 40, 4
     alone = attention_bias_grad(q.detach(), k.detach(), v.detach(), ref_out.detach(), go, bias.detach(), keep,
                                 d ** -0.5)
     assert alone.shape == (h, m, n) and ((alone - got[0]).norm() / got.norm()).item() < 1e-5
+    # the batch shared among programs that add their sums atomically: the same gradient
+    import megatrain.models.common.bias_gradient_kernel as bgk
+    bgk.SPLIT_BATCH = 2
+    split = attention_bias_grad(q.detach(), k.detach(), v.detach(), ref_out.detach(), go, bias.detach(), keep,
+                                d ** -0.5)
+    bgk.SPLIT_BATCH = 1
+    assert ((split - alone).norm() / alone.norm()).item() < 1e-6
 assert worst < 1e-5, worst
 # T5 end to end (encoder padding; decoder causality and padding): the kernel's gradients as the mask's
 from tests.unit.test_bias_gradient import _t5_step

@@ -8,7 +8,8 @@ size batch x heads x s_q x s_k: one kernel computes each row's log-sum-exp over 
 ``rowsum(dO * O)``); a second gives each program one [BLOCK_M, BLOCK_N] tile (``TILE``) of one head's bias
 gradient and loops over the batch inside, recomputing the tile's scores and ``dO v^T`` with two small
 matmuls per sample and summing in registers, so the tile is written once (no atomics) and the sample's
-q, k, v and dO tiles are read from cache by the programs of the same head.
+q, k, v and dO tiles are read from cache by the programs of the same head. (``SPLIT_BATCH`` > 1 shares
+each tile's batch among that many programs, which then add their sums atomically.)
 
 Registered as a custom operator so ``torch.compile`` treats it as one opaque call. It runs on CUDA, and
 on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests check it).
@@ -30,6 +31,10 @@ __all__ = ["kernel_available", "attention_bias_grad"]
 # (benchmarks/t5_attention.py tries others).
 TILE = (64, 64, 8)
 LSE_TILE = (64, 64, 4)
+# Programs per gradient tile, each summing its share of the batch and adding it into the tile with one
+# atomic add (1: one program loops over the whole batch and stores the tile). More programs in flight
+# for the same work; a benchmark variant (``t5_attention.py --variants sdpa-bias-tap-...-sS``).
+SPLIT_BATCH = 1
 
 
 # Decided once at import (plain constants: torch.compile traces kernel_available without guards on imports)
@@ -101,9 +106,10 @@ def _kernels():
     def grad_kernel(Q, K, V, DO, BIAS, KEEP, LSE, DELTA, OUT, scale, B, H, KV_GROUP, M, N, D, DV,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                     sbh, sbm, sbn, skeepb, skeepm, skeepn,
-                    HAS_KEEP: tl.constexpr, IEEE: tl.constexpr,
+                    HAS_KEEP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-        h = tl.program_id(0)
+        h = tl.program_id(0) // SPLIT
+        share = tl.program_id(0) % SPLIT
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(2)
         hk = h // KV_GROUP
@@ -115,7 +121,7 @@ def _kernels():
         bias = tl.load(BIAS + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=inside, other=0.0)
         bias = bias.to(tl.float32)
         acc = tl.zeros([BM, BN], tl.float32)
-        for b in tl.range(0, B):
+        for b in tl.range(share, B, SPLIT):
             q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
                         mask=(rows[:, None] < M) & (dims[None, :] < D), other=0.0)
             k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dims[None, :] * skd,
@@ -140,7 +146,10 @@ def _kernels():
             delta = tl.load(DELTA + (b * H + h) * M + rows, mask=rows < M, other=0.0)
             p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
             acc += p * (dp - delta[:, None])
-        tl.store(OUT + h * M * N + rows[:, None] * N + cols[None, :], acc, mask=inside)
+        if SPLIT == 1:
+            tl.store(OUT + h * M * N + rows[:, None] * N + cols[None, :], acc, mask=inside)
+        else:
+            tl.atomic_add(OUT + h * M * N + rows[:, None] * N + cols[None, :], acc, mask=inside)
 
     return triton, lse_kernel, grad_kernel
 
@@ -183,12 +192,13 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         q, k, bias, keep_arg, lse, out, grad_out, delta, scale, H, H // Hk, M, N, D, DV, *q.stride(), *k.stride(),
         sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3], *out.stride(), *grad_out.stride(),
         HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=lbm, BN=lbn, BD=bd, BDV=bdv, num_warps=lwarps)
-    grad = torch.empty(H, M, N, dtype=torch.float32, device=q.device)
     bm, bn, warps = TILE
-    grad_kernel[(H, triton.cdiv(M, bm), triton.cdiv(N, bn))](
+    split = max(1, min(int(SPLIT_BATCH), B))
+    grad = (torch.zeros if split > 1 else torch.empty)(H, M, N, dtype=torch.float32, device=q.device)
+    grad_kernel[(H * split, triton.cdiv(M, bm), triton.cdiv(N, bn))](
         q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
-        HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps)
+        HAS_KEEP=keep_u8 is not None, IEEE=ieee, SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps)
     return grad
 
 
