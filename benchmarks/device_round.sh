@@ -157,10 +157,16 @@ case "${1:-table}" in
       --iterations 2 --top 40 > "$OUT/vlm_kernels.txt" 2>&1
     tail -n 4 "$OUT"/*.log
     ;;
-  llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B beside torchtitan (timed, then both
+  llama21)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): the AdamW kernel's CUDA test and its
+            # benchmark; LLaMA-1.2B beside torchtitan, and again with MEGATRAIN_ADAMW_KERNEL=1 (timed, then both
             # kernel tables), then throughput.py's llama-1.2b (global batch 8) in bf16 and with --fp8-format hybrid
+    timeout 60 python -m pytest -q -p no:cacheprovider tests/unit/test_adamw_kernel.py -k cuda \
+      > "$OUT/adamw_gpu_tests.txt" 2>&1
+    timeout 60 python benchmarks/adamw_kernel.py > "$OUT/adamw_kernel.md" 2>&1
     timeout 230 python benchmarks/peers.py --rows llama-2 --titan --iters 10 --warmup 4 --timeout 110 --budget 220 \
       --output "$OUT/llama_titan.md" > "$OUT/llama_titan.log" 2>&1
+    MEGATRAIN_ADAMW_KERNEL=1 timeout 120 python benchmarks/peers.py --rows llama-2 --iters 10 --warmup 4 \
+      --timeout 110 --budget 115 --output "$OUT/llama_adamw_kernel.md" > "$OUT/llama_adamw_kernel.log" 2>&1
     timeout 230 python benchmarks/peers.py --profile --rows llama-2 --titan --timeout 110 --budget 220 \
       --profile-dir "$OUT" --output "$OUT/llama_profiles.md" > "$OUT/llama_profiles.log" 2>&1
     left=$((585 - SECONDS))

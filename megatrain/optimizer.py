@@ -57,6 +57,10 @@ class OptimizerConfig:
     foreach: bool | None = None
     decoupled_lr: float | None = None  # --decoupled-lr: the input embedding and output layer
     decoupled_min_lr: float | None = None  # --decoupled-min-lr (default min_lr)
+    # AdamW through megatrain's Triton kernel (runtime/adamw_kernel.py: no gradient write-back under
+    # clipping, the bf16 weight copies written in the same pass) where it applies: float32 parameters,
+    # not DTensors, a device the kernel runs on. From MEGATRAIN_ADAMW_KERNEL=1 (opt-in until measured).
+    adamw_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -165,6 +169,15 @@ def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig,
     return {"fused": True} if all_cuda else {"foreach": True}
 
 
+def _kernel_adamw_applies(params: list[torch.Tensor], cfg: OptimizerConfig) -> bool:
+    if not (cfg.adamw_kernel and cfg.optimizer == "adam" and cfg.decoupled_weight_decay and params):
+        return False
+    from megatrain.runtime.adamw_kernel import kernel_available
+
+    return all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "device_mesh")
+               and kernel_available(p.device) for p in params)
+
+
 def build_optimizer(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig, *, allow_empty: bool = False,
                     device: torch.device | None = None) -> torch.optim.Optimizer:
     """AdamW (or Adam / SGD) over Megatron's parameter groups.
@@ -178,6 +191,11 @@ def build_optimizer(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig
     params = [p for g in groups for p in g["params"]]
     if not params and not allow_empty:
         raise ValueError("the model has no trainable parameters")
+    if _kernel_adamw_applies(params, cfg):
+        from megatrain.runtime.adamw_kernel import KernelAdamW
+
+        return KernelAdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                           weight_decay=cfg.weight_decay)
     kernels = _kernel_choice(params, cfg, device)
     if cfg.optimizer == "adam":
         cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
@@ -191,6 +209,10 @@ def folds_grad_divisor(optimizer: torch.optim.Optimizer, params: Sequence[torch.
     """Whether ``optimizer.step()`` divides the gradients by ``optimizer.grad_scale`` (a device scalar)
     as it reads them: torch's fused Adam, AdamW and SGD kernels over plain tensors (the protocol
     GradScaler uses), so gradient clipping needs no pass of its own over the gradients."""
+    from megatrain.runtime.adamw_kernel import KernelAdamW
+
+    if isinstance(optimizer, KernelAdamW):  # the divisor applied as it reads them, nothing written back
+        return True
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return False
     if not optimizer.param_groups or not all(g.get("fused") for g in optimizer.param_groups):

@@ -234,6 +234,9 @@ class GradAccumulationFusion:
         self._dicts = [_plain_attribute_dict(h, "main_grad_in") for h, _ in self.slots]
         self._fast_attrs = all(d is not None for d in self._dicts)
         self._halves: list[torch.Tensor] | None = None  # the holders' half_weight, as refresh made them
+        # An optimizer that writes the half-precision copies in its own step (KernelAdamW): refresh then
+        # copies only where that optimizer's copies are not current (the first step, a loaded checkpoint).
+        self.copier: Any = None
 
     def _set_main_grads(self, grads: list[torch.Tensor | None] | None) -> None:
         if self._fast_attrs:
@@ -256,11 +259,15 @@ class GradAccumulationFusion:
                 if holder.half_weight is None or holder.half_weight.device != w.device:
                     holder.half_weight = torch.empty_like(w, dtype=self.dtype)
             halves = self._halves = [holder.half_weight for holder, _ in self.slots]
+        if self.copier is not None and self.copier.copies_current(self._weights, halves):
+            return  # the last optimizer step wrote them
         if hasattr(torch, "_foreach_copy_"):  # (no_grad: the parameters themselves are the sources)
             torch._foreach_copy_(halves, self._weights)
         else:  # pragma: no cover - old torch
             for h, w in zip(halves, self._weights):
                 h.copy_(w)
+        if self.copier is not None:
+            self.copier.set_half_copies(zip(self._weights, halves))
 
     def stage(self, hold_others: bool = False, fresh: bool = False) -> None:
         """Before a training micro-batch's forward. ``fresh``: the optimizer step's only micro-batch
@@ -317,3 +324,5 @@ class GradAccumulationFusion:
         for holder, _ in self.slots:
             holder.half_weight = None
         self._halves = None
+        if self.copier is not None:
+            self.copier.set_half_copies(())

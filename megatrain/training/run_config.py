@@ -15,6 +15,7 @@ the trainer builds the one it runs with. The namespace must be one `validate_arg
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 import torch
@@ -105,4 +106,16 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     return OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            sgd_momentum=args.sgd_momentum, decoupled_lr=args.decoupled_lr,
-                           decoupled_min_lr=args.decoupled_min_lr)
+                           decoupled_min_lr=args.decoupled_min_lr, adamw_kernel=adamw_kernel_from_env())
+
+
+ADAMW_KERNEL_ENV = "MEGATRAIN_ADAMW_KERNEL"
+
+
+def adamw_kernel_from_env() -> bool:
+    """``MEGATRAIN_ADAMW_KERNEL``: 1 (AdamW through megatrain's Triton kernel where it applies) or 0 /
+    unset (torch's fused AdamW); another value is an error at start-up."""
+    value = os.environ.get(ADAMW_KERNEL_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ADAMW_KERNEL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"

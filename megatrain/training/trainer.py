@@ -44,6 +44,7 @@ from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import MetricsWriter, format_train_log_line
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megatrain.training.lr_schedule import LRScheduler
+from megatrain.runtime.adamw_kernel import KernelAdamW
 from megatrain.optimizer import build_optimizer
 from megatrain.training.run_config import RunConfig
 from megatrain.training.setup_log import SetupTimers, print_datetime, print_time_to_initialize
@@ -144,6 +145,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self.moe_metrics = MoEMetrics.for_model(self.module, self.model_config, device=self.device,
                                                 per_token_loss=self.per_token_loss)
         self.optimizer = self._build_optimizer()
+        if self.grad_fusion is not None and isinstance(self.optimizer, KernelAdamW):
+            self.grad_fusion.copier = self.optimizer  # its step writes the bf16 weight copies
         self.scheduler = LRScheduler(self.optimizer, self.run.lr_schedule)
         if args.fp16:
             self.scaler: Any = (ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
@@ -391,6 +394,14 @@ class Trainer(StepMixin, EvaluationMixin):
             print_rank0(f" gradient-accumulation fusion: {len(fusion.slots)} weights compute from {self.precision.name} "
                         "copies refreshed once per step and add their gradients into the fp32 .grad inside the "
                         "weight-gradient matmul (--no-gradient-accumulation-fusion turns it off)")
+        if self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1: say whether it applies
+            if isinstance(self.optimizer, KernelAdamW):
+                print_rank0(" AdamW: megatrain's Triton kernel (MEGATRAIN_ADAMW_KERNEL=1): the clipping divisor applied "
+                            "without writing the gradients back" + (", the bf16 weight copies written in the same pass"
+                                                                     if fusion is not None else ""))
+            else:
+                print_rank0(f" AdamW: {type(self.optimizer).__name__} from torch (MEGATRAIN_ADAMW_KERNEL=1 applies to "
+                            "float32 parameters, not sharded, with AdamW on a device Triton runs on)")
         fp8 = self.parallelized.fp8_report
         if fp8 is not None:
             converted, kept = fp8
