@@ -397,7 +397,7 @@ class Trainer(StepMixin, EvaluationMixin):
         if self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1: say whether it applies
             if isinstance(self.optimizer, KernelAdamW):
                 print_rank0(" AdamW: megatrain's Triton kernel (MEGATRAIN_ADAMW_KERNEL=1): the clipping divisor applied "
-                            "without writing the gradients back" + (", the bf16 weight copies written in the same pass"
+                            "without writing the gradients back" + (", the half-precision weight copies written in the same pass"
                                                                      if fusion is not None else ""))
             else:
                 print_rank0(f" AdamW: {type(self.optimizer).__name__} from torch (MEGATRAIN_ADAMW_KERNEL=1 applies to "
