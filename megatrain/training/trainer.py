@@ -396,12 +396,12 @@ class Trainer(StepMixin, EvaluationMixin):
                         "weight-gradient matmul (--no-gradient-accumulation-fusion turns it off)")
         if self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1: say whether it applies
             if isinstance(self.optimizer, KernelAdamW):
-                print_rank0(" AdamW: megatrain's Triton kernel (MEGATRAIN_ADAMW_KERNEL=1): the clipping divisor applied "
-                            "without writing the gradients back" + (", the half-precision weight copies written in the same pass"
-                                                                     if fusion is not None else ""))
+                copies = ", the half-precision weight copies written in the same pass" if fusion is not None else ""
+                print_rank0(" AdamW: megatrain's Triton kernel (MEGATRAIN_ADAMW_KERNEL=1): the clipping divisor "
+                            f"applied without writing the gradients back{copies}")
             else:
-                print_rank0(f" AdamW: {type(self.optimizer).__name__} from torch (MEGATRAIN_ADAMW_KERNEL=1 applies to "
-                            "float32 parameters, not sharded, with AdamW on a device Triton runs on)")
+                print_rank0(f" AdamW: {type(self.optimizer).__name__} from torch (MEGATRAIN_ADAMW_KERNEL=1 applies "
+                            "to float32 parameters, not sharded, with AdamW on a device Triton runs on)")
         fp8 = self.parallelized.fp8_report
         if fp8 is not None:
             converted, kept = fp8
