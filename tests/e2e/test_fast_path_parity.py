@@ -65,7 +65,10 @@ def test_whole_model_compile_trains_like_eager_on_cpu():
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [[], pytest.param(["--use-torch-compile"], marks=pytest.mark.long)],
                          ids=["eager", "compiled"])
-@pytest.mark.parametrize("batch", [[], ["--global-batch-size", "4"]], ids=["two_micro_batches", "one_micro_batch"])
+# Two micro-batches (the staged, accumulating path) is `long`: tests/distributed's one_process_grad_fusion checks
+# that path exactly over four micro-batches; one micro-batch (nothing staged) runs in `make test`.
+@pytest.mark.parametrize("batch", [pytest.param([], marks=pytest.mark.long), ["--global-batch-size", "4"]],
+                         ids=["two_micro_batches", "one_micro_batch"])
 def test_gradient_accumulation_fusion_trains_like_autocast(compiled, batch):
     """--bf16's default (half-precision weight copies, weight gradients added into the float32 gradient
     inside the matmul) against autocast's per-micro-batch casts and autograd's additions; with one
