@@ -172,10 +172,9 @@ def _kernel_choice(params: list[torch.Tensor], cfg: OptimizerConfig,
 def _kernel_adamw_applies(params: list[torch.Tensor], cfg: OptimizerConfig) -> bool:
     if not (cfg.adamw_kernel and cfg.optimizer == "adam" and cfg.decoupled_weight_decay and params):
         return False
-    from megatrain.runtime.adamw_kernel import kernel_available
+    from megatrain.runtime.adamw_kernel import KernelAdamW
 
-    return all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "device_mesh")
-               and kernel_available(p.device) for p in params)
+    return KernelAdamW.applies_to(params)
 
 
 def build_optimizer(model: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig, *, allow_empty: bool = False,

@@ -17,24 +17,16 @@ the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests check 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Any, Iterable, Sequence
 
 import torch
+
+from megatrain.triton_support import kernel_available
 
 __all__ = ["kernel_available", "adamw_step_", "KernelAdamW"]
 
 BLOCK = 2048
 WARPS = 8
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def kernel_available(device: torch.device) -> bool:
-    """Triton installed, and CUDA (or any device under ``TRITON_INTERPRET=1`` set before import)."""
-    return _HAS_TRITON and (device.type == "cuda" or _INTERPRETED)
 
 
 @functools.cache
@@ -115,12 +107,18 @@ class KernelAdamW(torch.optim.AdamW):
                 raise ValueError(f"KernelAdamW does not implement {key}")
         kwargs["fused"], kwargs["foreach"] = True, None
         super().__init__(params, **kwargs)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.float32 or not p.is_contiguous() or not kernel_available(p.device):
-                    raise ValueError("KernelAdamW: float32 contiguous parameters on a device the kernel runs on")
+        if not self.applies_to([p for group in self.param_groups for p in group["params"]]):
+            raise ValueError("KernelAdamW: float32 contiguous parameters, not sharded, on a device the kernel "
+                             "runs on")
         self._halves: dict[torch.Tensor, torch.Tensor] = {}
         self._written: dict[torch.Tensor, tuple[int, int]] = {}
+
+    @staticmethod
+    def applies_to(params: Sequence[torch.Tensor]) -> bool:
+        """Whether it can step ``params``: float32, contiguous, plain tensors (not DTensors) on a device
+        the kernel runs on."""
+        return all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "device_mesh")
+                   and kernel_available(p.device) for p in params)
 
     def set_half_copies(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The (parameter, half-precision copy) pairs to write at every step (replacing the previous)."""

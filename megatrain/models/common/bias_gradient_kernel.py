@@ -18,11 +18,11 @@ on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests che
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Optional
 
 import torch
+
+from megatrain.triton_support import kernel_available
 
 __all__ = ["kernel_available", "attention_bias_grad"]
 
@@ -35,17 +35,6 @@ LSE_TILE = (64, 64, 4)
 # atomic add (1: one program loops over the whole batch and stores the tile). More programs in flight
 # for the same work; a benchmark variant (``t5_attention.py --variants sdpa-bias-tap-...-sS``).
 SPLIT_BATCH = 1
-
-
-# Decided once at import (plain constants: torch.compile traces kernel_available without guards on imports)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def kernel_available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on ``device``: Triton installed, and CUDA (or any
-    device under ``TRITON_INTERPRET=1``, set before this module is imported)."""
-    return _HAS_TRITON and (device.type == "cuda" or _INTERPRETED)
 
 
 @functools.cache
