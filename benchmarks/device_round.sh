@@ -19,7 +19,7 @@
 #   bash benchmarks/device_round.sh seam16     # nvidia-h200, ~8 min: the three shapes at the commit before issue 16's
 #                                              # seam (its tree unpacked in bench_base/: `git archive c3bedb8 megatrain
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
-#   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: the bias-gradient kernel's CUDA tests, t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
+#   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: the bias-gradient kernel's CUDA tests and kernel table, t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
@@ -136,6 +136,8 @@ case "${1:-table}" in
     end=${ROUND_S:-585}
     timeout 60 python -m pytest -q -p no:cacheprovider tests/unit/test_bias_gradient.py -k cuda \
       > "$OUT/bias_gradient_gpu_tests.txt" 2>&1
+    timeout 60 python benchmarks/bias_gradient_kernel.py --output "$OUT/bias_gradient_kernel.md" \
+      > "$OUT/bias_gradient_kernel.log" 2>&1
     timeout 130 python benchmarks/t5_attention.py --variants sdpa-bias sdpa-bias-tap sdpa-bias-frozen \
       sdpa-bias-tap-64x64-w8-s2 sdpa-bias-tap-64x64-w8-s4 sdpa-bias-tap-128x128-w8-s4 \
       --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1

@@ -250,3 +250,22 @@ def test_triton_kernel_on_cuda_equals_the_pytorch_recomputation(dtype, compiled)
     want = (probs * (dp - (go.double() * out.detach().double()).sum(-1, keepdim=True))).sum(0, keepdim=True)
     rel = ((got.double() - want).norm() / want.norm()).item()
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+
+def test_the_kernel_benchmark_runs_every_setting_to_the_same_gradient():
+    """benchmarks/bias_gradient_kernel.py under the interpreter: tiles, batch splits (atomic adds) and
+    pipelining stages give the first setting's gradient (a row saying "differs" otherwise)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton", reason="make env installs Triton for these tests")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter predates numpy 2 support (3.9)")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "benchmarks/bias_gradient_kernel.py", "--shape", "tiny", "--settings",
+                           "16x16-w4", "16x16-w4-s2", "32x16-w4-p2"], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ran (interpreter)") == 3 and "differs" not in proc.stdout, proc.stdout

@@ -35,6 +35,8 @@ LSE_TILE = (64, 64, 4)
 # atomic add (1: one program loops over the whole batch and stores the tile). More programs in flight
 # for the same work; a benchmark variant (``t5_attention.py --variants sdpa-bias-tap-...-sS``).
 SPLIT_BATCH = 1
+# Software-pipelining stages of the gradient kernel's batch loop (None: Triton's default).
+STAGES: Optional[int] = None
 
 
 @functools.cache
@@ -187,7 +189,8 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     grad_kernel[(H * split, triton.cdiv(M, bm), triton.cdiv(N, bn))](
         q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
-        HAS_KEEP=keep_u8 is not None, IEEE=ieee, SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps)
+        HAS_KEEP=keep_u8 is not None, IEEE=ieee, SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps,
+        **({} if STAGES is None else {"num_stages": int(STAGES)}))
     return grad
 
 
