@@ -20,6 +20,7 @@
 #                                              # seam (its tree unpacked in bench_base/: `git archive c3bedb8 megatrain
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
 #   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: the bias-gradient kernel's CUDA tests and kernel table, t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
+#   bash benchmarks/device_round.sh t5-lse     # nvidia-h200 or H100, ~7 min: GPU tests of the T5 SDPA log-sum-exp path and AdamW kernel, both kernel tables, T5 beside transformers
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
@@ -149,6 +150,20 @@ case "${1:-table}" in
       --output "$OUT/t5_attention_more.md" > "$OUT/t5_attention_more.log" 2>&1
     tail -n 4 "$OUT"/*.log
     ;;
+  t5-lse)  # nvidia-h200 or H100, ~7 min: the GPU tests of the SDPA log-sum-exp path and the AdamW kernel, both
+           # kernels' tables, the encoder attention with and without the SDPA log-sum-exp, T5 beside transformers
+    timeout 90 python -m pytest -q -p no:cacheprovider tests/unit/test_bias_gradient.py tests/unit/test_adamw_kernel.py \
+      -k "cuda or sdpa_log_sum_exp" > "$OUT/gpu_tests.txt" 2>&1
+    timeout 40 python benchmarks/bias_gradient_kernel.py --settings 64x64-w8 64x128-w8 64x64-w8-p2 \
+      --output "$OUT/bias_gradient_kernel.md" > /dev/null 2>&1
+    timeout 60 python benchmarks/adamw_kernel.py > "$OUT/adamw_kernel.md" 2>&1
+    timeout 100 python benchmarks/t5_attention.py --variants sdpa-bias-tap sdpa-bias-tap-lse-kernel sdpa-bias-frozen \
+      --output "$OUT/t5_attention.md" > "$OUT/t5_attention.log" 2>&1
+    left=$((${ROUND_S:-420} - SECONDS))
+    timeout $left python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 \
+      --timeout $(( left / 2 - 5 )) --output "$OUT/t5.md" > "$OUT/t5.log" 2>&1
+    tail -n 4 "$OUT"/*.log
+    ;;
   vlm-20)  # nvidia-h200 or H100, ~9.5 min: LLaVA beside transformers (the labeled-rows head), then the megatrain step's profile
     timeout 330 python benchmarks/vlm_speed.py --iters 13 --warmup 8 --timeout 160 --output "$OUT/vlm.md" \
       > "$OUT/vlm.log" 2>&1
@@ -185,6 +200,6 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|vlm-20|llama21|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|vlm-20|llama21|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -23,6 +23,9 @@ runs in the Hugging Face layout today):
   tiles of the gradient summed over the batch in registers; else PyTorch under inductor);
   ``sdpa-bias-tap-BMxBN-wW`` the kernel with other tiles and warps (``bias_gradient_kernel.TILE``),
   ``-sS`` with each tile's batch shared among S programs (``bias_gradient_kernel.SPLIT_BATCH``);
+  on CUDA the forward runs SDPA's memory-efficient kernel directly and hands its log-sum-exp to the
+  kernel (``bias_gradient.EfficientAttentionWithBias``); ``sdpa-bias-tap-lse-kernel`` runs SDPA and
+  lets the kernel compute the log-sum-exp itself (as ``-cudnn`` does);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose
@@ -72,7 +75,8 @@ TAP_TILES = {"sdpa-bias-tap-128x64-w8": ((128, 64, 8), 1), "sdpa-bias-tap-64x128
              "sdpa-bias-tap-32x64-w4": ((32, 64, 4), 1), "sdpa-bias-tap-64x64-w4": ((64, 64, 4), 1),
              "sdpa-bias-tap-64x64-w8-s2": ((64, 64, 8), 2), "sdpa-bias-tap-64x64-w8-s4": ((64, 64, 8), 4),
              "sdpa-bias-tap-128x128-w8-s4": ((128, 128, 8), 4)}
-VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-tap", "sdpa-bias-tap-cudnn",
+VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-tap", "sdpa-bias-tap-lse-kernel",
+            "sdpa-bias-tap-cudnn",
             *TAP_TILES,
             "sdpa-bias-per-layer", "sdpa-bias-shared", "sdpa-pad", "sdpa-pad-cudnn", "flex", "flex-frozen", "flex-pad",
             *TILES, AUTOTUNED]
@@ -193,6 +197,10 @@ def run_variant(variant: str, args) -> dict:
     if not hasattr(bgk, "_DEFAULTS"):
         bgk._DEFAULTS = (bgk.TILE, bgk.SPLIT_BATCH)
     bgk.TILE, bgk.SPLIT_BATCH = TAP_TILES.get(variant, bgk._DEFAULTS)
+    from megatrain.models.common import bias_gradient as bg
+    # the log-sum-exp from SDPA's memory-efficient kernel, unless the variant asks for the kernel's own
+    # (or cuDNN's attention, which the direct call would bypass)
+    bg.SDPA_LOG_SUM_EXP = not (variant.endswith("-lse-kernel") or variant.endswith("-cudnn"))
     with contextlib.ExitStack() as stack:
         if variant.endswith("-cudnn"):
             from torch.nn.attention import SDPBackend, sdpa_kernel

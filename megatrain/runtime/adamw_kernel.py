@@ -38,10 +38,11 @@ def _kernel():
     def adamw_kernel(P, G, M, V, H, STEP, SCALE, FOUND_INF, n, lr, beta1, beta2, eps, weight_decay,
                      HAS_HALF: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                      BLOCK: tl.constexpr):
+        if HAS_FOUND_INF:  # a skipped step: nothing is stored (a scalar branch: the accesses stay vectorized)
+            if tl.load(FOUND_INF) != 0:
+                return
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        if HAS_FOUND_INF:  # a skipped step: nothing is stored
-            inside = inside & (tl.load(FOUND_INF + tl.zeros([BLOCK], tl.int32)) == 0)
         p = tl.load(P + offs, mask=inside, other=0.0)
         g = tl.load(G + offs, mask=inside, other=0.0).to(tl.float32)
         m = tl.load(M + offs, mask=inside, other=0.0)

@@ -179,7 +179,12 @@ def test_kernel_adamw_on_cuda_follows_torchs_fused_adamw():
     ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
     opt = build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta2=0.95, adamw_kernel=True))
     assert isinstance(opt, KernelAdamW)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    # the same parameter groups (Megatron's: no weight decay on biases and norms)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    ref_groups = [{"params": [ref[index[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                  for g in opt.param_groups]
+    assert {g["weight_decay"] for g in ref_groups} == {0.0, 0.1}
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-3, betas=(0.9, 0.95), fused=True)
     halves = [torch.empty_like(p, dtype=torch.bfloat16) for p in model.parameters()]
     opt.set_half_copies(zip(model.parameters(), halves))
     for it in range(4):

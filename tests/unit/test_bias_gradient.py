@@ -187,6 +187,14 @@ for b, h, hkv, m, n, d, causal in [(3, 4, 4, 70, 70, 16, False), (2, 4, 2, 40, 4
                                 d ** -0.5)
     bgk.SPLIT_BATCH = 1
     assert ((split - alone).norm() / alone.norm()).item() < 1e-6
+    # given the forward's log-sum-exp (as SDPA's memory-efficient kernel keeps it: rows padded to 32,
+    # +inf where no key is seen) instead of computing it: the same gradient
+    scores = (q.detach() @ kr.transpose(-1, -2)) * d ** -0.5 + mask.detach()
+    lse = torch.full((b, h, -(-m // 32) * 32), float("nan"))
+    lse[:, :, :m] = torch.logsumexp(scores, -1).nan_to_num(posinf=float("inf"), neginf=float("inf"))
+    given = attention_bias_grad(q.detach(), k.detach(), v.detach(), ref_out.detach(), go, bias.detach(), keep,
+                                d ** -0.5, lse)
+    assert ((given - alone).norm() / alone.norm()).item() < 1e-5
 assert worst < 1e-5, worst
 # T5 end to end (encoder padding; decoder causality and padding): the kernel's gradients as the mask's
 from tests.unit.test_bias_gradient import _t5_step
@@ -249,6 +257,53 @@ def test_triton_kernel_on_cuda_equals_the_pytorch_recomputation(dtype, compiled)
     dp = go.double() @ v.double().transpose(-1, -2)
     want = (probs * (dp - (go.double() * out.detach().double()).sum(-1, keepdim=True))).sum(0, keepdim=True)
     rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,compiled,causal", [(torch.float32, False, False), (torch.bfloat16, False, False),
+                                                   (torch.bfloat16, True, False), (torch.bfloat16, True, True)])
+def test_sdpa_log_sum_exp_path_gives_sdpas_gradients(dtype, compiled, causal):
+    """On CUDA the trained bias's attention runs SDPA's memory-efficient kernel directly and hands its
+    log-sum-exp to the bias-gradient kernel (EfficientAttentionWithBias): the output and the q, k, v
+    gradients are SDPA's on the detached mask, the bias gradient the float64 recomputation's, eager and
+    inside torch.compile, for T5's encoder (key padding) and decoder (causal and padding) masks."""
+    from megatrain.models.common import bias_gradient as bg
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    b, h, s, d = (8, 12, 512, 64) if not causal else (8, 12, 128, 64)
+    q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, h, s, s, device=dev, requires_grad=True)
+    lengths = torch.randint(s // 2, s + 1, (b,), device=dev)
+    keep = (torch.arange(s, device=dev)[None, :] < lengths[:, None]).view(b, 1, 1, s)
+    if causal:
+        keep = keep & torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+    mask = biased_mask(bias.detach(), keep, dtype)
+    assert bg._lse_path_applies(q, k, v, mask, bias, keep)
+
+    def step(q, k, v, bias):
+        return attention_with_bias(q, k, v, mask, bias, keep)
+
+    out = (torch.compile(step, fullgraph=True) if compiled else step)(q, k, v, bias)
+    if not compiled:
+        assert type(out.grad_fn).__name__.startswith("EfficientAttentionWithBias")
+    go = torch.randn_like(out)
+    out.backward(go)
+    got = [t.grad.clone() for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask)
+    ref.backward(go)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((out.detach().float() - ref.float()).norm() / ref.float().norm()).item() < tol
+    for name, g, r in zip("qkv", got, (q2.grad, k2.grad, v2.grad)):
+        assert ((g.float() - r.float()).norm() / r.float().norm()).item() < tol, name
+    scores = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5 + mask.double()
+    probs = torch.softmax(scores, dim=-1)
+    dp = go.double() @ v.double().transpose(-1, -2)
+    want = (probs * (dp - (go.double() * out.detach().double()).sum(-1, keepdim=True))).sum(0, keepdim=True)
+    rel = ((bias.grad.double() - want).norm() / want.norm()).item()
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
 
 

@@ -12,7 +12,8 @@ identity on the attention output whose backward recomputes the scores once and f
 summed over the dimensions the bias broadcasts over (the batch, for a bias shared by every sample).
 That is the same gradient autograd would give the mask, in float32. On CUDA with Triton, a bias shared
 by the batch goes through the kernel of :mod:`megatrain.models.common.bias_gradient_kernel` (tiles of
-the gradient summed over the batch in registers, nothing of size batch x heads x s x s); elsewhere
+the gradient summed over the batch in registers, nothing of size batch x heads x s x s), given the
+log-sum-exp of the forward when :class:`EfficientAttentionWithBias` ran SDPA's kernel; elsewhere
 through PyTorch (scores in the inputs' dtype, as an unfused attention computes them; under inductor
 it keeps float32 [b, heads, s, s] intermediates, measured 2.0 ms a T5-base layer on an H100).
 """
@@ -78,6 +79,55 @@ class BiasGradient(torch.autograd.Function):
         return (grad_out, None, None, None, _sum_to(grad_scores, ctx.bias_shape).to(ctx.bias_dtype), None, None)
 
 
+class EfficientAttentionWithBias(torch.autograd.Function):
+    """``apply(q, k, v, mask, bias, keep, scale)`` -> SDPA's output, computed by its memory-efficient
+    kernel called directly (the kernel SDPA picks for a float mask) so that the forward's log-sum-exp
+    of each score row is kept: the backward takes q, k and v's gradients from that kernel's backward
+    and ``bias``'s from :func:`~megatrain.models.common.bias_gradient_kernel.attention_bias_grad` given
+    the log-sum-exp, which then skips its own pass over the keys. ``mask`` is :func:`biased_mask` of
+    ``bias`` and ``keep`` (its values are what the scores add, so the bias goes to the kernel rounded
+    to the mask's dtype: its probabilities are the forward's). CUDA only (:func:`_lse_path_applies`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, keep, scale):  # type: ignore[override]
+        b, h, m, n = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        mask = mask.detach().expand(b, h, m, n)
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, True, 0.0, False, scale=scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse, seed, offset, bias.detach().to(mask.dtype), keep)
+        ctx.scale = scale
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        from megatrain.models.common.bias_gradient_kernel import attention_bias_grad
+
+        q, k, v, mask, out, lse, seed, offset, bias, keep = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, mask, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=ctx.scale)
+        grad = attention_bias_grad(q, k, v, out, grad_out, bias, keep, ctx.scale, lse).unsqueeze(0)
+        return dq, dk, dv, None, _sum_to(grad, ctx.bias_shape).to(ctx.bias_dtype), None, None
+
+
+# Whether attention_with_bias takes the log-sum-exp from SDPA's memory-efficient kernel where it can
+# (EfficientAttentionWithBias); False: SDPA, then the bias-gradient kernel computes it (a benchmark variant).
+SDPA_LOG_SUM_EXP = True
+
+
+def _lse_path_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor,
+                      keep: torch.Tensor | None) -> bool:
+    """Whether :class:`EfficientAttentionWithBias` runs: on CUDA, where the bias-gradient kernel
+    applies, with the shapes and strides the memory-efficient kernel takes as they are (head dims and
+    key counts multiples of 8 and 16, unit last strides, a 4-d mask)."""
+    return (SDPA_LOG_SUM_EXP and q.is_cuda and _kernel_applies(q, bias, keep) and mask.dim() == 4
+            and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and k.shape[-2] % 16 == 0
+            and all(t.stride(-1) == 1 for t in (q, k, v, mask)) and q.dtype in (torch.float16, torch.bfloat16,
+                                                                               torch.float32)
+            and mask.dtype == q.dtype)
+
+
 def _kernel_applies(q: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None) -> bool:
     """Whether the Triton kernel (``bias_gradient_kernel``) computes the gradient: a bias shared by
     the batch and the heads' own ([1, heads, ...]), a keep mask shared by the heads, and the kernel
@@ -126,7 +176,10 @@ def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # with an explicit mask not every torch >= 2.6 kernel takes enable_gqa: shared key/value heads repeated
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
+    trained = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+    if trained and _lse_path_applies(q, k, v, mask, bias, keep):
+        return EfficientAttentionWithBias.apply(q, k, v, mask, bias, keep, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.detach(), scale=scale)
-    if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+    if trained:
         out = BiasGradient.apply(out, q, k, v, bias, keep, scale)
     return out
