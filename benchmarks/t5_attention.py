@@ -24,7 +24,7 @@ runs in the Hugging Face layout today):
   ``sdpa-bias-tap-BMxBN-wW`` the kernel with other tiles and warps (``bias_gradient_kernel.TILE``),
   ``-sS`` with each tile's batch shared among S programs (``bias_gradient_kernel.SPLIT_BATCH``);
   on CUDA the forward runs SDPA's memory-efficient kernel directly and hands its log-sum-exp to the
-  kernel (``bias_gradient.EfficientAttentionWithBias``); ``sdpa-bias-tap-lse-kernel`` runs SDPA and
+  kernel (``bias_gradient.AttentionWithLogSumExp``); ``sdpa-bias-tap-lse-kernel`` runs SDPA and
   lets the kernel compute the log-sum-exp itself (as ``-cudnn`` does);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];

@@ -147,10 +147,12 @@ def test_auto_recomputes_only_where_the_triton_kernel_runs_on_a_gpu():
 
 KERNEL_CHECK = r"""
 import torch, torch.nn.functional as F
+import megatrain.models.common.bias_gradient as bg
 from megatrain.models.common.bias_gradient import attention_with_bias, biased_mask, _kernel_applies
 from megatrain.models.common.bias_gradient_kernel import attention_bias_grad
 torch.manual_seed(0)
 worst = 0.0
+bg.SDPA_LOG_SUM_EXP = False  # SDPA, then BiasGradient (the kernel computes the log-sum-exp)
 for b, h, hkv, m, n, d, causal in [(3, 4, 4, 70, 70, 16, False), (2, 4, 2, 40, 40, 32, True),
                                    (2, 2, 2, 64, 96, 24, False), (1, 2, 2, 130, 130, 64, True)]:
     q = torch.randn(b, h, m, d, requires_grad=True)
@@ -196,6 +198,31 @@ for b, h, hkv, m, n, d, causal in [(3, 4, 4, 70, 70, 16, False), (2, 4, 2, 40, 4
                                 d ** -0.5, lse)
     assert ((given - alone).norm() / alone.norm()).item() < 1e-5
 assert worst < 1e-5, worst
+# the forward's log-sum-exp kept (AttentionWithLogSumExp; on the CPU through its flash-style kernel): SDPA's
+# output and q, k, v gradients, autograd's bias gradient
+bg.SDPA_LOG_SUM_EXP = True
+for b, h, hkv, m, n, d, causal in [(3, 4, 4, 40, 48, 16, False), (2, 4, 2, 64, 64, 32, True)]:
+    q = torch.randn(b, h, m, d, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, requires_grad=True) for _ in range(2))
+    bias = torch.randn(1, h, m, n, requires_grad=True)
+    keep = (torch.arange(n)[None, :] < torch.randint(n // 2, n + 1, (b,))[:, None]).view(b, 1, 1, n)
+    if causal:
+        keep = keep & torch.ones(m, n, dtype=torch.bool).tril()
+    mask = biased_mask(bias.detach(), keep, q.dtype)
+    go = torch.randn(b, h, m, d)
+    out = attention_with_bias(q, k, v, mask, bias, keep)
+    assert type(out.grad_fn).__name__.startswith("AttentionWithLogSumExp"), type(out.grad_fn)
+    out.backward(go)
+    got = [t.grad.clone() for t in (q, k, v, bias)]
+    for t in (q, k, v, bias):
+        t.grad = None
+    kr, vr = (t.repeat_interleave(h // hkv, 1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q, kr, vr, attn_mask=bias.masked_fill(~keep, float("-inf")))
+    ref.backward(go)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for name, g, t in zip("qkvb", got, (q, k, v, bias)):
+        rel = ((g - torch.nan_to_num(t.grad)).norm() / t.grad.nan_to_num().norm()).item()
+        assert rel < 1e-5, (name, rel)
 # T5 end to end (encoder padding; decoder causality and padding): the kernel's gradients as the mask's
 from tests.unit.test_bias_gradient import _t5_step
 (la, ga), (lb, gb) = _t5_step("mask"), _t5_step("recompute")
@@ -266,7 +293,7 @@ def test_triton_kernel_on_cuda_equals_the_pytorch_recomputation(dtype, compiled)
                                                    (torch.bfloat16, True, False), (torch.bfloat16, True, True)])
 def test_sdpa_log_sum_exp_path_gives_sdpas_gradients(dtype, compiled, causal):
     """On CUDA the trained bias's attention runs SDPA's memory-efficient kernel directly and hands its
-    log-sum-exp to the bias-gradient kernel (EfficientAttentionWithBias): the output and the q, k, v
+    log-sum-exp to the bias-gradient kernel (AttentionWithLogSumExp): the output and the q, k, v
     gradients are SDPA's on the detached mask, the bias gradient the float64 recomputation's, eager and
     inside torch.compile, for T5's encoder (key padding) and decoder (causal and padding) masks."""
     from megatrain.models.common import bias_gradient as bg
@@ -288,7 +315,7 @@ def test_sdpa_log_sum_exp_path_gives_sdpas_gradients(dtype, compiled, causal):
 
     out = (torch.compile(step, fullgraph=True) if compiled else step)(q, k, v, bias)
     if not compiled:
-        assert type(out.grad_fn).__name__.startswith("EfficientAttentionWithBias")
+        assert type(out.grad_fn).__name__.startswith("AttentionWithLogSumExp")
     go = torch.randn_like(out)
     out.backward(go)
     got = [t.grad.clone() for t in (q, k, v)]

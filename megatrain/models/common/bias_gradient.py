@@ -13,7 +13,7 @@ summed over the dimensions the bias broadcasts over (the batch, for a bias share
 That is the same gradient autograd would give the mask, in float32. On CUDA with Triton, a bias shared
 by the batch goes through the kernel of :mod:`megatrain.models.common.bias_gradient_kernel` (tiles of
 the gradient summed over the batch in registers, nothing of size batch x heads x s x s), given the
-log-sum-exp of the forward when :class:`EfficientAttentionWithBias` ran SDPA's kernel; elsewhere
+log-sum-exp of the forward when :class:`AttentionWithLogSumExp` ran SDPA's kernel; elsewhere
 through PyTorch (scores in the inputs' dtype, as an unfused attention computes them; under inductor
 it keeps float32 [b, heads, s, s] intermediates, measured 2.0 ms a T5-base layer on an H100).
 """
@@ -79,22 +79,44 @@ class BiasGradient(torch.autograd.Function):
         return (grad_out, None, None, None, _sum_to(grad_scores, ctx.bias_shape).to(ctx.bias_dtype), None, None)
 
 
-class EfficientAttentionWithBias(torch.autograd.Function):
-    """``apply(q, k, v, mask, bias, keep, scale)`` -> SDPA's output, computed by its memory-efficient
-    kernel called directly (the kernel SDPA picks for a float mask) so that the forward's log-sum-exp
-    of each score row is kept: the backward takes q, k and v's gradients from that kernel's backward
-    and ``bias``'s from :func:`~megatrain.models.common.bias_gradient_kernel.attention_bias_grad` given
-    the log-sum-exp, which then skips its own pass over the keys. ``mask`` is :func:`biased_mask` of
-    ``bias`` and ``keep`` (its values are what the scores add, so the bias goes to the kernel rounded
-    to the mask's dtype: its probabilities are the forward's). CUDA only (:func:`_lse_path_applies`)."""
+def _attention_forward(q, k, v, mask, scale):
+    """SDPA's kernel for a float mask called directly: (output, log-sum-exp of each score row, what its
+    backward needs). CUDA: the memory-efficient kernel (the one SDPA picks for a float mask; its
+    log-sum-exp [b, heads, s_q rounded up to 32] padded with +inf); CPU: the flash-style CPU kernel."""
+    if q.is_cuda:
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, True, 0.0, False, scale=scale)
+        return out, lse, (seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                         scale=scale)
+    return out, lse, ()
+
+
+def _attention_backward(grad_out, q, k, v, mask, out, lse, extra, scale):
+    """q, k and v's gradients from the backward of :func:`_attention_forward`'s kernel."""
+    if q.is_cuda:
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, mask, out, lse, *extra, 0.0, [True, True, True, False], False, scale=scale)
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+
+
+class AttentionWithLogSumExp(torch.autograd.Function):
+    """``apply(q, k, v, mask, bias, keep, scale)`` -> SDPA's output, computed by the kernel SDPA would
+    run for the float mask, called directly so that the forward's log-sum-exp of each score row is
+    kept: the backward takes q, k and v's gradients from that kernel's backward and ``bias``'s from
+    :func:`~megatrain.models.common.bias_gradient_kernel.attention_bias_grad` given the log-sum-exp,
+    which then skips its own pass over the keys. ``mask`` is :func:`biased_mask` of ``bias`` and
+    ``keep`` (its values are what the scores add, so the bias goes to the kernel rounded to the mask's
+    dtype: its probabilities are the forward's). Where it runs: :func:`_lse_path_applies`."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, keep, scale):  # type: ignore[override]
         b, h, m, n = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         mask = mask.detach().expand(b, h, m, n)
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, mask, True, 0.0, False, scale=scale)
-        ctx.save_for_backward(q, k, v, mask, out, lse, seed, offset, bias.detach().to(mask.dtype), keep)
+        out, lse, extra = _attention_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse, bias.detach().to(mask.dtype), keep, *extra)
         ctx.scale = scale
         ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return out
@@ -103,29 +125,28 @@ class EfficientAttentionWithBias(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         from megatrain.models.common.bias_gradient_kernel import attention_bias_grad
 
-        q, k, v, mask, out, lse, seed, offset, bias, keep = ctx.saved_tensors
+        q, k, v, mask, out, lse, bias, keep, *extra = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, mask, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=ctx.scale)
+        dq, dk, dv = _attention_backward(grad_out, q, k, v, mask, out, lse, extra, ctx.scale)
         grad = attention_bias_grad(q, k, v, out, grad_out, bias, keep, ctx.scale, lse).unsqueeze(0)
         return dq, dk, dv, None, _sum_to(grad, ctx.bias_shape).to(ctx.bias_dtype), None, None
 
 
-# Whether attention_with_bias takes the log-sum-exp from SDPA's memory-efficient kernel where it can
-# (EfficientAttentionWithBias); False: SDPA, then the bias-gradient kernel computes it (a benchmark variant).
+# Whether attention_with_bias keeps the log-sum-exp of SDPA's kernel where it can (AttentionWithLogSumExp);
+# False: SDPA, then the bias-gradient kernel computes it (a benchmark variant).
 SDPA_LOG_SUM_EXP = True
 
 
 def _lse_path_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor,
                       keep: torch.Tensor | None) -> bool:
-    """Whether :class:`EfficientAttentionWithBias` runs: on CUDA, where the bias-gradient kernel
-    applies, with the shapes and strides the memory-efficient kernel takes as they are (head dims and
-    key counts multiples of 8 and 16, unit last strides, a 4-d mask)."""
-    return (SDPA_LOG_SUM_EXP and q.is_cuda and _kernel_applies(q, bias, keep) and mask.dim() == 4
-            and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and k.shape[-2] % 16 == 0
-            and all(t.stride(-1) == 1 for t in (q, k, v, mask)) and q.dtype in (torch.float16, torch.bfloat16,
-                                                                               torch.float32)
-            and mask.dtype == q.dtype)
+    """Whether :class:`AttentionWithLogSumExp` runs: where the bias-gradient kernel applies (CUDA with
+    Triton; the CPU under Triton's interpreter), with the shapes and strides the memory-efficient
+    kernel takes as they are (head dims and key counts multiples of 8 and 16, unit last strides, a 4-d
+    mask of the queries' dtype)."""
+    return (SDPA_LOG_SUM_EXP and q.device.type in ("cuda", "cpu") and _kernel_applies(q, bias, keep)
+            and mask.dim() == 4 and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and k.shape[-2] % 16 == 0
+            and all(t.stride(-1) == 1 for t in (q, k, v, mask))
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and mask.dtype == q.dtype)
 
 
 def _kernel_applies(q: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None) -> bool:
@@ -178,7 +199,7 @@ def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     trained = bias is not None and bias.requires_grad and torch.is_grad_enabled()
     if trained and _lse_path_applies(q, k, v, mask, bias, keep):
-        return EfficientAttentionWithBias.apply(q, k, v, mask, bias, keep, scale)
+        return AttentionWithLogSumExp.apply(q, k, v, mask, bias, keep, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.detach(), scale=scale)
     if trained:
         out = BiasGradient.apply(out, q, k, v, bias, keep, scale)

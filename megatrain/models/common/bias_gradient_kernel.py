@@ -187,7 +187,8 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             *k.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3], *out.stride(), *grad_out.stride(),
             HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=lbm, BN=lbn, BD=bd, BDV=bdv, num_warps=lwarps)
     else:
-        assert lse.dtype == torch.float32 and lse.shape[:2] == (B, H) and lse.shape[2] >= M and lse.stride(2) == 1
+        assert lse.dtype == torch.float32 and lse.shape[:2] == (B, H) and lse.shape[2] >= M
+        lse = lse if lse.stride(2) == 1 else lse.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)
     bm, bn, warps = TILE
     split = max(1, min(int(SPLIT_BATCH), B))
