@@ -21,6 +21,7 @@
 #                                              # benchmarks pretrain_gpt.py | tar -x -C bench_base`) and now, alternating
 #   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: the bias-gradient kernel's CUDA tests and kernel table, t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
 #   bash benchmarks/device_round.sh t5-lse     # nvidia-h200 or H100, ~7 min: GPU tests of the T5 SDPA log-sum-exp path and AdamW kernel, both kernel tables, T5 beside transformers
+#   bash benchmarks/device_round.sh fp8-21     # nvidia-h200 or H100, ~9 min (carry .whl): LLaMA-1.2B bf16 and fp8 at global batch 8, timed and profiled
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
@@ -195,6 +196,15 @@ case "${1:-table}" in
       --extra "" --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
     tail -n 3 /tmp/llama_*.log
     ;;
+  fp8-21)  # nvidia-h200 or H100, ~9 min (carry .whl): LLaMA-1.2B at global batch 8 in bf16 and with --fp8-format hybrid
+           # (timed), then both kernel tables: where fp8's expected matmul saving goes (casts, amax, the fusion
+           # being off under fp8, per-layer compilation)
+    timeout 260 $B llama-1.2b --iters 10 --warmup 4 --timeout 125 --extra "" --extra "--fp8-format hybrid" \
+      --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
+    profile llama-1.2b 130 "" bf16 > /tmp/prof_bf16.log 2>&1
+    profile llama-1.2b 150 "--fp8-format hybrid" fp8 > /tmp/prof_fp8.log 2>&1
+    tail -n 3 /tmp/llama_fp8.log /tmp/prof_*.log
+    ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
       --budget 545 --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
@@ -204,6 +214,6 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|vlm-20|llama21|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|vlm-20|llama21|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
