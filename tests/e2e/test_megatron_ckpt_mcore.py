@@ -13,6 +13,7 @@ megatron.core. Its CPU path needs a few CUDA calls stubbed (the helper's ``patch
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -28,11 +29,20 @@ from tests.e2e.conftest import cpu_env, free_port
 
 pytestmark = pytest.mark.slow
 
+# Whether a Python has megatron-core's checkpointing and psutil, found without importing them (an import of
+# megatron.core takes seconds, and every test worker collects this module).
+PROBE = ("import importlib.util as u, os, sys\n"
+         "m, p = u.find_spec('megatron'), u.find_spec('psutil')\n"
+         "ok = m is not None and p is not None and any(os.path.isdir(os.path.join(d, 'core', 'dist_checkpointing'))\n"
+         "                                            for d in (m.submodule_search_locations or []))\n"
+         "sys.exit(0 if ok else 1)")
+
+
+@functools.cache
 def _has_mcore(python: str) -> bool:
     if not os.path.isfile(python):
         return False
-    probe = subprocess.run([python, "-c", "import megatron.core.dist_checkpointing, psutil"], capture_output=True)
-    return probe.returncode == 0
+    return subprocess.run([python, "-c", PROBE], capture_output=True).returncode == 0
 
 
 MCORE_PYTHON = os.environ.get("MEGATRAIN_MCORE_PYTHON") or next(
