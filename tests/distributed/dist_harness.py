@@ -25,6 +25,7 @@ import functools
 import os
 import shlex
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -51,6 +52,9 @@ def _entry(rank: int, world_size: int, result_dir: str, fn: Callable, args: tupl
            alone: Callable[[], Any] | None) -> None:
     faulthandler.enable(all_threads=True)  # a C++ abort in a worker shows where Python was
     torch.set_num_threads(1)
+    import megatrain
+
+    megatrain.START_TIME = time.time()  # the process's start, as a launched run's import sets it (not the server's)
     out: dict[str, Any] = {"ok": True}
     if alone is not None and rank == 0:  # a process of its own: no launcher variables, no process group
         try:
@@ -71,10 +75,22 @@ def _entry(rank: int, world_size: int, result_dir: str, fn: Callable, args: tupl
     torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
+# Workers come from a fork server that has imported torch and megatrain once (per test process): a
+# fresh interpreter importing them took ~3.5 s a worker, most of these tests' time. The server is a
+# single-threaded process of its own, so its forks inherit no lock another thread held (as forks of
+# the test process itself, with pytest-xdist's threads, could); the workers set up everything they
+# use (threads, environment variables, the process group) in _entry.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "megatrain.training.trainer",
+           "tests.distributed.dist_harness"]
+
+
 def _spawn(fn: Callable, world_size: int, args: tuple, alone: Callable[[], Any] | None) -> list[dict[str, Any]]:
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as result_dir:
         mp.start_processes(_entry, args=(world_size, result_dir, fn, args, alone), nprocs=world_size,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
         results = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
                    for r in range(world_size)]
     errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if not res["ok"]]
