@@ -51,10 +51,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-1.2b", choices=["llama-1.2b", "tiny"])
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--blocks", nargs="+", default=["2048x8", "4096x8", "1024x4", "8192x16"],
+                    help="the kernel's elements a program x warps (runtime.adamw_kernel.BLOCK, WARPS), a row each")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    for kernel in (False, True):
+    from megatrain.runtime import adamw_kernel
+
+    settings = [(False, None)] + [(True, tuple(int(x) for x in b.split("x"))) for b in a.blocks]
+    for kernel, block in settings:
+        if block is not None:
+            adamw_kernel.BLOCK, adamw_kernel.WARPS = block
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s, _ in shapes(a.shape)]
         halves = [torch.empty_like(p, dtype=torch.bfloat16) if copy else None
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         n = sum(p.numel() for p in params)
         n_half = sum(p.numel() for p, _ in fused_pairs)
         moved = n * 28 + (n_half * 2 if kernel else n * 4 + n_half * 6)
-        rows.append((type(opt).__name__ + (" + foreach_copy_ refresh" if not kernel else " (copies in the step)"),
+        rows.append((type(opt).__name__ + (" + foreach_copy_ refresh" if not kernel
+                                           else f" (copies in the step; {block[0]} x {block[1]} warps)"),
                      ms, moved / 1e9, moved / ms / 1e6))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"AdamW step over {a.shape}'s {sum(p.numel() for p in params) / 1e9:.3f}e9 parameters, {name}, "

@@ -201,7 +201,10 @@ def test_kernel_adamw_on_cuda_follows_torchs_fused_adamw():
             assert torch.equal(h, p.detach().to(torch.bfloat16)), it
 
 
-def test_the_benchmark_prints_both_rows():
-    proc = _interpreted(["benchmarks/adamw_kernel.py", "--shape", "tiny", "--steps", "2"])
+def test_the_benchmark_prints_torchs_row_and_one_per_kernel_setting():
+    proc = _interpreted(["benchmarks/adamw_kernel.py", "--shape", "tiny", "--steps", "2", "--blocks", "2048x8",
+                         "1024x4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| AdamW + foreach_copy_ refresh |" in proc.stdout and "| KernelAdamW (copies in the step) |" in proc.stdout
+    assert "| AdamW + foreach_copy_ refresh |" in proc.stdout
+    for setting in ("2048 x 8 warps", "1024 x 4 warps"):
+        assert f"| KernelAdamW (copies in the step; {setting}) |" in proc.stdout, setting
