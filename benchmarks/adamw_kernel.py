@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrain.optimizer import OptimizerConfig, build_optimizer  # noqa: E402
+from megatrain.runtime import adamw_kernel  # noqa: E402
 from megatrain.runtime.adamw_kernel import KernelAdamW  # noqa: E402
 
 
@@ -56,8 +57,6 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    from megatrain.runtime import adamw_kernel
-
     settings = [(False, None)] + [(True, tuple(int(x) for x in b.split("x"))) for b in a.blocks]
     for kernel, block in settings:
         if block is not None:

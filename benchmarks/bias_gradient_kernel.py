@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrain.models.common import bias_gradient_kernel as bgk  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import measure_matmul_peak  # noqa: E402
+
 SHAPES = {"t5-base": (64, 12, 512, 64), "tiny": (2, 2, 32, 16)}  # batch, heads, seq, head dim
 DEFAULT_SETTINGS = ["64x64-w8", "64x64-w4", "64x64-w8-p1", "64x64-w8-p2", "64x64-w8-p4", "64x64-w8-s2",
                     "64x64-w8-s4", "128x64-w8", "64x128-w8", "128x128-w8-s4"]
@@ -84,19 +87,6 @@ def kernel_times(args, iters: int) -> dict[str, float]:
     return times
 
 
-def matmul_rate(device: torch.device) -> float:
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ a
-    end.record()
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="t5-base", choices=list(SHAPES))
@@ -115,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# attention_bias_grad kernel by kernel: {a.shape} (b {b}, heads {h}, s {s}, d {d}), "
              f"{torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}, torch {torch.__version__}", ""]
     if cuda:
-        rate = matmul_rate(device)
+        rate = measure_matmul_peak() * 1e12  # FLOP/s
         unique = sum(t.numel() * t.element_size() for t in args[:5]) + h * s * s * (2 + 4)  # + bias read, grad write
         flops = 2 * (2 * b * h * s * s * d)  # q k^T twice (lse and gradient kernels) + dO v^T
         lines.append(f"floors: {unique / 1e6:.0f} MB unique at 3.35 TB/s = {unique / 3.35e12 * 1e3:.3f} ms; "

@@ -116,7 +116,7 @@ class AttentionWithLogSumExp(torch.autograd.Function):
         b, h, m, n = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         mask = mask.detach().expand(b, h, m, n)
         out, lse, extra = _attention_forward(q, k, v, mask, scale)
-        ctx.save_for_backward(q, k, v, mask, out, lse, bias.detach().to(mask.dtype), keep, *extra)
+        ctx.save_for_backward(q, k, v, mask, out, lse, bias.detach(), keep, *extra)
         ctx.scale = scale
         ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return out
@@ -128,6 +128,9 @@ class AttentionWithLogSumExp(torch.autograd.Function):
         q, k, v, mask, out, lse, bias, keep, *extra = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         dq, dk, dv = _attention_backward(grad_out, q, k, v, mask, out, lse, extra, ctx.scale)
+        # rounded to the mask's dtype in the one copy that also makes it contiguous for the kernel (the
+        # bias every layer shares is saved, not a copy of it per layer)
+        bias = bias.expand(1, *mask.shape[1:]).to(mask.dtype, memory_format=torch.contiguous_format)
         grad = attention_bias_grad(q, k, v, out, grad_out, bias, keep, ctx.scale, lse).unsqueeze(0)
         return dq, dk, dv, None, _sum_to(grad, ctx.bias_shape).to(ctx.bias_dtype), None, None
 

@@ -6,11 +6,12 @@ the sum over the batch of the score gradient ``P * (dO v^T - rowsum(dO * O))``, 
 :class:`~megatrain.models.common.bias_gradient.BiasGradient` computes in PyTorch, without any tensor of
 size batch x heads x s_q x s_k: one kernel computes each row's log-sum-exp over the keys (and
 ``rowsum(dO * O)``), unless the caller has the forward's (SDPA's memory-efficient kernel keeps it: 0.27 ms
-of the op's 0.9 a T5-base layer on an H100); a second gives each program one [BLOCK_M, BLOCK_N] tile (``TILE``) of one head's bias
-gradient and loops over the batch inside, recomputing the tile's scores and ``dO v^T`` with two small
-matmuls per sample and summing in registers, so the tile is written once (no atomics) and the sample's
-q, k, v and dO tiles are read from cache by the programs of the same head. (``SPLIT_BATCH`` > 1 shares
-each tile's batch among that many programs, which then add their sums atomically.)
+of the op's 0.9 a T5-base layer on an H100); a second gives each program one [BLOCK_M, BLOCK_N] tile
+(``TILE``) of one head's bias gradient and loops over the batch inside, recomputing the tile's scores
+and ``dO v^T`` with two small matmuls per sample and summing in registers, so the tile is written once
+(no atomics) and the sample's q, k, v and dO tiles are read from cache by the programs of the same
+head. (``SPLIT_BATCH`` > 1 shares each tile's batch among that many programs, which then add their sums
+atomically.)
 
 Registered as a custom operator so ``torch.compile`` treats it as one opaque call. It runs on CUDA, and
 on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests check it).
@@ -196,7 +197,8 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     grad_kernel[(H * split, triton.cdiv(M, bm), triton.cdiv(N, bn))](
         q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
-        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), HAS_KEEP=keep_u8 is not None, IEEE=ieee, SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps,
+        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), HAS_KEEP=keep_u8 is not None, IEEE=ieee,
+        SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps,
         **({} if STAGES is None else {"num_stages": int(STAGES)}))
     return grad
 
