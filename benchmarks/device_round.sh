@@ -22,6 +22,7 @@
 #   bash benchmarks/device_round.sh t5-18      # nvidia-h200 or H100, ~9.5 min: the bias-gradient kernel's CUDA tests and kernel table, t5_attention.py's SDPA split, T5 beside transformers (both bias gradients)
 #   bash benchmarks/device_round.sh t5-lse     # nvidia-h200 or H100, ~7 min: GPU tests of the T5 SDPA log-sum-exp path and AdamW kernel, both kernel tables, T5 beside transformers
 #   bash benchmarks/device_round.sh fp8-21     # nvidia-h200 or H100, ~9 min (carry .whl): LLaMA-1.2B bf16 and fp8 at global batch 8, timed and profiled
+#   bash benchmarks/device_round.sh fp8-fused  # nvidia-h200 or H100, ~9.5 min (carry .whl): LLaMA-1.2B bf16, fp8 torchao, fp8 megatrain's layers; the last profiled
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
@@ -204,6 +205,19 @@ case "${1:-table}" in
     profile llama-1.2b 130 "" bf16 > /tmp/prof_bf16.log 2>&1
     profile llama-1.2b 150 "--fp8-format hybrid" fp8 > /tmp/prof_fp8.log 2>&1
     tail -n 3 /tmp/llama_fp8.log /tmp/prof_*.log
+    ;;
+  fp8-fused)  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of megatrain's fp8 layers, LLaMA-1.2B at
+              # global batch 8 in bf16, fp8 through torchao and fp8 through megatrain's layers (timed), then the
+              # profile of megatrain's fp8 step and (as time allows) torchao's
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/unit/test_fp8_fusion.py -k cuda > "$OUT/gpu_tests.txt" 2>&1
+    timeout 345 $B llama-1.2b --iters 10 --warmup 4 --timeout 110 --extra "" --extra "--fp8-format hybrid" \
+      --extra "MEGATRAIN_FP8_BACKEND=fused --fp8-format hybrid" --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
+    left=$((585 - SECONDS))
+    [ $left -gt 100 ] && MEGATRAIN_FP8_BACKEND=fused profile llama-1.2b $((left > 140 ? 130 : left - 5)) \
+      "--fp8-format hybrid" fp8_fused > /tmp/prof_fused.log 2>&1
+    left=$((585 - SECONDS))
+    [ $left -gt 100 ] && profile llama-1.2b $((left - 5)) "--fp8-format hybrid" fp8 > /tmp/prof_fp8.log 2>&1
+    tail -n 3 /tmp/llama_fp8.log /tmp/prof_*.log; tail -n 3 "$OUT/gpu_tests.txt"
     ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \

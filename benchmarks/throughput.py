@@ -26,6 +26,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -124,6 +125,12 @@ def measure_matmul_peak(size: int = 8192, repeats: int = 20) -> float | None:
 def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, timeout: int,
             data_path: str | None = None, matmul_peak: float | None = None) -> dict:
     data = ["--data-path", data_path, "--split", "100,0,0"] if data_path else ["--mock-data"]
+    env = dict(os.environ)
+    settings = []  # leading NAME=VALUE words of an --extra: environment settings of that run, as in a shell
+    while extra and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", extra[0]):
+        settings.append(extra[0])
+        extra = extra[1:]
+    env.update(item.split("=", 1) for item in settings)
     flags = [*SHAPES[name], *COMMON, *data, "--train-iters", str(iters), *extra]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -131,7 +138,7 @@ def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, ti
     else:
         cmd = [sys.executable, "pretrain_gpt.py", *flags]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     first = None
     lines, tail = [], []
     setup: dict[str, float] = {}  # Megatron's set-up lines: seconds to initialize, the set-up timers (max over ranks)
@@ -156,7 +163,7 @@ def run_one(name: str, iters: int, warmup: int, extra: list[str], nproc: int, ti
     finally:
         if proc.poll() is None:
             proc.kill()
-    row = {"shape": name, "flags": " ".join(extra) or "(defaults)", "data": "real" if data_path else "mock",
+    row = {"shape": name, "flags": " ".join([*settings, *extra]) or "(defaults)", "data": "real" if data_path else "mock",
            "nproc": nproc}
     steady = [d for d in lines if d["iteration"] > warmup]
     if proc.returncode != 0 or not steady:
@@ -215,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=8, help="iterations left out of the medians")
     ap.add_argument("--extra", action="append", default=None,
-                    help="extra pretrain_gpt.py flags; repeat to run every shape once per value")
+                    help="extra pretrain_gpt.py flags, led by NAME=VALUE environment settings if any; repeat to "
+                         "run every shape once per value")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per run")
     ap.add_argument("--output", default=None, help="also write the table (markdown) here")

@@ -42,13 +42,14 @@ from megatrain.models.common.init import canonical_parameter_name
 from megatrain.models.common.layer_stacks import transformer_layers
 from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
-from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8
+from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8, fp8_layer_linears
+from megatrain.runtime.fp8_fusion import convert_fp8_linears
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
 from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
 from megatrain.parallel.dims import ParallelDims
-from megatrain.parallel.expert_parallel import apply_expert_parallel
+from megatrain.parallel.expert_parallel import apply_expert_parallel, moe_layers
 from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
 from megatrain.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
@@ -63,7 +64,10 @@ class ParallelizeConfig:
     attention_mask: bool = False  # explicit masks (--reset-attention-mask), for the same probe
     compile_mode: str = "default"  # --torch-compile-mode
     compile_scope: str = "auto"  # --torch-compile-scope: "layer", "model", or "auto" (model where allowed)
-    fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers (torchao)
+    fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers
+    # fp8 layers on the gradient-accumulation fusion's protocol where the fusion applies (megatrain's
+    # own, weights cast once per step: MEGATRAIN_FP8_BACKEND=fused); False: torchao's layers everywhere
+    fp8_fused: bool = False
     tp_comm_overlap: bool = False  # --tp-comm-overlap: async TP (CUDA, compiled, sequence parallel)
     # fp32 weight-gradient accumulation inside the half-precision layers' matmuls: None = where it
     # applies (--bf16/--fp16 without FSDP2, TP, PP, fp8 or full recompute); False: off
@@ -109,8 +113,23 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
                          f"one pipeline stage; with --pipeline-model-parallel-size {dims.pp} build the stages "
                          "with megatrain.parallel.pipeline.PipelineParallel.build")
     distributed = dims.world_size > 1
+    # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
+    # fit DDP's reducer with several stages per rank. One process with --use-distributed-optimizer /
+    # --zero-stage: FSDP2 over a mesh of one rank, for its mixed precision (bf16 compute weights
+    # cast once per iteration, fp32 gradient accumulation).
+    single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
+    fsdp = (single or (distributed and dims.replicas > 1)) and uses_fsdp(cfg.data_parallel,
+                                                                        dims.tp_enabled or dims.pp > 1)
+    # Mixture-of-experts: FSDP2 whenever there are several ranks (also a mesh of one data-parallel
+    # rank), so that the experts' gradients are reduced over the ranks holding the same experts.
+    expert_fsdp = distributed and any(True for _ in moe_layers(model))
+    fsdp = fsdp or expert_fsdp
+    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp)
+    fp8_fused = cfg.fp8_format is not None and fusion_applies  # fp8 on the fusion's protocol
     fp8_report = None
-    if cfg.fp8_format is not None:
+    if fp8_fused:
+        fp8_report = fp8_layer_linears(model, tp=dims.tp)
+    elif cfg.fp8_format is not None:
         fp8_report = convert_to_fp8(model, Fp8Config(cfg.fp8_format), tp=dims.tp)
     if dims.tp_enabled:
         dims.validate_model(config)
@@ -124,23 +143,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
             enable_async_tensor_parallel(dims.submesh("tp"))
     if dims.cp > 1:
         apply_context_parallel(model, dims.submesh("cp"))
-    moe = apply_expert_parallel(model, dims)
+    apply_expert_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute)
-    # Pipeline stages use FSDP2 for data parallel too: the schedules' split backward passes do not
-    # fit DDP's reducer with several stages per rank. One process with --use-distributed-optimizer /
-    # --zero-stage: FSDP2 over a mesh of one rank, for its mixed precision (bf16 compute weights
-    # cast once per iteration, fp32 gradient accumulation).
-    single = dims.world_size == 1 and cfg.data_parallel.zero_stage > 0
-    fsdp = (single or (distributed and dims.replicas > 1)) and uses_fsdp(cfg.data_parallel,
-                                                                        dims.tp_enabled or dims.pp > 1)
-    # Mixture-of-experts: FSDP2 whenever there are several ranks (also a mesh of one data-parallel
-    # rank), so that the experts' gradients are reduced over the ranks holding the same experts.
-    expert_fsdp = moe and distributed
-    fsdp = fsdp or expert_fsdp
     whole_model_ok = whole_model_compile_allowed(tp=dims.tp, pp=dims.pp, cp=dims.cp, sharded_data_parallel=fsdp)
     compile_model = (cfg.compile_layers and compile_fn is None
                      and (cfg.compile_scope == "model"
-                          or cfg.compile_scope == "auto" and whole_model_ok and cfg.fp8_format is None))
+                          or cfg.compile_scope == "auto" and whole_model_ok
+                          and (cfg.fp8_format is None or fp8_fused)))
     if compile_model and not whole_model_ok:
         raise ValueError("--torch-compile-scope model compiles the whole model of one process or of a "
                          "replicated (DDP) data-parallel run; with --tensor-model-parallel-size, "
@@ -165,13 +174,20 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
         model.to_empty(device=device)
     init_parameters(model, config, seed, family.initial_value)
     fusion = None
-    if grad_accumulation_fusion_applies(cfg, dims, fsdp):
+    if fusion_applies:
+        fp8_linears = []
+        if fp8_fused:
+            assert fp8_report is not None
+            modules = dict(model.named_modules())
+            fp8_linears = convert_fp8_linears([modules[name] for name in fp8_report[0]], cfg.fp8_format,
+                                              cfg.compute_dtype)
         linears = convert_linears(m for layer in transformer_layers(model) for m in layer.modules())
         head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
         # (the fusion applies without pipeline stages only, so the model is whole and holds its head)
         extra = [(head, model.output_weight())] if isinstance(head, ChunkedCrossEntropy) else []
-        if linears or extra:
-            fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters())
+        if linears or extra or fp8_linears:
+            fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters(),
+                                            fp8_linears=fp8_linears)
     if device.type == "cuda":
         # An encoder's padding mask is an explicit mask too (flash attention takes only causal ones).
         warn_if_attention_falls_back(config, cfg.compute_dtype, device,
@@ -187,13 +203,15 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
 def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims, fsdp: bool) -> bool:
     """Whether the layers' linear layers accumulate weight gradients in their matmuls
     (:mod:`megatrain.runtime.grad_accumulation_fusion`): half-precision compute on plain (not
-    FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, no fp8 layers, and no
-    full-layer recomputation (its second forward would not see the staged gradients)."""
+    FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, and no full-layer
+    recomputation (its second forward would not see the staged gradients). With ``--fp8-format``
+    the fusion applies only with ``MEGATRAIN_FP8_BACKEND=fused`` (``cfg.fp8_fused``): the fp8 layers
+    then follow the same protocol (:mod:`megatrain.runtime.fp8_fusion`) instead of being torchao's."""
     if cfg.grad_accumulation_fusion is False:
         return False
     if cfg.grad_accumulation_fusion is None and cfg.compute_dtype == torch.float32:
         return False
-    return (not fsdp and not dims.tp_enabled and dims.pp == 1 and cfg.fp8_format is None
+    return (not fsdp and not dims.tp_enabled and dims.pp == 1 and (cfg.fp8_format is None or cfg.fp8_fused)
             and cfg.recompute.granularity != "full")
 
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available", "require_fp8", "is_fp8_linear"]
+__all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available", "fp8_layer_linears", "require_fp8",
+           "is_fp8_linear"]
 
 FP8_FORMATS = ("e4m3", "hybrid")
 _LAYER_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -51,8 +52,8 @@ def require_fp8() -> None:
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is a linear layer :func:`convert_to_fp8` swapped in."""
-    return type(module).__name__ == "Float8Linear"
+    """Whether ``module`` is an fp8 linear layer (torchao's, or :mod:`megatrain.runtime.fp8_fusion`'s)."""
+    return type(module).__name__ in ("Float8Linear", "Fp8FusedLinear")
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,15 @@ def convert_to_fp8(model: nn.Module, cfg: Fp8Config, tp: int = 1) -> tuple[list[
     require_fp8()
     from torchao.float8 import convert_to_float8_training
 
+    report = fp8_layer_linears(model, tp)
+    convert_to_float8_training(model, module_filter_fn=lambda m, name: _eligible(m, name, tp),
+                               config=_torchao_config(cfg))
+    return report
+
+
+def fp8_layer_linears(model: nn.Module, tp: int = 1) -> tuple[list[str], list[str]]:
+    """(the transformer-layer linear layers of ``model`` fp8 matmuls take, those they do not)."""
     candidates = [name for name, m in model.named_modules()
                   if type(m) is nn.Linear and name.rsplit(".", 1)[-1] in _LAYER_LINEARS]
     converted = [name for name, m in model.named_modules() if _eligible(m, name, tp)]
-    convert_to_float8_training(model, module_filter_fn=lambda m, name: _eligible(m, name, tp),
-                               config=_torchao_config(cfg))
     return converted, [name for name in candidates if name not in converted]

@@ -218,12 +218,16 @@ class GradAccumulationFusion:
 
     def __init__(self, linears: list[FusedGradLinear], dtype: torch.dtype,
                  extra: list[tuple[Any, torch.Tensor]] | None = None,
-                 others: Iterable[torch.Tensor] = ()) -> None:
-        assert linears or extra, "no layers to fuse"
+                 others: Iterable[torch.Tensor] = (), fp8_linears: list[Any] | None = None) -> None:
+        assert linears or extra or fp8_linears, "no layers to fuse"
         self.linears = linears
         self.dtype = dtype
         # (holder, its float32 weight): every holder has half_weight and main_grad_in attributes
-        self.slots: list[tuple[Any, torch.Tensor]] = [(m, m.weight) for m in linears] + list(extra or [])
+        self.half_slots: list[tuple[Any, torch.Tensor]] = [(m, m.weight) for m in linears] + list(extra or [])
+        # fp8 layers (megatrain.runtime.fp8_fusion.Fp8FusedLinear): main_grad_in, and refresh_fp8()
+        # instead of a half-precision copy
+        self.fp8_linears = list(fp8_linears or [])
+        self.slots = self.half_slots + [(m, m.weight) for m in self.fp8_linears]
         fused = {id(w) for _, w in self.slots}
         self.others = [p for p in others if p.requires_grad and id(p) not in fused]
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient so far)
@@ -231,6 +235,7 @@ class GradAccumulationFusion:
         # main_grad_in is a plain instance attribute (``nn.Module.__setattr__`` costs ~1 us a call,
         # three calls per weight and micro-batch), else None (set through setattr).
         self._weights = [w for _, w in self.slots]
+        self._half_weights = [w for _, w in self.half_slots]
         self._dicts = [_plain_attribute_dict(h, "main_grad_in") for h, _ in self.slots]
         self._fast_attrs = all(d is not None for d in self._dicts)
         self._halves: list[torch.Tensor] | None = None  # the holders' half_weight, as refresh made them
@@ -252,22 +257,30 @@ class GradAccumulationFusion:
 
     @torch.no_grad()
     def refresh(self) -> None:
+        """Bring the weights' half-precision (and fp8) copies up to date with the float32 weights."""
+        for m in self.fp8_linears:
+            m.refresh_fp8()
+        if self.half_slots:
+            self._refresh_halves()
+
+    def _refresh_halves(self) -> None:
         halves = self._halves
         if halves is None or not all(holder.half_weight is h and h.device == w.device
-                                     for (holder, w), h in zip(self.slots, halves)):
-            for holder, w in self.slots:
+                                     for (holder, w), h in zip(self.half_slots, halves)):
+            for holder, w in self.half_slots:
                 if holder.half_weight is None or holder.half_weight.device != w.device:
                     holder.half_weight = torch.empty_like(w, dtype=self.dtype)
-            halves = self._halves = [holder.half_weight for holder, _ in self.slots]
-        if self.copier is not None and self.copier.copies_current(self._weights, halves):
+            halves = self._halves = [holder.half_weight for holder, _ in self.half_slots]
+        weights = self._half_weights
+        if self.copier is not None and self.copier.copies_current(weights, halves):
             return  # the last optimizer step wrote them
         if hasattr(torch, "_foreach_copy_"):  # (no_grad: the parameters themselves are the sources)
-            torch._foreach_copy_(halves, self._weights)
+            torch._foreach_copy_(halves, weights)
         else:  # pragma: no cover - old torch
-            for h, w in zip(halves, self._weights):
+            for h, w in zip(halves, weights):
                 h.copy_(w)
         if self.copier is not None:
-            self.copier.set_half_copies(zip(self._weights, halves))
+            self.copier.set_half_copies(zip(weights, halves))
 
     def stage(self, hold_others: bool = False, fresh: bool = False) -> None:
         """Before a training micro-batch's forward. ``fresh``: the optimizer step's only micro-batch
@@ -320,9 +333,11 @@ class GradAccumulationFusion:
             p.grad = g
 
     def drop_half_weights(self) -> None:
-        """Free the half-precision copies (they come back with the next ``refresh``)."""
-        for holder, _ in self.slots:
+        """Free the half-precision and fp8 copies (they come back with the next ``refresh``)."""
+        for holder, _ in self.half_slots:
             holder.half_weight = None
+        for m in self.fp8_linears:
+            m.drop_fp8()
         self._halves = None
         if self.copier is not None:
             self.copier.set_half_copies(())

@@ -99,7 +99,8 @@ def _parallelize_config(args: argparse.Namespace, precision: Precision) -> Paral
         cross_entropy_chunk_size=args.cross_entropy_chunk_size, compute_dtype=precision.dtype,
         attention_mask=args.reset_attention_mask, compile_mode=args.torch_compile_mode,
         compile_scope=args.torch_compile_scope, fp8_format=args.fp8_format, tp_comm_overlap=args.tp_comm_overlap,
-        grad_accumulation_fusion=False if args.no_gradient_accumulation_fusion else None)
+        grad_accumulation_fusion=False if args.no_gradient_accumulation_fusion else None,
+        fp8_fused=fp8_backend_from_env() == "fused")
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
@@ -110,6 +111,17 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 
 ADAMW_KERNEL_ENV = "MEGATRAIN_ADAMW_KERNEL"
+FP8_BACKEND_ENV = "MEGATRAIN_FP8_BACKEND"
+
+
+def fp8_backend_from_env() -> str:
+    """``MEGATRAIN_FP8_BACKEND``: ``torchao`` (default: torchao's float8 layers) or ``fused`` (megatrain's
+    fp8 layers on the gradient-accumulation fusion's protocol where that applies, torchao's elsewhere);
+    another value is an error at start-up."""
+    value = os.environ.get(FP8_BACKEND_ENV, "").strip() or "torchao"
+    if value not in ("torchao", "fused"):
+        raise ValueError(f"{FP8_BACKEND_ENV} must be torchao or fused, got {value!r}")
+    return value
 
 
 def adamw_kernel_from_env() -> bool:

@@ -391,9 +391,12 @@ class Trainer(StepMixin, EvaluationMixin):
             print_rank0(f" {estimate.line()}")
         fusion = self.grad_fusion
         if fusion is not None:
-            print_rank0(f" gradient-accumulation fusion: {len(fusion.slots)} weights compute from {self.precision.name} "
-                        "copies refreshed once per step and add their gradients into the fp32 .grad inside the "
-                        "weight-gradient matmul (--no-gradient-accumulation-fusion turns it off)")
+            n_fp8 = len(fusion.fp8_linears)
+            copies = (f"copies ({len(fusion.slots) - n_fp8} {self.precision.name}, {n_fp8} fp8)" if n_fp8
+                      else f"{self.precision.name} copies")
+            print_rank0(f" gradient-accumulation fusion: {len(fusion.slots)} weights compute from {copies} refreshed "
+                        "once per step and add their gradients into the fp32 .grad inside the weight-gradient matmul "
+                        "(--no-gradient-accumulation-fusion turns it off)")
         if self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1: say whether it applies
             if isinstance(self.optimizer, KernelAdamW):
                 copies = ", the half-precision weight copies written in the same pass" if fusion is not None else ""
@@ -405,8 +408,10 @@ class Trainer(StepMixin, EvaluationMixin):
         fp8 = self.parallelized.fp8_report
         if fp8 is not None:
             converted, kept = fp8
+            backend = ("megatrain's, weights cast once per step" if fusion is not None and fusion.fp8_linears
+                       else "torchao")
             print_rank0(f" fp8 ({a.fp8_format}: e4m3 forward, {'e5m2' if a.fp8_format == 'hybrid' else 'e4m3'} "
-                        f"gradients; dynamic per-tensor scales; torchao): {len(converted)} linear "
+                        f"gradients; dynamic per-tensor scales; {backend}): {len(converted)} linear "
                         "layers of the transformer layers run fp8 matmuls"
                         + (" (on this rank's pipeline stages)" if self.dims.pp > 1 else "")
                         + "; the output layer stays bf16"

@@ -271,12 +271,14 @@ class Run:
 
 
 def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers: int = 2, dropout: float = 0.0,
-                 grad_fusion: bool = False, fp8: str | None = None, fused_adamw: bool = False,
-                 evaluate: bool = False) -> Run:
+                 grad_fusion: bool = False, fp8: str | None = None, fp8_fused: bool = False,
+                 fused_adamw: bool = False, evaluate: bool = False) -> Run:
     """``steps`` iterations of :class:`HarnessTrainer` with the Megatron flags ``layout`` (for this
     process group: ``"--tensor-model-parallel-size 2 --sequence-parallel"``, ...), inside a worker.
 
-    ``grad_fusion``, ``fp8`` (a format) and ``fused_adamw``: see :class:`HarnessTrainer`.
+    ``grad_fusion``, ``fp8`` (a format) and ``fused_adamw``: see :class:`HarnessTrainer`; ``fp8_fused``:
+    the fp8 layers on the gradient-accumulation fusion's protocol (MEGATRAIN_FP8_BACKEND=fused, with
+    the fusion forced as ``grad_fusion`` does) instead of torchao's.
     ``Run.info``: ``fused_linears`` (layers of the gradient-accumulation fusion), ``fp8_layers``
     (fp8 linear layers), ``chunks`` (the chunked head loss, or under TP the chunked vocab-parallel
     loss, is used), ``fused_adamw`` (the optimizer runs fused kernels), ``homogeneous_groups``
@@ -294,6 +296,8 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
         overrides["grad_accumulation_fusion"] = True
     if fp8 is not None:
         overrides["fp8_format"] = fp8
+    if fp8_fused:
+        overrides.update(fp8_fused=True, grad_accumulation_fusion=True)
     trainer = HarnessTrainer(args, parallelize=overrides, fused_adamw=fused_adamw)
     try:
         assert trainer.model_config == tiny_config(style, num_layers=num_layers, hidden_dropout=dropout,
@@ -301,7 +305,9 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
         made = trainer.parallelized
         info: dict[str, Any] = {
             "fused_linears": len(made.grad_fusion.linears) if made.grad_fusion is not None else 0,
-            "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in unwrap(trainer.model).modules()),
+            "fp8_layers": sum(type(m).__name__ in ("Float8Linear", "Fp8FusedLinear")
+                              for m in unwrap(trainer.model).modules()),
+            "fp8_fused_layers": len(made.grad_fusion.fp8_linears) if made.grad_fusion is not None else 0,
             "chunks": getattr(made.loss_head, "chunk_size", 0) > 0,
             "fused_adamw": bool(trainer.optimizer.defaults.get("fused")),
             "homogeneous_groups": all(

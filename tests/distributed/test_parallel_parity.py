@@ -44,6 +44,9 @@ WORLD2 = {
     # normalised updates carry those differences on, as they would between any two fp8 runs.
     "dp2_ddp_fp8_hybrid": ("gpt2", "", dict(fp8="hybrid", steps=1)),
     "dp2_zero2_fp8_e4m3": ("llama", "--zero-stage 2", dict(fp8="e4m3", steps=1)),
+    # megatrain's fp8 layers (weights cast once per step, float32 weight gradients added in place)
+    # against torchao's in one process: the same recipe, so the same numbers
+    "dp2_ddp_fp8_fused_hybrid": ("llama", "", dict(fp8="hybrid", fp8_fused=True, steps=1)),
     "tp2_fp8_hybrid": ("gpt2", "--tensor-model-parallel-size 2", dict(fp8="hybrid", steps=1)),
     "tp2_sp_fp8_e4m3": ("gpt2", "--tensor-model-parallel-size 2 --sequence-parallel", dict(fp8="e4m3", steps=1)),
 }
@@ -52,6 +55,7 @@ WORLD1 = {
     "one_process_zero1": ("llama", "--use-distributed-optimizer", {}),
     "one_process_zero3": ("gpt2", "--zero-stage 3", {}),
     "one_process_grad_fusion": ("llama", "", dict(grad_fusion=True)),
+    "one_process_fp8_fused_e4m3": ("gpt2", "", dict(fp8="e4m3", fp8_fused=True, steps=2)),
 }
 WORLD4 = {
     "tp2_dp2": ("gpt2", "--tensor-model-parallel-size 2", {}),
@@ -88,7 +92,10 @@ def _check(world: tuple[dict, list[dict]], name: str, layout: tuple) -> None:
         info = run.info
         assert info["homogeneous_groups"], "an optimizer group mixes plain tensors and DTensors"
         assert info["fp8_layers"] == (8 if kwargs.get("fp8") else 0), "fp8 linear layers"
-        assert info["fused_linears"] == (8 if kwargs.get("grad_fusion") else 0), "gradient-accumulation fusion layers"
+        fused_fp8 = kwargs.get("fp8_fused", False)
+        assert info["fused_linears"] == (8 if kwargs.get("grad_fusion") and not fused_fp8 else 0), \
+            "gradient-accumulation fusion layers"
+        assert info["fp8_fused_layers"] == (8 if fused_fp8 else 0), "fp8 layers on the fusion's protocol"
         assert info["chunks"] == ("--cross-entropy-chunk-size" in flags), "the chunked loss"
         assert info["fused_adamw"] == kwargs.get("fused_adamw", False), "fused AdamW kernels"
         if "unsynced" in info:

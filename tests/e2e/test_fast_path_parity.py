@@ -99,6 +99,26 @@ def test_fp8_trains_like_bf16(fmt):
         assert abs(lf - lb) <= 5e-3 * abs(lb), (step, lb, lf)
 
 
+@pytest.mark.slow
+def test_fp8_fused_backend_runs_torchaos_recipe():
+    """MEGATRAIN_FP8_BACKEND=fused (fp8 layers on the gradient-accumulation fusion's protocol) through
+    pretrain_gpt.py: it says so, and its first iterations follow torchao's layers (the same recipe; the
+    weight gradients summed in float32 instead of rounded to bf16 per micro-batch)."""
+    pytest.importorskip("torchao.float8")
+    import os
+
+    runs = {}
+    for backend in ("fused", "torchao"):
+        out = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--bf16", "--fp8-format", "hybrid",
+                       "--exit-interval", "3"], env={**os.environ, "MEGATRAIN_FP8_BACKEND": backend}).stdout
+        runs[backend] = [parse_train_log_line(line)["lm loss"] for line in out.splitlines() if "] iteration " in line]
+        says = "megatrain's, weights cast once per step" if backend == "fused" else "torchao)"
+        assert any(" fp8 (hybrid" in line and says in line for line in out.splitlines()), out[-3000:]
+    assert len(runs["fused"]) == 3
+    for step, (f, t) in enumerate(zip(runs["fused"], runs["torchao"]), start=1):
+        assert abs(f - t) <= 1e-4 * abs(t), (step, f, t)
+
+
 GPU_ITERS = 100
 # The plain path: eager, the whole logits, autocast's casts and autograd's gradient additions.
 EAGER = ("--no-torch-compile", "--cross-entropy-chunk-size", "0", "--no-gradient-accumulation-fusion")
@@ -106,8 +126,11 @@ GPU_RUN = [*_run_flags(4, 256, 256, 4, 16, 8000, "cuda", GPU_ITERS, "1e-3", 10),
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_losses(*extra: str) -> list[float]:
-    out = run_cmd([sys.executable, "pretrain_gpt.py", *GPU_RUN, *extra], timeout=900).stdout
+def _gpu_losses(*extra: str, fp8_backend: str = "torchao") -> list[float]:
+    import os
+
+    out = run_cmd([sys.executable, "pretrain_gpt.py", *GPU_RUN, *extra], timeout=900,
+                  env={**os.environ, "MEGATRAIN_FP8_BACKEND": fp8_backend}).stdout
     lines = [parse_train_log_line(line) for line in out.splitlines() if "] iteration " in line]
     assert [d["iteration"] for d in lines] == list(range(1, GPU_ITERS + 1))
     return [d["lm loss"] for d in lines]
@@ -165,13 +188,15 @@ def test_cuda_graphs_train_with_dropout_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_trains_like_bf16_on_gpu():
+@pytest.mark.parametrize("backend", ["torchao", "fused"])
+def test_fp8_trains_like_bf16_on_gpu(backend):
     """--fp8-format hybrid changes the matmuls' maths (fp8 inputs, per-tensor scales), so it is held to a
     looser bound than the bf16 fast paths: 100 steps against the bf16 eager run, every step within 5 %
-    and the last 10 steps' mean within 2 %. (Measured on an H200: 3.0 % at the worst step.)"""
+    and the last 10 steps' mean within 2 %. (Measured on an H200: 3.0 % at the worst step.) Both fp8
+    backends: torchao's layers and megatrain's on the gradient-accumulation fusion (MEGATRAIN_FP8_BACKEND)."""
     pytest.importorskip("torchao.float8")
     eager = _gpu_losses(*EAGER)
-    fp8 = _gpu_losses("--fp8-format", "hybrid")
+    fp8 = _gpu_losses("--fp8-format", "hybrid", fp8_backend=backend)
     worst = max(abs(c - e) / abs(e) for e, c in zip(eager, fp8))
     assert worst < 5e-2, f"fp8 differs from bf16 by {worst:.3%} relative at worst"
     tail_e, tail_f = sum(eager[-10:]) / 10, sum(fp8[-10:]) / 10

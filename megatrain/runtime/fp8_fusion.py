@@ -1,0 +1,192 @@
+"""fp8 matmuls on the gradient-accumulation fusion's protocol (``--fp8-format`` where the fusion
+applies: one process or replicated data parallel, no TP, PP, FSDP2 or full recomputation).
+
+The recipe is the one :mod:`megatrain.runtime.fp8` gets from torchao (e4m3 forward operands, e5m2
+or e4m3 output gradients, a dynamic per-tensor scale from each tensor's current absolute maximum,
+``torch._scaled_mm`` with fast accumulation in the forward only), so the numbers are the same; what
+differs is what happens to the weights and their gradients:
+
+* torchao's ``Float8Linear`` casts every float32 weight to fp8 in each micro-batch's forward and
+  again, in the other layout, in its backward (an absolute-maximum pass and a cast pass each), and
+  its weight-gradient matmul writes a bf16 gradient that autograd casts to float32 and adds to
+  ``.grad``: about 38 bytes moved per weight and micro-batch besides the matmuls.
+* :class:`Fp8FusedLinear` casts each weight once per optimizer step, in
+  :meth:`GradAccumulationFusion.refresh <megatrain.runtime.grad_accumulation_fusion.GradAccumulationFusion.refresh>`
+  (the weights do not change between micro-batches): the fp8 weight in both layouts the matmuls
+  take and its inverse scale, written in place (so captured CUDA graphs see the new values). The
+  weight-gradient matmul writes float32 (more exact than bf16) and, from the second micro-batch of
+  a step on, adds into the staged gradient (``megatrain::fp8_accumulate_wgrad_``); a step of one
+  micro-batch writes it as the new ``.grad``. The forward saves the fp8 input (one byte an element,
+  not two) with its scale for the backward.
+
+Token counts that are not a multiple of 16 (the fp8 kernels' inner sizes) get zero rows appended
+for the matmuls, which change no sum. ``torch._scaled_mm`` runs on CUDA (sm89 and later) and, in
+recent torch, on the CPU, where the tests check these layers against the same maths in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Fp8FusedLinear", "convert_fp8_linears", "fp8_accumulate_wgrad_", "quantize"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_EPS = 1e-12  # the smallest absolute maximum a scale is computed from (an all-zero tensor)
+_INNER = 16  # the fp8 matmul kernels' inner sizes are multiples of this
+
+
+def grad_dtype_of(fmt: str) -> torch.dtype:
+    """The output gradients' fp8 dtype of ``--fp8-format`` (hybrid: e5m2; e4m3: e4m3)."""
+    return E5M2 if fmt == "hybrid" else E4M3
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in fp8 ``dtype`` with a per-tensor scale (the format's largest value over ``t``'s
+    absolute maximum, computed in float64 so eager and compiled code agree), and the inverse scale
+    (float32, 0-d) that ``torch._scaled_mm`` multiplies the product by."""
+    amax = t.abs().amax().to(torch.float64)
+    fmax = torch.finfo(dtype).max
+    scale = (fmax / amax.clamp(min=_EPS)).to(torch.float32)
+    t8 = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return t8, scale.reciprocal()
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % _INNER
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _cast_weight_(weight: torch.Tensor, w8: torch.Tensor, w8_t: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Write ``weight``'s fp8 copy (row-major, the forward's operand), its transpose (row-major,
+    the input gradient's) and the inverse scale into the given buffers."""
+    t8, inv = quantize(weight, E4M3)
+    w8.copy_(t8)
+    w8_t.copy_(t8.t())
+    inv_scale.copy_(inv)
+
+
+_COMPILED_CAST: list[Any] = []
+
+
+def _weight_caster(device: torch.device) -> Any:
+    """:func:`_cast_weight_` compiled on CUDA (one reduction and one pass writing both layouts), eager elsewhere."""
+    if device.type != "cuda":
+        return _cast_weight_
+    if not _COMPILED_CAST:
+        _COMPILED_CAST.append(torch.compile(_cast_weight_, dynamic=False))
+    return _COMPILED_CAST[0]
+
+
+def _accumulate(main_grad: torch.Tensor, grad_t: torch.Tensor, inp_t: torch.Tensor, grad_inv: torch.Tensor,
+                inp_inv: torch.Tensor) -> None:
+    # (row-major operands; the layouts the kernel takes are made here, so a compiler's choice of
+    # strides for the arguments cannot matter)
+    main_grad.add_(torch._scaled_mm(grad_t.contiguous(), inp_t.contiguous().t(), grad_inv, inp_inv,
+                                    out_dtype=torch.float32))
+
+
+# Registered on the dispatcher as the fusion's bf16 operators are (no autograd formula: it runs
+# inside backward passes); opaque to the compiler, which would otherwise see a mutation of a saved input.
+_LIB = torch.library.Library("megatrain", "FRAGMENT")
+_LIB.define("fp8_accumulate_wgrad_(Tensor(a!) main_grad, Tensor grad_t, Tensor inp_t, Tensor grad_inv, "
+            "Tensor inp_inv) -> ()")
+_LIB.impl("fp8_accumulate_wgrad_", _accumulate, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("megatrain::fp8_accumulate_wgrad_", lib=_LIB)
+def _(main_grad: torch.Tensor, grad_t: torch.Tensor, inp_t: torch.Tensor, grad_inv: torch.Tensor,
+      inp_inv: torch.Tensor) -> None:
+    return None
+
+
+fp8_accumulate_wgrad_ = torch.ops.megatrain.fp8_accumulate_wgrad_.default
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y = x @ w^T in fp8 (+ bias); weight's gradient = prev + dY^T x in float32 (fp8 operands)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, w8: torch.Tensor, w8_t: torch.Tensor,
+                w_inv: torch.Tensor, bias: torch.Tensor | None, prev: torch.Tensor | None,
+                dtype: torch.dtype, grad_dtype: torch.dtype) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        x2 = _pad_rows(x.reshape(rows, x.shape[-1]).to(dtype))
+        x8, x_inv = quantize(x2, E4M3)
+        y = torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=dtype, use_fast_accum=True)[:rows]
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(x8, x_inv, w8_t, w_inv, prev)
+        ctx.meta = (x.dtype, x.shape, weight.dtype, None if bias is None else bias.dtype, dtype, grad_dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        x8, x_inv, w8_t, w_inv, prev = ctx.saved_tensors
+        x_dtype, x_shape, w_dtype, b_dtype, dtype, grad_dtype = ctx.meta
+        rows = grad_y.numel() // grad_y.shape[-1]
+        g2 = _pad_rows(grad_y.reshape(rows, grad_y.shape[-1]).to(dtype))
+        g8, g_inv = quantize(g2, grad_dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=dtype)[:rows]
+            grad_x = grad_x.view(x_shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            g8_t, x8_t = g8.t().contiguous(), x8.t().contiguous()
+            if prev is None:
+                grad_w = torch._scaled_mm(g8_t, x8_t.t(), g_inv, x_inv, out_dtype=torch.float32).to(w_dtype)
+            else:
+                fp8_accumulate_wgrad_(prev, g8_t, x8_t, g_inv, x_inv)
+                grad_w = prev
+        if b_dtype is not None and ctx.needs_input_grad[5]:
+            grad_b = g2.sum(0, dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, None, None, None, grad_b, None, None, None
+
+
+class Fp8FusedLinear(nn.Linear):
+    """``nn.Linear`` whose matmuls run in fp8 from weight copies cast once per optimizer step (see
+    the module doc); made by :func:`convert_fp8_linears`. Before the first :meth:`refresh_fp8` it
+    computes as a plain ``nn.Linear``."""
+
+    fp8_weight: torch.Tensor | None
+    fp8_weight_t: torch.Tensor | None
+    fp8_inv_scale: torch.Tensor | None
+    main_grad_in: torch.Tensor | None
+    compute_dtype: torch.dtype
+    grad_dtype: torch.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        return _Fp8LinearFn.apply(x, self.weight, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale,
+                                  self.bias, self.main_grad_in, self.compute_dtype, self.grad_dtype)
+
+    @torch.no_grad()
+    def refresh_fp8(self) -> None:
+        """Cast the weight to fp8 (both layouts) into this module's buffers, allocated on first use."""
+        w = self.weight
+        if self.fp8_weight is None or self.fp8_weight.device != w.device:
+            self.fp8_weight = torch.empty_like(w, dtype=E4M3)
+            self.fp8_weight_t = torch.empty(w.shape[1], w.shape[0], dtype=E4M3, device=w.device)
+            self.fp8_inv_scale = torch.empty((), dtype=torch.float32, device=w.device)
+        _weight_caster(w.device)(w, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale)
+
+    def drop_fp8(self) -> None:
+        self.fp8_weight = self.fp8_weight_t = self.fp8_inv_scale = None
+
+
+def convert_fp8_linears(modules: Iterable[nn.Module], fmt: str, dtype: torch.dtype) -> list[Fp8FusedLinear]:
+    """Turn each of ``modules`` (plain ``nn.Linear`` layers the caller found eligible) into an
+    :class:`Fp8FusedLinear` computing in ``dtype`` with ``--fp8-format`` ``fmt``'s gradient dtype (in place)."""
+    out = []
+    for m in modules:
+        assert type(m) is nn.Linear, f"not a plain nn.Linear: {type(m).__name__}"
+        m.__class__ = Fp8FusedLinear
+        m.fp8_weight = m.fp8_weight_t = m.fp8_inv_scale = m.main_grad_in = None
+        m.compute_dtype, m.grad_dtype = dtype, grad_dtype_of(fmt)
+        out.append(m)
+    return out
