@@ -25,7 +25,8 @@ runs in the Hugging Face layout today):
   ``-sS`` with each tile's batch shared among S programs (``bias_gradient_kernel.SPLIT_BATCH``);
   on CUDA the forward runs SDPA's memory-efficient kernel directly and hands its log-sum-exp to the
   kernel (``bias_gradient.AttentionWithLogSumExp``); ``sdpa-bias-tap-lse-kernel`` runs SDPA and
-  lets the kernel compute the log-sum-exp itself (as ``-cudnn`` does);
+  lets the kernel compute the log-sum-exp itself (as ``-cudnn`` does; the model's default since the
+  H100 measured it faster, 2.23 against 3.22 ms a layer);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose

@@ -66,8 +66,8 @@ class ParallelizeConfig:
     compile_scope: str = "auto"  # --torch-compile-scope: "layer", "model", or "auto" (model where allowed)
     fp8_format: str | None = None  # --fp8-format: fp8 matmuls in the transformer layers
     # fp8 layers on the gradient-accumulation fusion's protocol where the fusion applies (megatrain's
-    # own, weights cast once per step: MEGATRAIN_FP8_BACKEND=fused); False: torchao's layers everywhere
-    fp8_fused: bool = False
+    # own, weights cast once per step); False: torchao's layers everywhere (MEGATRAIN_FP8_BACKEND=torchao)
+    fp8_fused: bool = True
     tp_comm_overlap: bool = False  # --tp-comm-overlap: async TP (CUDA, compiled, sequence parallel)
     # fp32 weight-gradient accumulation inside the half-precision layers' matmuls: None = where it
     # applies (--bf16/--fp16 without FSDP2, TP, PP, fp8 or full recompute); False: off
@@ -205,8 +205,8 @@ def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims,
     (:mod:`megatrain.runtime.grad_accumulation_fusion`): half-precision compute on plain (not
     FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, and no full-layer
     recomputation (its second forward would not see the staged gradients). With ``--fp8-format``
-    the fusion applies only with ``MEGATRAIN_FP8_BACKEND=fused`` (``cfg.fp8_fused``): the fp8 layers
-    then follow the same protocol (:mod:`megatrain.runtime.fp8_fusion`) instead of being torchao's."""
+    the fp8 layers follow the same protocol (:mod:`megatrain.runtime.fp8_fusion`) unless
+    ``MEGATRAIN_FP8_BACKEND=torchao`` (``cfg.fp8_fused`` False) asks for torchao's layers everywhere."""
     if cfg.grad_accumulation_fusion is False:
         return False
     if cfg.grad_accumulation_fusion is None and cfg.compute_dtype == torch.float32:

@@ -115,10 +115,10 @@ FP8_BACKEND_ENV = "MEGATRAIN_FP8_BACKEND"
 
 
 def fp8_backend_from_env() -> str:
-    """``MEGATRAIN_FP8_BACKEND``: ``torchao`` (default: torchao's float8 layers) or ``fused`` (megatrain's
-    fp8 layers on the gradient-accumulation fusion's protocol where that applies, torchao's elsewhere);
-    another value is an error at start-up."""
-    value = os.environ.get(FP8_BACKEND_ENV, "").strip() or "torchao"
+    """``MEGATRAIN_FP8_BACKEND``: ``fused`` (the default: megatrain's fp8 layers on the gradient-accumulation
+    fusion's protocol where that applies, torchao's elsewhere) or ``torchao`` (torchao's float8 layers
+    everywhere); another value is an error at start-up."""
+    value = os.environ.get(FP8_BACKEND_ENV, "").strip() or "fused"
     if value not in ("torchao", "fused"):
         raise ValueError(f"{FP8_BACKEND_ENV} must be torchao or fused, got {value!r}")
     return value

@@ -1,4 +1,4 @@
-"""megatrain's fp8 layers on the gradient-accumulation fusion's protocol (MEGATRAIN_FP8_BACKEND=fused):
+"""megatrain's fp8 layers on the gradient-accumulation fusion's protocol (MEGATRAIN_FP8_BACKEND=fused, the default):
 the matmuls against the recipe's maths in float32, the weights cast once per step into fixed buffers,
 the conversion inside parallelize_model, and the backend's setting. (tests/distributed's
 ``dp2_ddp_fp8_fused_hybrid`` and ``one_process_fp8_fused_e4m3`` check whole runs against torchao's layers.)"""
@@ -67,7 +67,7 @@ def _run(lin, fusion, xs: list[torch.Tensor], fresh: bool = False):
         y.float().pow(2).sum().backward()
         fusion.merge_held()
         ys.append(y.detach().reshape(-1, y.shape[-1]).float())
-        gxs.append(x.grad.reshape(-1, x.shape[-1]))
+        gxs.append(x.grad.reshape(-1, x.shape[-1]).float())
     return ys, gxs
 
 
@@ -166,7 +166,7 @@ def test_parallelize_puts_the_layer_linears_on_the_fusion_in_fp8():
         assert torch.equal(p, reference[name]), name
 
 
-@pytest.mark.parametrize("value, backend", [("", "torchao"), ("torchao", "torchao"), ("fused", "fused"),
+@pytest.mark.parametrize("value, backend", [("", "fused"), ("torchao", "torchao"), ("fused", "fused"),
                                             ("cuda", None)])
 def test_the_backend_setting(monkeypatch, value, backend):
     from megatrain.training.run_config import FP8_BACKEND_ENV, fp8_backend_from_env
@@ -197,5 +197,7 @@ def test_cuda_layer_follows_the_recipe(compiled):
     want_y, want_gx, want_gw, want_gb = _expected(plain, xs, E5M2, torch.bfloat16, ys)
     for got, want in zip(ys + gxs, want_y + want_gx):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2 * want.abs().max().item())
-    torch.testing.assert_close(lin.weight.grad, want_gw, rtol=1e-4, atol=1e-4 * want_gw.abs().max().item())
+    # fp8 tensor cores keep fewer bits than float32 while they sum (even without fast accumulation):
+    # an entry whose terms cancel can be off by ~1e-3 of the largest entry
+    torch.testing.assert_close(lin.weight.grad, want_gw, rtol=1e-2, atol=2e-3 * want_gw.abs().max().item())
     torch.testing.assert_close(lin.bias.grad, want_gb, rtol=2e-2, atol=2e-2 * want_gb.abs().max().item())

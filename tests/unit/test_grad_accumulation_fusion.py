@@ -192,7 +192,8 @@ def test_the_staged_gradient_is_updated_in_place_and_becomes_the_new_grad(compil
 
 
 def test_where_the_fusion_applies():
-    """Only on plain weights: not with FSDP2, TP (DTensor weights), PP, fp8 or full recomputation."""
+    """Only on plain weights: not with FSDP2, TP (DTensor weights), PP or full recomputation; with fp8
+    unless torchao's layers are asked for (MEGATRAIN_FP8_BACKEND=torchao: fp8_fused False)."""
     from megatrain.parallel.parallelize import grad_accumulation_fusion_applies as applies
 
     half = ParallelizeConfig(compute_dtype=torch.bfloat16)
@@ -201,8 +202,10 @@ def test_where_the_fusion_applies():
     assert not applies(half, ParallelDims(world_size=2), fsdp=True)
     assert not applies(half, ParallelDims(world_size=2, tp=2), fsdp=False)
     assert not applies(half, ParallelDims(world_size=2, pp=2), fsdp=False)
-    assert not applies(ParallelizeConfig(compute_dtype=torch.bfloat16, fp8_format="hybrid"), ParallelDims(world_size=1),
-                       fsdp=False)
+    assert applies(ParallelizeConfig(compute_dtype=torch.bfloat16, fp8_format="hybrid"), ParallelDims(world_size=1),
+                   fsdp=False)
+    assert not applies(ParallelizeConfig(compute_dtype=torch.bfloat16, fp8_format="hybrid", fp8_fused=False),
+                       ParallelDims(world_size=1), fsdp=False)
     assert not applies(ParallelizeConfig(), ParallelDims(world_size=1), fsdp=False)  # float32 compute
     assert applies(ParallelizeConfig(grad_accumulation_fusion=True), ParallelDims(world_size=1), fsdp=False)
 
