@@ -124,10 +124,11 @@ def fp8_backend_from_env() -> str:
     return value
 
 
-def adamw_kernel_from_env() -> bool:
-    """``MEGATRAIN_ADAMW_KERNEL``: 1 (AdamW through megatrain's Triton kernel where it applies) or 0 /
-    unset (torch's fused AdamW); another value is an error at start-up."""
+def adamw_kernel_from_env() -> bool | None:
+    """``MEGATRAIN_ADAMW_KERNEL``: 1 (AdamW through megatrain's Triton kernel wherever it applies), 0
+    (torch's fused AdamW) or unset (None: the kernel on CUDA for large models, see
+    ``megatrain.optimizer.KERNEL_ADAMW_MIN_PARAMETERS``); another value is an error at start-up."""
     value = os.environ.get(ADAMW_KERNEL_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{ADAMW_KERNEL_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return None if value == "" else value == "1"

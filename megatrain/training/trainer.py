@@ -397,14 +397,15 @@ class Trainer(StepMixin, EvaluationMixin):
             print_rank0(f" gradient-accumulation fusion: {len(fusion.slots)} weights compute from {copies} refreshed "
                         "once per step and add their gradients into the fp32 .grad inside the weight-gradient matmul "
                         "(--no-gradient-accumulation-fusion turns it off)")
-        if self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1: say whether it applies
-            if isinstance(self.optimizer, KernelAdamW):
-                copies = ", the half-precision weight copies written in the same pass" if fusion is not None else ""
-                print_rank0(" AdamW: megatrain's Triton kernel (MEGATRAIN_ADAMW_KERNEL=1): the clipping divisor "
-                            f"applied without writing the gradients back{copies}")
-            else:
-                print_rank0(f" AdamW: {type(self.optimizer).__name__} from torch (MEGATRAIN_ADAMW_KERNEL=1 applies "
-                            "to float32 parameters, not sharded, with AdamW on a device Triton runs on)")
+        if isinstance(self.optimizer, KernelAdamW):
+            copies = ", the half-precision weight copies written in the same pass" if fusion is not None else ""
+            why = ("MEGATRAIN_ADAMW_KERNEL=1" if self.run.optimizer.adamw_kernel
+                   else "the default on CUDA from 2^28 parameters; MEGATRAIN_ADAMW_KERNEL=0 turns it off")
+            print_rank0(f" AdamW: megatrain's Triton kernel ({why}): the clipping divisor "
+                        f"applied without writing the gradients back{copies}")
+        elif self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1 that does not apply
+            print_rank0(f" AdamW: {type(self.optimizer).__name__} from torch (MEGATRAIN_ADAMW_KERNEL=1 applies "
+                        "to float32 parameters, not sharded, with AdamW on a device Triton runs on)")
         fp8 = self.parallelized.fp8_report
         if fp8 is not None:
             converted, kept = fp8

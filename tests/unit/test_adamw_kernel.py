@@ -208,3 +208,27 @@ def test_the_benchmark_prints_torchs_row_and_one_per_kernel_setting():
     assert "| AdamW + foreach_copy_ refresh |" in proc.stdout
     for setting in ("2048 x 8 warps", "1024 x 4 warps"):
         assert f"| KernelAdamW (copies in the step; {setting}) |" in proc.stdout, setting
+
+
+def test_the_kernel_is_the_default_on_cuda_for_large_models_only(monkeypatch):
+    """Unset MEGATRAIN_ADAMW_KERNEL (None): the kernel on CUDA from KERNEL_ADAMW_MIN_PARAMETERS on; 0 never;
+    never on the CPU by default (Triton's interpreter is for tests)."""
+    import torch
+
+    import megatrain.optimizer as opt_mod
+    from megatrain.optimizer import OptimizerConfig, build_optimizer
+    from megatrain.runtime.adamw_kernel import KernelAdamW
+    from megatrain.training.run_config import adamw_kernel_from_env
+
+    for value, want in (("", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("MEGATRAIN_ADAMW_KERNEL", value)
+        assert adamw_kernel_from_env() is want
+    model = torch.nn.Linear(64, 64)
+    monkeypatch.setattr(opt_mod, "KERNEL_ADAMW_MIN_PARAMETERS", 1)
+    assert not isinstance(build_optimizer(model, OptimizerConfig()), KernelAdamW)  # CPU
+    if torch.cuda.is_available() and kernel_available(torch.device("cuda")):
+        model = model.cuda()
+        assert isinstance(build_optimizer(model, OptimizerConfig()), KernelAdamW)
+        assert not isinstance(build_optimizer(model, OptimizerConfig(adamw_kernel=False)), KernelAdamW)
+        monkeypatch.setattr(opt_mod, "KERNEL_ADAMW_MIN_PARAMETERS", 1 << 28)
+        assert not isinstance(build_optimizer(model, OptimizerConfig()), KernelAdamW)  # small: torch's
