@@ -19,8 +19,10 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """Add the fp8, fused-loss, gradient-accumulation-fusion and CUDA-graph flags to ``parser``."""
     g = flag_section(parser, "mixed precision")
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
-                   help="fp8 matmuls in the transformer layers through torchao (needs --bf16): hybrid = e4m3 "
-                        "forward, e5m2 gradients; e4m3 = e4m3 everywhere")
+                   help="fp8 matmuls in the transformer layers (needs --bf16; megatrain's fp8 layers where the "
+                        "gradient-accumulation fusion applies, torchao's under TP, PP, FSDP2 or with "
+                        "MEGATRAIN_FP8_BACKEND=torchao): hybrid = e4m3 forward, e5m2 gradients; e4m3 = e4m3 "
+                        "everywhere")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
                    help="fp8 scaling: tensorwise (dynamic per-tensor scales). delayed (Megatron's default) runs "
                         "as tensorwise with a note; mxfp8 and blockwise are refused")

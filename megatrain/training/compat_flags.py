@@ -43,7 +43,8 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--no-rope-fusion": "RoPE is fused by torch.compile with the rest of the layer",
     "--use-contiguous-parameters-in-local-ddp": "data parallelism is PyTorch DDP / FSDP2, which lays out its own "
                                                 "buckets",
-    "--keep_fp8_weight_transpose_cache": "fp8 weights are cast per matmul by torchao; there is no transpose cache",
+    "--keep_fp8_weight_transpose_cache": ("megatrain's fp8 layers cast each weight once per optimizer step in both "
+                                         "layouts (the transpose kept for the step); torchao's layers cast per matmul"),
     "--fp8-interval": "delayed-scaling setting: megatrain's fp8 recomputes every scale at every step",
     "--use-torch-fsdp2": "means --zero-stage 3 here (FSDP2 with parameters, gradients and optimizer state "
                          "sharded), unless --zero-stage / --use-distributed-optimizer say otherwise",
