@@ -14,10 +14,10 @@ differs is what happens to the weights and their gradients:
   :meth:`GradAccumulationFusion.refresh <megatrain.runtime.grad_accumulation_fusion.GradAccumulationFusion.refresh>`
   (the weights do not change between micro-batches): the fp8 weight in both layouts the matmuls
   take and its inverse scale, written in place (so captured CUDA graphs see the new values). The
-  weight-gradient matmul writes float32 (more exact than bf16) and, from the second micro-batch of
-  a step on, adds into the staged gradient (``megatrain::fp8_accumulate_wgrad_``); a step of one
-  micro-batch writes it as the new ``.grad``. The forward saves the fp8 input (one byte an element,
-  not two) with its scale for the backward.
+  weight-gradient matmul writes float32 (more exact than bf16) into the staged gradient on a step's
+  first micro-batch and adds into it from the second on (``megatrain::fp8_accumulate_wgrad_``); a
+  step of one micro-batch writes it as the new ``.grad``. The forward saves the fp8 input (one byte an
+  element, not two) with its scale for the backward.
 
 Token counts that are not a multiple of 16 (the fp8 kernels' inner sizes) get zero rows appended
 for the matmuls, which change no sum. ``torch._scaled_mm`` runs on CUDA (sm89 and later) and, in
@@ -31,6 +31,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatrain.runtime.grad_accumulation_fusion import take_unwritten
 
 __all__ = ["Fp8FusedLinear", "convert_fp8_linears", "fp8_accumulate_wgrad_", "quantize"]
 
@@ -86,8 +88,11 @@ def _accumulate(main_grad: torch.Tensor, grad_t: torch.Tensor, inp_t: torch.Tens
                 inp_inv: torch.Tensor) -> None:
     # (row-major operands; the layouts the kernel takes are made here, so a compiler's choice of
     # strides for the arguments cannot matter)
-    main_grad.add_(torch._scaled_mm(grad_t.contiguous(), inp_t.contiguous().t(), grad_inv, inp_inv,
-                                    out_dtype=torch.float32))
+    a, b = grad_t.contiguous(), inp_t.contiguous().t()
+    if take_unwritten(main_grad):  # the step's first micro-batch: the product written in place
+        torch._scaled_mm(a, b, grad_inv, inp_inv, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.add_(torch._scaled_mm(a, b, grad_inv, inp_inv, out_dtype=torch.float32))
 
 
 # Registered on the dispatcher as the fusion's bf16 operators are (no autograd formula: it runs

@@ -14,7 +14,9 @@ same protocol, the output weight inside the chunked loss, :mod:`megatrain.runtim
   writes it in float32 (``addmm(..., out_dtype=float32, out=main_grad)`` on CUDA, torch >= 2.8;
   elsewhere the same maths through a float32 matmul), the opaque operator
   ``megatrain::accumulate_wgrad_``. Before each micro-batch :meth:`GradAccumulationFusion.stage`
-  moves each weight's ``.grad`` (zeros on the first) into ``main_grad_in`` and clears ``.grad``;
+  moves each weight's ``.grad`` into ``main_grad_in`` and clears ``.grad`` (on a step's first
+  micro-batch it stages new buffers without values, which the matmuls write instead of adding to:
+  no zero-filling pass);
   the backward returns that same tensor, updated in place, and autograd takes it as the new
   ``.grad`` without a copy or another addition. An optimizer step of a single micro-batch stages
   nothing (``stage(fresh=True)``): its weight-gradient matmuls write new float32 gradients, with no
@@ -73,19 +75,43 @@ def _wgrad_new(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     return _product_float32(grad_out, inp)
 
 
+# The staged gradient buffers (by address) that hold no values yet: the first micro-batch of a step with
+# several stages fresh, uninitialised buffers, and the accumulating operators write the first product into
+# them instead of adding it to zeros (no zero-filling pass, no read of the zeros). The operators are opaque
+# to the compiler, so this is decided when they run, not when a graph is traced. Set by
+# GradAccumulationFusion.stage, emptied by its next stage or merge_held.
+_UNWRITTEN: set[int] = set()
+
+
+def take_unwritten(main_grad: torch.Tensor) -> bool:
+    """Whether ``main_grad`` is a staged buffer without values yet (it then counts as written)."""
+    if not _UNWRITTEN:
+        return False
+    ptr = main_grad.data_ptr()
+    if ptr in _UNWRITTEN:
+        _UNWRITTEN.discard(ptr)
+        return True
+    return False
+
+
 def _accumulate_wgrad(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
     """main_grad += grad_out^T @ inp in place (an opaque operator: the compiler keeps it as one
-    matmul with beta = 1 instead of a matmul and a separate addition)."""
+    matmul with beta = 1 instead of a matmul and a separate addition); main_grad = grad_out^T @ inp
+    where main_grad holds no values yet (:func:`take_unwritten`)."""
+    beta = 0.0 if take_unwritten(main_grad) else 1.0  # beta 0: the old contents are not read
     if not _half_on_cuda(grad_out):
-        main_grad.addmm_(grad_out.t().to(main_grad.dtype), inp.to(main_grad.dtype))
+        main_grad.addmm_(grad_out.t().to(main_grad.dtype), inp.to(main_grad.dtype), beta=beta)
         return
     if _CUDA_PATH[0] == "addmm":
         try:
-            torch.addmm(main_grad, grad_out.t(), inp, out_dtype=torch.float32, out=main_grad)
+            torch.addmm(main_grad, grad_out.t(), inp, beta=beta, out_dtype=torch.float32, out=main_grad)
             return
         except (TypeError, RuntimeError) as e:
             _fall_back("mm", e)
-    main_grad.add_(_product_float32(grad_out, inp))
+    if beta == 0.0:
+        main_grad.copy_(_product_float32(grad_out, inp))
+    else:
+        main_grad.add_(_product_float32(grad_out, inp))
 
 
 # The two operators are registered on the dispatcher directly, with one implementation for every
@@ -296,9 +322,10 @@ class GradAccumulationFusion:
             self._set_main_grads(None)
             self._hold(hold_others)
             return
-        if all(g is None for g in grads):  # the step's first micro-batch: one multi-tensor fill
+        _UNWRITTEN.clear()
+        if all(g is None for g in grads):  # the step's first micro-batch: buffers the matmuls write
             grads = [torch.empty_like(w) for w in ws]
-            torch._foreach_zero_(grads)
+            _UNWRITTEN.update(g.data_ptr() for g in grads)
         else:
             empty = [i for i, g in enumerate(grads) if g is None]
             if empty:  # some start from zeros (one multi-tensor fill)
@@ -325,6 +352,7 @@ class GradAccumulationFusion:
     def merge_held(self) -> None:
         """After a micro-batch's backward: add the held gradients to the new ones (one multi-tensor
         addition) and make them the parameters' gradients again."""
+        _UNWRITTEN.clear()  # (a weight whose backward did not run keeps no gradient: autograd set none)
         held, self._held = self._held, []
         fresh = [(p.grad, g) for p, g in held if p.grad is not None]
         if fresh:

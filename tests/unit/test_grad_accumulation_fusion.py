@@ -269,6 +269,36 @@ def test_each_step_starts_from_zeros_and_the_staged_gradient_becomes_grad():
     assert all(m.weight.grad is not None for m in fusion.linears)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_first_micro_batch_writes_its_products_into_unfilled_buffers(compiled):
+    """A step's first micro-batch stages buffers without values (no zero-filling pass): the matmuls write
+    into them, later micro-batches add. NaN in the staged buffers before the first backward must not
+    reach the gradients (the old contents are never read), eager and inside compiled code."""
+    from megatrain.runtime import grad_accumulation_fusion as gaf
+
+    ref, fused, fusion = _pair(True, torch.float32)
+    torch.manual_seed(2)
+    xs = [torch.randn(4, 24) for _ in range(3)]
+    _accumulate(ref, xs, None)
+    run = torch.compile(fused) if compiled else fused
+    fusion.refresh()
+    for i, x in enumerate(xs):
+        fusion.stage()
+        if i == 0:
+            assert len(gaf._UNWRITTEN) == len(fusion.linears)
+            for m in fusion.linears:
+                m.main_grad_in.fill_(float("nan"))  # in place: the same buffers, still unwritten
+        else:
+            assert not gaf._UNWRITTEN
+        loss = run(x).square().sum()
+        fusion.release()
+        loss.backward()
+        fusion.merge_held()
+        assert not gaf._UNWRITTEN
+    for a, b in zip(ref.parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_a_weight_with_a_gradient_keeps_it_when_others_start_from_zeros():
     """Mixed: one weight's gradient set, another's None; the set one is accumulated into, not reset."""
     _, fused, fusion = _pair(False, torch.float32)
