@@ -26,8 +26,7 @@ runs in the Hugging Face layout today):
   on CUDA the forward runs SDPA's memory-efficient kernel directly and hands its log-sum-exp to the
   kernel (``bias_gradient.AttentionWithLogSumExp``); ``sdpa-bias-tap-lse-kernel`` runs SDPA and
   lets the kernel compute the log-sum-exp itself (as ``-cudnn`` does; the model's default since the
-  H100 measured it faster, 2.23 against 3.22 ms a layer); ``sdpa-bias-tap-cudnn-lse`` calls cuDNN's
-  attention directly instead and hands its softmax statistics on (``bias_gradient.LSE_KERNEL``);
+  H100 measured it faster, 2.23 against 3.22 ms a layer);
 * ``sdpa-bias-per-layer``: the mask built inside each layer, so each layer's mask gradient is summed
   over the batch at once instead of accumulated across layers at [b, heads, s, s];
 * ``sdpa-bias-shared``: the mask built once, handed to each layer through an autograd function whose
@@ -78,7 +77,6 @@ TAP_TILES = {"sdpa-bias-tap-128x64-w8": ((128, 64, 8), 1), "sdpa-bias-tap-64x128
              "sdpa-bias-tap-64x64-w8-s2": ((64, 64, 8), 2), "sdpa-bias-tap-64x64-w8-s4": ((64, 64, 8), 4),
              "sdpa-bias-tap-128x128-w8-s4": ((128, 128, 8), 4)}
 VARIANTS = ["sdpa-bias", "sdpa-bias-frozen", "sdpa-bias-frozen-cudnn", "sdpa-bias-tap", "sdpa-bias-tap-lse-kernel",
-            "sdpa-bias-tap-cudnn-lse",
             "sdpa-bias-tap-cudnn",
             *TAP_TILES,
             "sdpa-bias-per-layer", "sdpa-bias-shared", "sdpa-pad", "sdpa-pad-cudnn", "flex", "flex-frozen", "flex-pad",
@@ -204,7 +202,6 @@ def run_variant(variant: str, args) -> dict:
     # the log-sum-exp from SDPA's memory-efficient kernel, unless the variant asks for the kernel's own
     # (or cuDNN's attention, which the direct call would bypass)
     bg.SDPA_LOG_SUM_EXP = not (variant.endswith("-lse-kernel") or variant.endswith("-cudnn"))
-    bg.LSE_KERNEL = "cudnn" if variant.endswith("-cudnn-lse") else "efficient"
     with contextlib.ExitStack() as stack:
         if variant.endswith("-cudnn"):
             from torch.nn.attention import SDPBackend, sdpa_kernel

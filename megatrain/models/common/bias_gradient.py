@@ -80,32 +80,20 @@ class BiasGradient(torch.autograd.Function):
 
 
 def _attention_forward(q, k, v, mask, scale):
-    """SDPA's kernel for a float mask called directly: (output, log-sum-exp of each score row as
-    [b, heads, >= s_q], the tensors and the numbers its backward needs). CUDA: cuDNN's attention with
-    ``LSE_KERNEL = "cudnn"`` (what SDPA picks for this mask on an H100; its statistics [b, heads, s_q, 1]),
-    else the memory-efficient kernel (its log-sum-exp [b, heads, s_q rounded up to 32] padded with
-    +inf); CPU: the flash-style CPU kernel."""
-    if q.is_cuda and LSE_KERNEL == "cudnn":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, mask, True, 0.0, False, False, scale=scale)
-        return out, lse, (seed, offset, cum_q, cum_k), (max_q, max_k)
-    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    """SDPA's kernel for a float mask called directly: (output, log-sum-exp of each score row, what its
+    backward needs). CUDA: the memory-efficient kernel (the one SDPA picks for a float mask; its
+    log-sum-exp [b, heads, s_q rounded up to 32] padded with +inf); CPU: the flash-style CPU kernel."""
     if q.is_cuda:
         out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, True, 0.0, False, scale=scale)
-        return out, lse, (seed, offset), ()
+        return out, lse, (seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                          scale=scale)
-    return out, lse, (), ()
+    return out, lse, ()
 
 
-def _attention_backward(grad_out, q, k, v, mask, out, lse, extra, numbers, scale):
+def _attention_backward(grad_out, q, k, v, mask, out, lse, extra, scale):
     """q, k and v's gradients from the backward of :func:`_attention_forward`'s kernel."""
-    if q.is_cuda and LSE_KERNEL == "cudnn":
-        seed, offset, cum_q, cum_k = extra
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse, seed, offset, mask, cum_q, cum_k, *numbers, 0.0, False, scale=scale)
-    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if q.is_cuda:
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad_out, q, k, v, mask, out, lse, *extra, 0.0, [True, True, True, False], False, scale=scale)
@@ -125,10 +113,10 @@ class AttentionWithLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, keep, scale):  # type: ignore[override]
-        mask = mask.detach()
-        out, lse, extra, numbers = _attention_forward(q, k, v, mask, scale)
+        b, h, m, n = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        mask = mask.detach().expand(b, h, m, n)
+        out, lse, extra = _attention_forward(q, k, v, mask, scale)
         ctx.save_for_backward(q, k, v, mask, out, lse, bias.detach(), keep, *extra)
-        ctx.numbers = numbers
         ctx.scale = scale
         ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return out
@@ -139,13 +127,10 @@ class AttentionWithLogSumExp(torch.autograd.Function):
 
         q, k, v, mask, out, lse, bias, keep, *extra = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk, dv = _attention_backward(grad_out, q, k, v, mask, out, lse, extra, ctx.numbers, ctx.scale)
-        if lse.dim() == 4:  # cuDNN's statistics: [b, heads, s_q, 1]
-            lse = lse.squeeze(-1)
+        dq, dk, dv = _attention_backward(grad_out, q, k, v, mask, out, lse, extra, ctx.scale)
         # rounded to the mask's dtype in the one copy that also makes it contiguous for the kernel (the
         # bias every layer shares is saved, not a copy of it per layer)
-        bias = bias.expand(1, q.shape[1], q.shape[2], k.shape[2]).to(mask.dtype,
-                                                                     memory_format=torch.contiguous_format)
+        bias = bias.expand(1, *mask.shape[1:]).to(mask.dtype, memory_format=torch.contiguous_format)
         grad = attention_bias_grad(q, k, v, out, grad_out, bias, keep, ctx.scale, lse).unsqueeze(0)
         return dq, dk, dv, None, _sum_to(grad, ctx.bias_shape).to(ctx.bias_dtype), None, None
 
@@ -156,10 +141,6 @@ class AttentionWithLogSumExp(torch.autograd.Function):
 # layer, forward and backward): 3.22 ms with the memory-efficient kernel's log-sum-exp against 2.23 ms
 # through SDPA: the slower attention kernels cost more than the log-sum-exp pass saves.
 SDPA_LOG_SUM_EXP = False
-# Which CUDA kernel AttentionWithLogSumExp calls: "efficient" (the memory-efficient kernel, measured above) or
-# "cudnn" (cuDNN's attention, the one SDPA itself picks on an H100, with its softmax statistics): a benchmark
-# setting until the second is measured.
-LSE_KERNEL = "efficient"
 
 
 def _lse_path_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor,
