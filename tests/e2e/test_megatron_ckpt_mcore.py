@@ -274,6 +274,7 @@ def main():
         if rank == 0:
             torch.save({"logits": lg, "ids": ids, "iteration": common["iteration"],
                         "consumed": common["args"].consumed_train_samples}, os.path.join(out, "mcore_logits.pt"))
+    dist.barrier()  # no rank tears its gloo threads down while another still talks to it (an abort seen under load)
     dist.destroy_process_group()
 
 
