@@ -25,6 +25,8 @@
 #   bash benchmarks/device_round.sh fp8-fused  # nvidia-h200 or H100, ~9.5 min (carry .whl): LLaMA-1.2B bf16, fp8 torchao, fp8 megatrain's layers; the last profiled
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
+#   bash benchmarks/device_round.sh llama22    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan (AdamW kernel default and off), bf16 and fp8 at global batch 8
+#   bash benchmarks/device_round.sh t5-22      # nvidia-h200 or H100, ~8 min: T5 beside transformers, with and without the AdamW kernel
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
@@ -218,6 +220,24 @@ case "${1:-table}" in
     left=$((585 - SECONDS))
     [ $left -gt 100 ] && profile llama-1.2b $((left - 5)) "--fp8-format hybrid" fp8 > /tmp/prof_fp8.log 2>&1
     tail -n 3 /tmp/llama_fp8.log /tmp/prof_*.log; tail -n 3 "$OUT/gpu_tests.txt"
+    ;;
+  llama22)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA-1.2B beside torchtitan with the
+            # AdamW kernel the default, megatrain again with MEGATRAIN_ADAMW_KERNEL=0 (timed), then
+            # throughput.py's llama-1.2b at global batch 8 in bf16 and fp8 (megatrain's layers, the first
+            # micro-batch writing its gradients)
+    timeout 230 python benchmarks/peers.py --rows llama-2 --titan --iters 10 --warmup 4 --timeout 110 --budget 220 \
+      --output "$OUT/llama_titan.md" > /tmp/llama_titan.log 2>&1
+    MEGATRAIN_ADAMW_KERNEL=0 timeout 120 python benchmarks/peers.py --rows llama-2 --iters 10 --warmup 4 \
+      --timeout 110 --budget 115 --output "$OUT/llama_torch_adamw.md" > /tmp/llama_torch_adamw.log 2>&1
+    left=$((585 - SECONDS))
+    [ $left -gt 160 ] && timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $(((left - 10) / 2)) \
+      --extra "" --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
+    tail -n 3 /tmp/llama_*.log
+    ;;
+  t5-22)  # nvidia-h200 or H100, ~8 min: T5 beside transformers with and without the AdamW kernel
+    timeout 560 python benchmarks/t5_speed.py --rows hf-layout,hf-layout-adamw-kernel,transformers --iters 10 \
+      --warmup 5 --timeout 170 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
+    tail -n 4 /tmp/t5.log
     ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
