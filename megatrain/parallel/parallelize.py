@@ -180,7 +180,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
             assert fp8_report is not None
             modules = dict(model.named_modules())
             fp8_linears = convert_fp8_linears([modules[name] for name in fp8_report[0]], cfg.fp8_format,
-                                              cfg.compute_dtype)
+                                              cfg.compute_dtype, compile_cast=cfg.compile_layers)
         linears = convert_linears(m for layer in transformer_layers(model) for m in layer.modules())
         head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
         # (the fusion applies without pipeline stages only, so the model is whole and holds its head)

@@ -75,9 +75,10 @@ def _cast_weight_(weight: torch.Tensor, w8: torch.Tensor, w8_t: torch.Tensor, in
 _COMPILED_CAST: list[Any] = []
 
 
-def _weight_caster(device: torch.device) -> Any:
-    """:func:`_cast_weight_` compiled on CUDA (one reduction and one pass writing both layouts), eager elsewhere."""
-    if device.type != "cuda":
+def _weight_caster(device: torch.device, compiled: bool) -> Any:
+    """:func:`_cast_weight_` compiled on CUDA when ``compiled`` (one reduction and one pass writing both
+    layouts), eager otherwise."""
+    if device.type != "cuda" or not compiled:
         return _cast_weight_
     if not _COMPILED_CAST:
         _COMPILED_CAST.append(torch.compile(_cast_weight_, dynamic=False))
@@ -163,6 +164,7 @@ class Fp8FusedLinear(nn.Linear):
     main_grad_in: torch.Tensor | None
     compute_dtype: torch.dtype
     grad_dtype: torch.dtype
+    compile_cast: bool  # the once-a-step weight cast compiled on CUDA (off with --no-torch-compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_weight is None:
@@ -178,20 +180,22 @@ class Fp8FusedLinear(nn.Linear):
             self.fp8_weight = torch.empty_like(w, dtype=E4M3)
             self.fp8_weight_t = torch.empty(w.shape[1], w.shape[0], dtype=E4M3, device=w.device)
             self.fp8_inv_scale = torch.empty((), dtype=torch.float32, device=w.device)
-        _weight_caster(w.device)(w, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale)
+        _weight_caster(w.device, self.compile_cast)(w, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale)
 
     def drop_fp8(self) -> None:
         self.fp8_weight = self.fp8_weight_t = self.fp8_inv_scale = None
 
 
-def convert_fp8_linears(modules: Iterable[nn.Module], fmt: str, dtype: torch.dtype) -> list[Fp8FusedLinear]:
+def convert_fp8_linears(modules: Iterable[nn.Module], fmt: str, dtype: torch.dtype,
+                        compile_cast: bool = True) -> list[Fp8FusedLinear]:
     """Turn each of ``modules`` (plain ``nn.Linear`` layers the caller found eligible) into an
-    :class:`Fp8FusedLinear` computing in ``dtype`` with ``--fp8-format`` ``fmt``'s gradient dtype (in place)."""
+    :class:`Fp8FusedLinear` computing in ``dtype`` with ``--fp8-format`` ``fmt``'s gradient dtype (in
+    place); ``compile_cast``: compile the weights' cast on CUDA."""
     out = []
     for m in modules:
         assert type(m) is nn.Linear, f"not a plain nn.Linear: {type(m).__name__}"
         m.__class__ = Fp8FusedLinear
         m.fp8_weight = m.fp8_weight_t = m.fp8_inv_scale = m.main_grad_in = None
-        m.compute_dtype, m.grad_dtype = dtype, grad_dtype_of(fmt)
+        m.compute_dtype, m.grad_dtype, m.compile_cast = dtype, grad_dtype_of(fmt), compile_cast
         out.append(m)
     return out

@@ -157,6 +157,7 @@ def test_parallelize_puts_the_layer_linears_on_the_fusion_in_fp8():
     assert fused.fp8_report == (layer_linears, []) == made[False].fp8_report
     modules = dict(fused.module.named_modules())
     assert all(type(modules[n]) is Fp8FusedLinear for n in layer_linears)
+    assert not any(modules[n].compile_cast for n in layer_linears)  # no --use-torch-compile: no compiled cast
     assert [m for m in fused.grad_fusion.fp8_linears] == [modules[n] for n in layer_linears]
     assert not fused.grad_fusion.linears and len(fused.grad_fusion.slots) == 9  # + the output weight, in bf16
     assert not any(isinstance(m, FusedGradLinear) for m in fused.module.modules())
