@@ -85,15 +85,21 @@ def _weight_caster(device: torch.device, compiled: bool) -> Any:
     return _COMPILED_CAST[0]
 
 
+def _wgrad(grad_t: torch.Tensor, inp_t: torch.Tensor, grad_inv: torch.Tensor, inp_inv: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight gradient dY^T x in float32 from row-major fp8 ``grad_t`` [out, tokens] and ``inp_t``
+    [in, tokens] (the layouts the kernel takes are made here, so a compiler's choice of strides for
+    the arguments cannot matter), into ``out`` when given."""
+    return torch._scaled_mm(grad_t.contiguous(), inp_t.contiguous().t(), grad_inv, inp_inv,
+                            out_dtype=torch.float32, **({} if out is None else {"out": out}))
+
+
 def _accumulate(main_grad: torch.Tensor, grad_t: torch.Tensor, inp_t: torch.Tensor, grad_inv: torch.Tensor,
                 inp_inv: torch.Tensor) -> None:
-    # (row-major operands; the layouts the kernel takes are made here, so a compiler's choice of
-    # strides for the arguments cannot matter)
-    a, b = grad_t.contiguous(), inp_t.contiguous().t()
     if take_unwritten(main_grad):  # the step's first micro-batch: the product written in place
-        torch._scaled_mm(a, b, grad_inv, inp_inv, out_dtype=torch.float32, out=main_grad)
+        _wgrad(grad_t, inp_t, grad_inv, inp_inv, out=main_grad)
     else:
-        main_grad.add_(torch._scaled_mm(a, b, grad_inv, inp_inv, out_dtype=torch.float32))
+        main_grad.add_(_wgrad(grad_t, inp_t, grad_inv, inp_inv))
 
 
 # Registered on the dispatcher as the fusion's bf16 operators are (no autograd formula: it runs
@@ -144,7 +150,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g8_t, x8_t = g8.t().contiguous(), x8.t().contiguous()
             if prev is None:
-                grad_w = torch._scaled_mm(g8_t, x8_t.t(), g_inv, x_inv, out_dtype=torch.float32).to(w_dtype)
+                grad_w = _wgrad(g8_t, x8_t, g_inv, x_inv).to(w_dtype)
             else:
                 fp8_accumulate_wgrad_(prev, g8_t, x8_t, g_inv, x_inv)
                 grad_w = prev

@@ -45,7 +45,7 @@ from megatrain.training.logging import MetricsWriter, format_train_log_line
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megatrain.training.lr_schedule import LRScheduler
 from megatrain.runtime.adamw_kernel import KernelAdamW
-from megatrain.optimizer import build_optimizer
+from megatrain.optimizer import KERNEL_ADAMW_MIN_PARAMETERS, build_optimizer
 from megatrain.training.run_config import RunConfig
 from megatrain.training.setup_log import SetupTimers, print_datetime, print_time_to_initialize
 from megatrain.training.step import IntervalStats, StepMixin, StepResult, _PendingStep, summed
@@ -400,7 +400,8 @@ class Trainer(StepMixin, EvaluationMixin):
         if isinstance(self.optimizer, KernelAdamW):
             copies = ", the half-precision weight copies written in the same pass" if fusion is not None else ""
             why = ("MEGATRAIN_ADAMW_KERNEL=1" if self.run.optimizer.adamw_kernel
-                   else "the default on CUDA from 2^28 parameters; MEGATRAIN_ADAMW_KERNEL=0 turns it off")
+                   else f"the default on CUDA from {KERNEL_ADAMW_MIN_PARAMETERS:,} trained parameters; "
+                        "MEGATRAIN_ADAMW_KERNEL=0 turns it off")
             print_rank0(f" AdamW: megatrain's Triton kernel ({why}): the clipping divisor "
                         f"applied without writing the gradients back{copies}")
         elif self.run.optimizer.adamw_kernel:  # MEGATRAIN_ADAMW_KERNEL=1 that does not apply

@@ -288,6 +288,7 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
     ``evaluate``: also the validation loss of one global batch after the last step.
     """
     from megatrain.parallel.data_parallel import unwrap
+    from megatrain.runtime.fp8 import is_fp8_linear
     from megatrain.training.arguments import parse_args
 
     args = parse_args([*model_flags(style, num_layers, dropout), *run_flags(steps), *shlex.split(layout)])
@@ -305,8 +306,7 @@ def train_layout(style: str, layout: str = "", *, steps: int = STEPS, num_layers
         made = trainer.parallelized
         info: dict[str, Any] = {
             "fused_linears": len(made.grad_fusion.linears) if made.grad_fusion is not None else 0,
-            "fp8_layers": sum(type(m).__name__ in ("Float8Linear", "Fp8FusedLinear")
-                              for m in unwrap(trainer.model).modules()),
+            "fp8_layers": sum(is_fp8_linear(m) for m in unwrap(trainer.model).modules()),
             "fp8_fused_layers": len(made.grad_fusion.fp8_linears) if made.grad_fusion is not None else 0,
             "chunks": getattr(made.loss_head, "chunk_size", 0) > 0,
             "fused_adamw": bool(trainer.optimizer.defaults.get("fused")),
