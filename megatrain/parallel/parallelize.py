@@ -44,6 +44,7 @@ from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
 from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8, fp8_layer_linears
 from megatrain.runtime.fp8_fusion import convert_fp8_linears
+from megatrain.runtime.fp8_scaling import Fp8Recipe
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
 from megatrain.parallel.context_parallel import apply_context_parallel
@@ -68,6 +69,8 @@ class ParallelizeConfig:
     # fp8 layers on the gradient-accumulation fusion's protocol where the fusion applies (megatrain's
     # own, weights cast once per step); False: torchao's layers everywhere (MEGATRAIN_FP8_BACKEND=torchao)
     fp8_fused: bool = True
+    # --fp8-recipe and delayed scaling's settings (megatrain's fp8 layers; torchao's scale tensorwise)
+    fp8_recipe: Fp8Recipe = field(default_factory=Fp8Recipe)
     tp_comm_overlap: bool = False  # --tp-comm-overlap: async TP (CUDA, compiled, sequence parallel)
     # fp32 weight-gradient accumulation inside the half-precision layers' matmuls: None = where it
     # applies (--bf16/--fp16 without FSDP2, TP, PP, fp8 or full recompute); False: off
@@ -180,7 +183,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
             assert fp8_report is not None
             modules = dict(model.named_modules())
             fp8_linears = convert_fp8_linears([modules[name] for name in fp8_report[0]], cfg.fp8_format,
-                                              cfg.compute_dtype, compile_cast=cfg.compile_layers)
+                                              cfg.compute_dtype, compile_cast=cfg.compile_layers,
+                                              recipe=cfg.fp8_recipe)
         linears = convert_linears(m for layer in transformer_layers(model) for m in layer.modules())
         head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
         # (the fusion applies without pipeline stages only, so the model is whole and holds its head)

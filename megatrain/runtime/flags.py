@@ -23,13 +23,21 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                         "gradient-accumulation fusion applies, torchao's under TP, PP, FSDP2 or with "
                         "MEGATRAIN_FP8_BACKEND=torchao): hybrid = e4m3 forward, e5m2 gradients; e4m3 = e4m3 "
                         "everywhere")
-    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
-                   help="fp8 scaling: tensorwise (dynamic per-tensor scales). delayed (Megatron's default) runs "
-                        "as tensorwise with a note; mxfp8 and blockwise are refused")
-    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling only (noted, not used)")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed scaling only (noted, not used)")
-    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
-                   help="delayed scaling only (noted, not used)")
+    g.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+                   help="fp8 scaling: tensorwise (each input and output gradient scaled from its own current "
+                        "absolute maximum) or delayed (Megatron's default: scaled from an amax history of earlier "
+                        "micro-batches, the current maximum recorded in the same pass as the cast; megatrain's fp8 "
+                        "layers only: torchao's, under TP, PP or FSDP2, scale tensorwise, with a note). Unset: "
+                        "delayed where --fp8-margin, --fp8-amax-history-len or --fp8-amax-compute-algo is given, "
+                        "else tensorwise. mxfp8 and blockwise are refused")
+    g.add_argument("--fp8-margin", type=int, default=None,
+                   help="delayed scaling: scales divided by 2^margin (headroom; default 0)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=None,
+                   help="delayed scaling: amaxes kept per fp8 input and output gradient (default 1); saved in "
+                        "checkpoints")
+    g.add_argument("--fp8-amax-compute-algo", default=None, choices=["most_recent", "max"],
+                   help="delayed scaling: each scale from the newest amax (most_recent, the default) or the "
+                        "history's largest (max)")
     g = flag_section(parser, "training")
     g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="tokens per float32 chunk of the output-layer cross entropy, so the full float32 "

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatrain.runtime.fp8_scaling import Fp8Recipe, cast_delayed, new_state
 from megatrain.runtime.grad_accumulation_fusion import take_unwritten
 
 __all__ = ["Fp8FusedLinear", "convert_fp8_linears", "fp8_accumulate_wgrad_", "quantize"]
@@ -120,29 +121,38 @@ fp8_accumulate_wgrad_ = torch.ops.megatrain.fp8_accumulate_wgrad_.default
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """y = x @ w^T in fp8 (+ bias); weight's gradient = prev + dY^T x in float32 (fp8 operands)."""
+    """y = x @ w^T in fp8 (+ bias); weight's gradient = prev + dY^T x in float32 (fp8 operands).
+    ``delayed``: None (each cast scaled from its tensor's own amax) or (margin, use_max, record) with
+    the fp8 input and its inverse scale cast by the caller, and the output gradient's scale and amax
+    state for :func:`~megatrain.runtime.fp8_scaling.cast_delayed` in the backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, w8: torch.Tensor, w8_t: torch.Tensor,
                 w_inv: torch.Tensor, bias: torch.Tensor | None, prev: torch.Tensor | None,
-                dtype: torch.dtype, grad_dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, grad_dtype: torch.dtype, delayed: tuple[int, bool, bool] | None = None,
+                x8: torch.Tensor | None = None, x_inv: torch.Tensor | None = None,
+                grad_scale: torch.Tensor | None = None, grad_state: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        x2 = _pad_rows(x.reshape(rows, x.shape[-1]).to(dtype))
-        x8, x_inv = quantize(x2, E4M3)
+        if delayed is None:
+            x8, x_inv = quantize(_pad_rows(x.reshape(rows, x.shape[-1]).to(dtype)), E4M3)
+        assert x8 is not None and x_inv is not None, "delayed scaling: the caller casts the input"
         y = torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=dtype, use_fast_accum=True)[:rows]
         if bias is not None:
             y = y + bias.to(dtype)
-        ctx.save_for_backward(x8, x_inv, w8_t, w_inv, prev)
-        ctx.meta = (x.dtype, x.shape, weight.dtype, None if bias is None else bias.dtype, dtype, grad_dtype)
+        ctx.save_for_backward(x8, x_inv, w8_t, w_inv, prev, grad_scale, grad_state)
+        ctx.meta = (x.dtype, x.shape, weight.dtype, None if bias is None else bias.dtype, dtype, grad_dtype, delayed)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        x8, x_inv, w8_t, w_inv, prev = ctx.saved_tensors
-        x_dtype, x_shape, w_dtype, b_dtype, dtype, grad_dtype = ctx.meta
+        x8, x_inv, w8_t, w_inv, prev, grad_scale, grad_state = ctx.saved_tensors
+        x_dtype, x_shape, w_dtype, b_dtype, dtype, grad_dtype, delayed = ctx.meta
         rows = grad_y.numel() // grad_y.shape[-1]
         g2 = _pad_rows(grad_y.reshape(rows, grad_y.shape[-1]).to(dtype))
-        g8, g_inv = quantize(g2, grad_dtype)
+        if delayed is None:
+            g8, g_inv = quantize(g2, grad_dtype)
+        else:
+            g8, g_inv = cast_delayed(g2, grad_dtype, grad_scale, grad_state, *delayed)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=dtype)[:rows]
@@ -156,7 +166,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 grad_w = prev
         if b_dtype is not None and ctx.needs_input_grad[5]:
             grad_b = g2.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, None, None, None, grad_b, None, None, None
+        return grad_x, grad_w, None, None, None, grad_b, None, None, None, None, None, None, None, None
 
 
 class Fp8FusedLinear(nn.Linear):
@@ -171,12 +181,27 @@ class Fp8FusedLinear(nn.Linear):
     compute_dtype: torch.dtype
     grad_dtype: torch.dtype
     compile_cast: bool  # the once-a-step weight cast compiled on CUDA (off with --no-torch-compile)
+    recipe: Fp8Recipe
+    # delayed scaling (megatrain.runtime.fp8_scaling), for the inputs and the output gradients: the
+    # scale their casts use, and [the next scale, the amax history] (float32; None with tensorwise)
+    scale_in: torch.Tensor | None
+    amax_state_in: torch.Tensor | None
+    scale_grad: torch.Tensor | None
+    amax_state_grad: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_weight is None:
             return F.linear(x, self.weight, self.bias)
+        if not self.recipe.delayed:
+            return _Fp8LinearFn.apply(x, self.weight, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale,
+                                      self.bias, self.main_grad_in, self.compute_dtype, self.grad_dtype, None)
+        # amaxes are recorded by training passes only (evaluation casts with the scales as they are)
+        delayed = (self.recipe.margin, self.recipe.use_max, torch.is_grad_enabled())
+        x2 = _pad_rows(x.detach().reshape(-1, x.shape[-1]).to(self.compute_dtype))
+        x8, x_inv = cast_delayed(x2, E4M3, self.scale_in, self.amax_state_in, *delayed)
         return _Fp8LinearFn.apply(x, self.weight, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale,
-                                  self.bias, self.main_grad_in, self.compute_dtype, self.grad_dtype)
+                                  self.bias, self.main_grad_in, self.compute_dtype, self.grad_dtype, delayed,
+                                  x8, x_inv, self.scale_grad, self.amax_state_grad)
 
     @torch.no_grad()
     def refresh_fp8(self) -> None:
@@ -187,21 +212,30 @@ class Fp8FusedLinear(nn.Linear):
             self.fp8_weight_t = torch.empty(w.shape[1], w.shape[0], dtype=E4M3, device=w.device)
             self.fp8_inv_scale = torch.empty((), dtype=torch.float32, device=w.device)
         _weight_caster(w.device, self.compile_cast)(w, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale)
+        if self.scale_in is not None and self.scale_in.device != w.device:  # the model moved
+            for name in ("scale_in", "amax_state_in", "scale_grad", "amax_state_grad"):
+                setattr(self, name, getattr(self, name).to(w.device))
 
     def drop_fp8(self) -> None:
         self.fp8_weight = self.fp8_weight_t = self.fp8_inv_scale = None
 
 
 def convert_fp8_linears(modules: Iterable[nn.Module], fmt: str, dtype: torch.dtype,
-                        compile_cast: bool = True) -> list[Fp8FusedLinear]:
+                        compile_cast: bool = True, recipe: Fp8Recipe | None = None) -> list[Fp8FusedLinear]:
     """Turn each of ``modules`` (plain ``nn.Linear`` layers the caller found eligible) into an
-    :class:`Fp8FusedLinear` computing in ``dtype`` with ``--fp8-format`` ``fmt``'s gradient dtype (in
-    place); ``compile_cast``: compile the weights' cast on CUDA."""
+    :class:`Fp8FusedLinear` computing in ``dtype`` with ``--fp8-format`` ``fmt``'s gradient dtype and
+    ``recipe``'s scaling (default tensorwise), in place; ``compile_cast``: compile the weights' cast
+    on CUDA. Delayed scaling's state starts on the weights' device."""
     out = []
     for m in modules:
         assert type(m) is nn.Linear, f"not a plain nn.Linear: {type(m).__name__}"
         m.__class__ = Fp8FusedLinear
         m.fp8_weight = m.fp8_weight_t = m.fp8_inv_scale = m.main_grad_in = None
+        m.scale_in = m.amax_state_in = m.scale_grad = m.amax_state_grad = None
         m.compute_dtype, m.grad_dtype, m.compile_cast = dtype, grad_dtype_of(fmt), compile_cast
+        m.recipe = recipe or Fp8Recipe()
+        if m.recipe.delayed:
+            m.scale_in, m.amax_state_in = new_state(m.recipe, m.weight.device)
+            m.scale_grad, m.amax_state_grad = new_state(m.recipe, m.weight.device)
         out.append(m)
     return out

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatrain.runtime.fp8_scaling import promote_
+
 __all__ = ["FusedGradLinear", "GradAccumulationFusion", "accumulate_wgrad_", "convert_linears", "wgrad_float32"]
 
 
@@ -254,6 +256,8 @@ class GradAccumulationFusion:
         # instead of a half-precision copy
         self.fp8_linears = list(fp8_linears or [])
         self.slots = self.half_slots + [(m, m.weight) for m in self.fp8_linears]
+        # those with delayed scaling: the scales recorded in a micro-batch take effect after its backward
+        self._delayed = [m for m in self.fp8_linears if m.recipe.delayed]
         fused = {id(w) for _, w in self.slots}
         self.others = [p for p in others if p.requires_grad and id(p) not in fused]
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient so far)
@@ -353,6 +357,8 @@ class GradAccumulationFusion:
         """After a micro-batch's backward: add the held gradients to the new ones (one multi-tensor
         addition) and make them the parameters' gradients again."""
         _UNWRITTEN.clear()  # (a weight whose backward did not run keeps no gradient: autograd set none)
+        if self._delayed:
+            promote_(self._delayed)
         held, self._held = self._held, []
         fresh = [(p.grad, g) for p, g in held if p.grad is not None]
         if fresh:

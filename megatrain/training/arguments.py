@@ -317,22 +317,35 @@ def _resolve_speed_defaults(args: argparse.Namespace) -> None:
 
 
 def _validate_fp8(args: argparse.Namespace) -> None:
-    """--fp8-*: dynamic tensorwise scaling through torchao, with --bf16."""
-    delayed = [f"{flag} {value}" for flag, value, default in (
-        ("--fp8-margin", args.fp8_margin, 0), ("--fp8-amax-history-len", args.fp8_amax_history_len, 1),
-        ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo, "most_recent")) if value != default]
+    """--fp8-*: per-tensor scaling (tensorwise or delayed), with --bf16. Settles ``args.fp8_recipe``
+    and delayed scaling's three settings (Megatron's defaults where unset)."""
+    delayed = [f"{flag} {value}" for flag, value in (
+        ("--fp8-margin", args.fp8_margin), ("--fp8-amax-history-len", args.fp8_amax_history_len),
+        ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo)) if value is not None]
     if args.fp8_format is None:
-        if delayed or args.fp8_recipe != "tensorwise":
+        if delayed or args.fp8_recipe is not None:
             _fail(f"{', '.join(delayed) or '--fp8-recipe ' + args.fp8_recipe} has no effect without --fp8-format")
-        return
-    if args.fp8_recipe in ("mxfp8", "blockwise"):
-        _fail(f"--fp8-recipe {args.fp8_recipe} is not supported: megatrain's fp8 (torchao) scales per tensor; "
-              "use --fp8-recipe tensorwise (the default here)")
-    if args.fp8_recipe == "delayed" or delayed:
+        args.fp8_recipe = "tensorwise"
+    elif args.fp8_recipe in ("mxfp8", "blockwise"):
+        _fail(f"--fp8-recipe {args.fp8_recipe} is not supported: megatrain's fp8 scales per tensor; "
+              "use --fp8-recipe tensorwise or delayed")
+    elif args.fp8_recipe is None:
+        args.fp8_recipe = "delayed" if delayed else "tensorwise"
+    elif args.fp8_recipe == "tensorwise" and delayed:  # as Megatron: accepted, unused
         args.legacy_notes = getattr(args, "legacy_notes", []) + [
-            f"note: {', '.join((['--fp8-recipe delayed'] if args.fp8_recipe == 'delayed' else []) + delayed)}: "
-            "megatrain's fp8 scales every tensor from its own current absolute maximum (dynamic tensorwise "
-            "scaling), so delayed scaling's amax history and margin are not used"]
+            f"note: {', '.join(delayed)}: delayed scaling's settings, unused with --fp8-recipe tensorwise"]
+    if args.fp8_margin is None:
+        args.fp8_margin = 0
+    if args.fp8_amax_history_len is None:
+        args.fp8_amax_history_len = 1
+    if args.fp8_amax_compute_algo is None:
+        args.fp8_amax_compute_algo = "most_recent"
+    if args.fp8_margin < 0:
+        _fail(f"--fp8-margin must be >= 0, got {args.fp8_margin}")
+    if args.fp8_amax_history_len < 1:
+        _fail(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
+    if args.fp8_format is None:
+        return
     if not args.bf16:
         _fail("--fp8-format needs --bf16 (the matmuls outside the fp8 layers and the activations run in bf16)")
     from megatrain.runtime.fp8 import require_fp8

@@ -186,6 +186,8 @@ class StepMixin:
             total += losses
             if self.per_token_loss:  # only the per-token loss reads the count
                 tokens += n
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.after_backward()
         return total, tokens
 
     # ---- one iteration --------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from megatrain.training.console import print_rank0, print_rank_last, setup_loggi
 from megatrain.training.evaluation import EvaluationMixin
 from megatrain.training.exits import ExitRequest
 from megatrain.training.flops import CountedFlops, device_peak_tflops
+from megatrain.training.fp8_scaling_state import Fp8ScalingState
 from megatrain.training.housekeeping import Housekeeping
 from megatrain.training.logging import MetricsWriter, format_train_log_line
 from megatrain.training.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -141,6 +142,9 @@ class Trainer(StepMixin, EvaluationMixin):
         self.model = self.parallelized.model  # DDP wrapper or the (sharded) model itself
         self.module = self.parallelized.module  # the family's model, for its methods and state dicts
         self.grad_fusion = self.parallelized.grad_fusion
+        # delayed fp8 scaling's histories (None without): agreed once per step, saved in checkpoints
+        self.fp8_scaling = Fp8ScalingState.of(self.parallelized, self.run.parallelize.fp8_recipe,
+                                              self.dims.replicas, lambda: self.dims.replica_mesh().get_group())
         # MoE models: balancing-loss scale, expert-bias updates and logged values (None: dense, nothing to do)
         self.moe_metrics = MoEMetrics.for_model(self.module, self.model_config, device=self.device,
                                                 per_token_loss=self.per_token_loss)
@@ -315,6 +319,12 @@ class Trainer(StepMixin, EvaluationMixin):
             raise SystemExit(f"error: --load {load}: {e}") from None
         if not (a.finetune or a.no_load_rng):
             self._rng_checkpoint = ckpt
+        if self.fp8_scaling is not None:  # (part of the model's state, as Transformer Engine's extra state)
+            try:
+                for note in self.fp8_scaling.load(meta, ckpt):
+                    print_rank0(note)
+            except ValueError as e:
+                raise SystemExit(f"error: --load {e}") from None
         # Where the weights came from travels on: a model trained on from a Hugging Face import exports
         # back as its class, with its own vocabulary rows (not the padded embedding).
         for key in PROVENANCE_ARGS:
@@ -343,7 +353,8 @@ class Trainer(StepMixin, EvaluationMixin):
             return
         extra = {"scheduler": self.scheduler.state_dict(),
                  "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                 **self.checkpoint_extra()}
+                 **self.checkpoint_extra(),
+                 **(self.fp8_scaling.checkpoint_entry() if self.fp8_scaling is not None else {})}
         optimizer = self._checkpoint_optimizer(self.optimizer)
         report = self.checkpointer.save(a.save, self.state, self.module, optimizer, extra, a,
                                         self.model_config, save_optim=not a.no_save_optim,
@@ -412,8 +423,13 @@ class Trainer(StepMixin, EvaluationMixin):
             converted, kept = fp8
             backend = ("megatrain's, weights cast once per step" if fusion is not None and fusion.fp8_linears
                        else "torchao")
+            recipe = self.run.parallelize.fp8_recipe
+            scaling = recipe.describe() if backend != "torchao" else "tensorwise scaling"
+            if recipe.delayed and backend == "torchao":
+                print_rank0(" note: --fp8-recipe delayed: torchao's fp8 layers (under TP, PP, FSDP2 or "
+                            "MEGATRAIN_FP8_BACKEND=torchao) scale tensorwise")
             print_rank0(f" fp8 ({a.fp8_format}: e4m3 forward, {'e5m2' if a.fp8_format == 'hybrid' else 'e4m3'} "
-                        f"gradients; dynamic per-tensor scales; {backend}): {len(converted)} linear "
+                        f"gradients; per-tensor {scaling}; {backend}): {len(converted)} linear "
                         "layers of the transformer layers run fp8 matmuls"
                         + (" (on this rank's pipeline stages)" if self.dims.pp > 1 else "")
                         + "; the output layer stays bf16"

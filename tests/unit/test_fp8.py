@@ -87,15 +87,17 @@ def test_fp8_flag_mistakes_name_the_flag(extra, message):
         parse_args([*BASE, *extra], validate=True)
 
 
-def test_megatron_delayed_scaling_settings_run_with_a_note():
-    """Megatron's own fp8 example passes delayed-scaling settings and --fp8-param-gather."""
+def test_megatron_fp8_example_flags_select_delayed_scaling():
+    """Megatron's own fp8 example passes delayed-scaling settings (its default recipe) and --fp8-param-gather."""
     args = parse_args([*BASE, "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
                        "--fp8-amax-compute-algo", "max", "--fp8-param-gather"], validate=True)
+    assert (args.fp8_recipe, args.fp8_amax_history_len, args.fp8_amax_compute_algo) == ("delayed", 1024, "max")
     notes = "\n".join(args.legacy_notes)
-    assert "--fp8-amax-history-len 1024, --fp8-amax-compute-algo max" in notes and "dynamic tensorwise" in notes
     assert "--fp8-param-gather" in notes and "gathered in bf16" in notes
-    delayed = parse_args([*BASE, "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], validate=True)
-    assert any("--fp8-recipe delayed" in n for n in delayed.legacy_notes)
+    tensorwise = parse_args([*BASE, "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                             "--fp8-margin", "1"], validate=True)
+    assert any("--fp8-margin 1: delayed scaling's settings, unused with --fp8-recipe tensorwise" in n
+               for n in tensorwise.legacy_notes)
 
 
 def test_fp8_flags_parse():
