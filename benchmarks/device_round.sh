@@ -26,6 +26,7 @@
 #   bash benchmarks/device_round.sh vlm-20     # nvidia-h200 or H100, ~9.5 min: vlm_speed.py both rows, then the megatrain step's kernel table
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
 #   bash benchmarks/device_round.sh llama22    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan (AdamW kernel default and off), bf16 and fp8 at global batch 8
+#   bash benchmarks/device_round.sh fp8-delayed  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of delayed scaling, LLaMA-1.2B at global batch 8 in bf16, fp8 tensorwise and fp8 delayed; the delayed step profiled
 #   bash benchmarks/device_round.sh t5-22      # nvidia-h200 or H100, ~8 min: T5 beside transformers, with and without the AdamW kernel
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
@@ -234,6 +235,19 @@ case "${1:-table}" in
       --extra "" --extra "--fp8-format hybrid" --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
     tail -n 3 /tmp/llama_*.log
     ;;
+  fp8-delayed)  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of the fp8 layers (both recipes), then
+                # LLaMA-1.2B at global batch 8 in bf16, fp8 tensorwise and fp8 delayed (Megatron's example settings),
+                # timed; then the delayed step's kernel table (are the amax reductions inside the casts' kernels?)
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/unit/test_fp8_fusion.py tests/unit/test_fp8_delayed.py \
+      -k cuda > "$OUT/gpu_tests.txt" 2>&1
+    timeout 345 $B llama-1.2b --iters 10 --warmup 4 --timeout 110 --extra "" --extra "--fp8-format hybrid" \
+      --extra "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" \
+      --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
+    left=$((585 - SECONDS))
+    [ $left -gt 100 ] && profile llama-1.2b $((left - 5)) \
+      "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" fp8_delayed > /tmp/prof_delayed.log 2>&1
+    tail -n 3 /tmp/llama_fp8.log /tmp/prof_*.log; tail -n 3 "$OUT/gpu_tests.txt"
+    ;;
   t5-22)  # nvidia-h200 or H100, ~8 min: T5 beside transformers with and without the AdamW kernel
     timeout 560 python benchmarks/t5_speed.py --rows hf-layout,hf-layout-adamw-kernel,transformers --iters 10 \
       --warmup 5 --timeout 170 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
@@ -248,6 +262,6 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|vlm-20|llama21|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|vlm-20|llama21|llama22|t5-22|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

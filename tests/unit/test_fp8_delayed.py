@@ -194,3 +194,32 @@ def test_bad_fp8_settings_get_one_line(extra, message):
 
     with pytest.raises(SystemExit, match=re.escape(message)):
         parse_args([*BASE, "--bf16", "--fp8-format", "hybrid", *extra], validate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with fp8 matmuls (sm89 or later)")
+def test_cuda_compiled_layer_follows_the_delayed_recipe():
+    """On the GPU's fp8 kernels, compiled (the casts, the amax recording and its opaque store in
+    Triton kernels): the histories and scales are Transformer Engine's, and the outputs follow
+    eager's within the kernels' rounding."""
+    recipe = Fp8Recipe(True, history_len=2, amax_compute_algo="max")
+    gen = torch.Generator("cuda").manual_seed(0)
+    xs = [torch.randn(2, 100, 512, device="cuda", dtype=torch.bfloat16, generator=gen) * (i + 1) for i in range(3)]
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(512, 256, bias=False, device="cuda")
+        convert_fp8_linears([lin], "hybrid", torch.bfloat16, recipe=recipe)
+        fusion = GradAccumulationFusion([], torch.bfloat16, fp8_linears=[lin])
+        ys, gxs = _run(torch.compile(lin) if compiled else lin, fusion, xs)
+        results.append((ys, gxs, lin))
+    (ys_e, gxs_e, eager), (ys_c, gxs_c, comp) = results
+    ref = _Reference(recipe, E4M3)
+    for x in xs:
+        ref.cast(x.reshape(-1, 512))
+    assert comp.amax_state_in[1:].tolist() == ref.history and comp.scale_in.item() == ref.scale
+    assert torch.equal(comp.amax_state_in, eager.amax_state_in)
+    for a, b in zip(ys_e + gxs_e, ys_c + gxs_c):
+        torch.testing.assert_close(b, a, rtol=1.6e-2, atol=2e-2 * a.abs().max().item())
+    torch.testing.assert_close(comp.amax_state_grad, eager.amax_state_grad, rtol=2e-2, atol=0)
