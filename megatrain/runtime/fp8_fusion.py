@@ -3,8 +3,10 @@ applies: one process or replicated data parallel, no TP, PP, FSDP2 or full recom
 
 The recipe is the one :mod:`megatrain.runtime.fp8` gets from torchao (e4m3 forward operands, e5m2
 or e4m3 output gradients, a dynamic per-tensor scale from each tensor's current absolute maximum,
-``torch._scaled_mm`` with fast accumulation in the forward only), so the numbers are the same; what
-differs is what happens to the weights and their gradients:
+``torch._scaled_mm`` with fast accumulation in the forward only), so the numbers are the same
+(``--fp8-recipe delayed`` instead scales the inputs and output gradients from amax histories of
+earlier micro-batches: :mod:`megatrain.runtime.fp8_scaling`); what differs is what happens to the
+weights and their gradients:
 
 * torchao's ``Float8Linear`` casts every float32 weight to fp8 in each micro-batch's forward and
   again, in the other layout, in its backward (an absolute-maximum pass and a cast pass each), and
