@@ -15,14 +15,7 @@ import torch
 from megatrain.runtime.fp8_fusion import E4M3, E5M2, convert_fp8_linears, quantize
 from megatrain.runtime.fp8_scaling import Fp8Recipe, load_state_, state_of
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion
-
-if not hasattr(torch, "_scaled_mm"):
-    pytest.skip("this torch has no fp8 matmul", allow_module_level=True)
-try:
-    torch._scaled_mm(torch.zeros(16, 16, dtype=E4M3), torch.zeros(16, 16, dtype=E4M3).t(), torch.tensor(1.0),
-                     torch.tensor(1.0), out_dtype=torch.float32)
-except (RuntimeError, NotImplementedError):
-    pytest.skip("this torch has no fp8 matmul on the CPU", allow_module_level=True)
+from tests.unit.test_fp8_fusion import _run  # (skips this module too where the CPU has no fp8 matmul)
 
 
 def _layer(recipe: Fp8Recipe, fmt: str = "hybrid", seed: int = 0):
@@ -54,21 +47,6 @@ class _Reference:
         if use > 0 and use != float("inf"):
             self.scale = float(torch.tensor(fmax / 2.0 ** self.recipe.margin / use, dtype=torch.float64).float())
         return t8, inv
-
-
-def _run(lin, fusion, xs):
-    fusion.refresh()
-    ys, gxs = [], []
-    for x in xs:
-        x = x.clone().requires_grad_(True)
-        fusion.stage()
-        y = lin(x)
-        fusion.release()
-        y.float().pow(2).sum().backward()
-        fusion.merge_held()
-        ys.append(y.detach().reshape(-1, y.shape[-1]).float())
-        gxs.append(x.grad.reshape(-1, x.shape[-1]).float())
-    return ys, gxs
 
 
 @pytest.mark.parametrize("recipe", [Fp8Recipe(True), Fp8Recipe(True, margin=1, history_len=3, amax_compute_algo="max"),
