@@ -45,7 +45,8 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
                                                 "buckets",
     "--keep_fp8_weight_transpose_cache": ("megatrain's fp8 layers cast each weight once per optimizer step in both "
                                          "layouts (the transpose kept for the step); torchao's layers cast per matmul"),
-    "--fp8-interval": "delayed-scaling setting: megatrain's fp8 recomputes every scale at every step",
+    "--fp8-interval": "deprecated in Megatron (Transformer Engine no longer reads it): delayed scaling here "
+                      "updates each scale after every micro-batch, as Transformer Engine does",
     "--use-torch-fsdp2": "means --zero-stage 3 here (FSDP2 with parameters, gradients and optimizer state "
                          "sharded), unless --zero-stage / --use-distributed-optimizer say otherwise",
     "--local_rank": "taken from the LOCAL_RANK environment variable",
