@@ -92,12 +92,15 @@ def _(state: torch.Tensor, new_state: torch.Tensor) -> None:
 
 
 fp8_scaling_store_ = torch.ops.megatrain.fp8_scaling_store_.default
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _next_scale(amax: torch.Tensor, scale: torch.Tensor, fmax: float | torch.Tensor, margin: int) -> torch.Tensor:
-    """The scale from ``amax`` (float64 division, so eager and compiled code agree), or ``scale``
-    where ``amax`` is zero or not finite."""
-    fresh = ((fmax / 2.0 ** margin) / amax.to(torch.float64)).to(torch.float32)
+    """The scale from ``amax``, or ``scale`` where ``amax`` is zero or not finite. The division is
+    float64's (so eager and compiled code agree), which rounded to float32 is float32's correctly
+    rounded quotient, Transformer Engine's; a quotient beyond float32 (a subnormal amax) is float32's
+    largest value."""
+    fresh = ((fmax / 2.0 ** margin) / amax.to(torch.float64)).clamp(max=_FP32_MAX).to(torch.float32)
     return torch.where((amax > 0) & torch.isfinite(amax), fresh, scale)
 
 

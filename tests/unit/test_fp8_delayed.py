@@ -201,3 +201,9 @@ def test_cuda_compiled_layer_follows_the_delayed_recipe():
     for a, b in zip(ys_e + gxs_e, ys_c + gxs_c):
         torch.testing.assert_close(b, a, rtol=1.6e-2, atol=2e-2 * a.abs().max().item())
     torch.testing.assert_close(comp.amax_state_grad, eager.amax_state_grad, rtol=2e-2, atol=0)
+
+
+def test_a_subnormal_amax_gives_float32s_largest_scale():
+    lin, _, fusion = _layer(Fp8Recipe(True))
+    _run(lin, fusion, [torch.full((32, 64), 1e-40)])
+    assert lin.scale_in.item() == torch.finfo(torch.float32).max
