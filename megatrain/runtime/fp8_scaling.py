@@ -31,6 +31,7 @@ the amax in the same kernel that casts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
@@ -178,6 +179,16 @@ def state_of(layers: list[Any], names: list[str], recipe: Fp8Recipe) -> dict[str
                        for name, m in zip(names, layers)}}
 
 
+def _valid_row(row: Any) -> bool:
+    """[a finite scale > 0, amaxes...]: plain numbers; an amax is >= 0, or inf or NaN as a run with
+    overflowing activations records them (such an entry leaves the scale as it is)."""
+    if not isinstance(row, list) or len(row) < 2:
+        return False
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+        return False
+    return math.isfinite(row[0]) and row[0] > 0 and not any(v < 0 for v in row[1:])
+
+
 @torch.no_grad()
 def load_state_(layers: list[Any], names: list[str], recipe: Fp8Recipe, state: dict[str, Any]) -> list[str]:
     """Restore what :func:`state_of` saved into ``layers`` (named ``names``); notes on what differs.
@@ -200,8 +211,9 @@ def load_state_(layers: list[Any], names: list[str], recipe: Fp8Recipe, state: d
             continue
         for key, scale, st in (("input", m.scale_in, m.amax_state_in), ("grad", m.scale_grad, m.amax_state_grad)):
             row = saved[name].get(key) if isinstance(saved[name], dict) else None
-            if not isinstance(row, list) or len(row) < 2 or not all(isinstance(v, (int, float)) for v in row):
-                raise ValueError(f"fp8_scaling: layer {name}: malformed {key!r} entry")
+            if not _valid_row(row):
+                raise ValueError(f"fp8_scaling: layer {name}: malformed {key!r} entry (a positive finite scale, "
+                                 "then non-negative amaxes, expected)")
             values = torch.tensor(row[:1 + recipe.history_len], dtype=torch.float32)
             st.zero_()
             st[:values.numel()].copy_(values)

@@ -136,9 +136,13 @@ def test_state_round_trips_through_plain_data_and_adapts_to_another_history_leng
     assert small.amax_state_in.tolist() == lin.amax_state_in[:2].tolist()
     missing = load_state_([small], ["other"], shorter, saved)
     assert any("no fp8 scales for 1" in n for n in missing)
-    saved["layers"]["layer"]["grad"] = "oops"
-    with pytest.raises(ValueError, match="layer layer: malformed 'grad'"):
-        load_state_([small], ["layer"], shorter, saved)
+    saved["layers"]["layer"]["grad"] = [2.0, float("inf")]  # an overflow the run recorded: kept
+    load_state_([small], ["layer"], shorter, saved)
+    assert small.amax_state_grad.tolist() == [2.0, float("inf")] and small.scale_grad.item() == 2.0
+    for bad in ("oops", [float("nan"), 1.0], [0.0, 1.0], [float("inf"), 1.0], [1.0, -2.0], [True, 1.0], [1.0]):
+        saved["layers"]["layer"]["grad"] = bad
+        with pytest.raises(ValueError, match="layer layer: malformed 'grad'"):
+            load_state_([small], ["layer"], shorter, saved)
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
