@@ -23,10 +23,11 @@ replicas combine their histories once per optimizer step (elementwise maximum, o
 step boundary, so a checkpoint holds one copy (:func:`state_of` / :func:`load_state_`) and a
 resumed run continues exactly.
 
-The history and scale are updated by ``megatrain::fp8_scaling_store_``, an operator opaque to the
-compiler (it also runs inside backward passes, where a compiled graph must not see a mutated
-saved input); the new values are computed beside it in traced code, so a compiled model reduces
-the amax in the same kernel that casts.
+The new history and next scale are computed in traced code beside the cast (so a compiled model
+can reduce the amax in the pass that casts) and written by ``megatrain::fp8_scaling_store_``, an
+operator opaque to the compiler (it also runs inside backward passes, where a compiled graph must
+not see a mutated saved input), into a state the cast does not read; :func:`promote_` makes the
+next scales current after each micro-batch.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _slots(layers: Iterable[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torc
 @torch.no_grad()
 def promote_(layers: list[Any]) -> None:
     """Make the scales recorded by the last micro-batch the ones the casts use (one multi-tensor copy;
-    the gradient-accumulation fusion calls it before each training micro-batch)."""
+    the gradient-accumulation fusion calls it after each training micro-batch's backward)."""
     slots = _slots(layers)
     if slots:
         torch._foreach_copy_([s for s, _, _ in slots], [st[0] for _, st, _ in slots])
