@@ -102,7 +102,9 @@ def _next_scale(amax: torch.Tensor, scale: torch.Tensor, fmax: float | torch.Ten
     float64's (so eager and compiled code agree), which rounded to float32 is float32's correctly
     rounded quotient, Transformer Engine's; a quotient beyond float32 (a subnormal amax) is float32's
     largest value."""
-    fresh = ((fmax / 2.0 ** margin) / amax.to(torch.float64)).clamp(max=_FP32_MAX).to(torch.float32)
+    amax64 = amax.to(torch.float64)
+    # a tensor numerator: `number / tensor` would be the tensor's reciprocal times the number (two roundings)
+    fresh = (torch.full_like(amax64, 1.0) * (fmax / 2.0 ** margin) / amax64).clamp(max=_FP32_MAX).to(torch.float32)
     return torch.where((amax > 0) & torch.isfinite(amax), fresh, scale)
 
 
