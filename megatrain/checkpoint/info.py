@@ -69,8 +69,19 @@ def checkpoint_info(path: str, step: int | None = None) -> dict[str, Any]:
         "torch_version": meta.get("torch_version"),
         "format_version": meta.get("format_version", 1),
         "iterations_in_save_dir": sorted(others),
+        "fp8_scaling": _fp8_scaling_summary(meta.get("fp8_scaling")),
         "args": meta.get("args", {}),
     }
+
+
+def _fp8_scaling_summary(state: Any) -> dict[str, Any] | None:
+    """Delayed fp8 scaling's saved state in brief: the recipe, the layers, the range of their scales."""
+    if not isinstance(state, dict) or not isinstance(state.get("layers"), dict):
+        return None
+    scales = [row[0] for entry in state["layers"].values() if isinstance(entry, dict)
+              for row in entry.values() if isinstance(row, list) and row and isinstance(row[0], (int, float))]
+    return {"recipe": state.get("recipe"), "layers": len(state["layers"]),
+            "scale_range": [min(scales), max(scales)] if scales else None}
 
 
 def format_info(info: dict[str, Any], show_args: bool = True) -> str:
@@ -100,6 +111,13 @@ def format_info(info: dict[str, Any], show_args: bool = True) -> str:
         f"saved at:          {info['saved_at']} (torch {info['torch_version']}, format {info['format_version']})",
         f"in the directory:  iterations {', '.join(map(str, info['iterations_in_save_dir']))}",
     ]
+    fp8 = info.get("fp8_scaling")
+    if fp8 is not None:
+        recipe = fp8.get("recipe") or {}
+        scales = fp8["scale_range"]
+        lines.insert(-1, f"fp8 scaling:       delayed (amax history {recipe.get('history_len')}, "
+                         f"{recipe.get('amax_compute_algo')}, margin {recipe.get('margin')}), {fp8['layers']} layers"
+                         + (f", scales {scales[0]:.4g} to {scales[1]:.4g}" if scales else ""))
     if show_args:
         lines.append("arguments:")
         lines += [f"  {k} = {json.dumps(v)}" for k, v in sorted(info["args"].items())]

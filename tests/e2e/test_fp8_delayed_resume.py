@@ -47,6 +47,9 @@ def test_delayed_scaling_resumes_exactly_from_its_checkpointed_histories(tmp_pat
     qkv = layers["layers.0.self_attention.linear_qkv"]["input"]
     assert len(qkv) == 5 and qkv[0] != 1.0 and all(v > 0 for v in qkv[1:]), qkv  # 4 casts so far (2 steps x 2 micro-batches): all filled
 
+    info = run_cmd([sys.executable, "tools/checkpoint_info.py", str(save), "--no-args"], env=cpu_env()).stdout
+    assert "fp8 scaling:       delayed (amax history 4, max, margin 0), 8 layers, scales " in info, info
+
     resumed = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--load", str(save), "--ckpt-step", "2"],
                       env=cpu_env())
     assert _losses(resumed.stdout) == straight[2:]
