@@ -43,7 +43,8 @@ from megatrain.models.common.layer_stacks import transformer_layers
 from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
 from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8, fp8_layer_linears
-from megatrain.runtime.fp8_fusion import convert_fp8_linears
+from megatrain.runtime.fp8_fusion import convert_fp8_linears, grad_dtype_of
+from megatrain.runtime.fp8_head import Fp8HeadWeights
 from megatrain.runtime.fp8_scaling import Fp8Recipe
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
@@ -71,6 +72,9 @@ class ParallelizeConfig:
     fp8_fused: bool = True
     # --fp8-recipe and delayed scaling's settings (megatrain's fp8 layers; torchao's scale tensorwise)
     fp8_recipe: Fp8Recipe = field(default_factory=Fp8Recipe)
+    # the output layer's matmuls in fp8 too (MEGATRAIN_FP8_OUTPUT_LAYER=1; megatrain's fp8 layers and the
+    # chunked loss head only): an experiment, off by default
+    fp8_output_layer: bool = False
     tp_comm_overlap: bool = False  # --tp-comm-overlap: async TP (CUDA, compiled, sequence parallel)
     # fp32 weight-gradient accumulation inside the half-precision layers' matmuls: None = where it
     # applies (--bf16/--fp16 without FSDP2, TP, PP, fp8 or full recompute); False: off
@@ -189,6 +193,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
         head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
         # (the fusion applies without pipeline stages only, so the model is whole and holds its head)
         extra = [(head, model.output_weight())] if isinstance(head, ChunkedCrossEntropy) else []
+        if fp8_fused and cfg.fp8_output_layer and extra and model.output_bias() is None \
+                and all(d % 16 == 0 for d in extra[0][1].shape):
+            head.fp8_weights = Fp8HeadWeights(grad_dtype_of(cfg.fp8_format), compile_cast=cfg.compile_layers)
         if linears or extra or fp8_linears:
             fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters(),
                                             fp8_linears=fp8_linears)

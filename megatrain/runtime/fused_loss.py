@@ -193,7 +193,7 @@ def _labeled_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor | Non
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                           *, ignore_index: int = -100, compile: bool = False, half_weight: torch.Tensor | None = None,
                           prev_grad: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                          labeled_rows_only: bool = False) -> torch.Tensor:
+                          labeled_rows_only: bool = False, fp8: Any = None) -> torch.Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, labels)`` in float32, shaped like ``labels``.
 
     hidden [..., h] (after the final norm), weight [V, h] (the output layer or the tied word
@@ -206,6 +206,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     ``labeled_rows_only``: where most labels are ``ignore_index`` (an image's positions, a prompt), the
     output layer and the loss run on the labeled rows alone (gathered; their losses scattered back, the
     other rows 0 with no gradient, as before). The same maths; it costs one synchronisation for the count.
+    ``fp8``: the output weight's fp8 copies (:class:`megatrain.runtime.fp8_head.Fp8HeadWeights`, refreshed):
+    the three matmuls in fp8 (no bias).
     """
     if chunk_size <= 0:
         raise ValueError(f"--cross-entropy-chunk-size must be positive for the chunked loss, got {chunk_size}")
@@ -215,9 +217,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     rows = _labeled_rows(labels, ignore_index) if labeled_rows_only else None
     if rows is not None:
         rows_h, rows_t = rows_h.index_select(0, rows), rows_t.index_select(0, rows)
-    flat = _ChunkedLinearCrossEntropy.apply(rows_h, weight, rows_t, int(chunk_size), int(ignore_index),
-                                            compute_dtype(hidden) if half_weight is None else half_weight.dtype,
-                                            bool(compile), half_weight, prev_grad, bias)
+    dtype = compute_dtype(hidden) if half_weight is None else half_weight.dtype
+    if fp8 is not None:
+        assert bias is None and fp8.w8 is not None, "the fp8 output layer: refreshed weights, no bias"
+        from megatrain.runtime.fp8_head import chunked_fp8_cross_entropy  # (it builds on this module)
+
+        flat = chunked_fp8_cross_entropy(rows_h, weight, rows_t, chunk_size, ignore_index, dtype, compile, fp8,
+                                         prev_grad)
+    else:
+        flat = _ChunkedLinearCrossEntropy.apply(rows_h, weight, rows_t, int(chunk_size), int(ignore_index), dtype,
+                                                bool(compile), half_weight, prev_grad, bias)
     if rows is not None:
         flat = flat.new_zeros(labels.numel()).index_copy(0, rows, flat)
     return flat.view(labels.shape)
@@ -238,6 +247,9 @@ class ChunkedCrossEntropy:
     labeled_rows_only: bool = False  # see chunked_cross_entropy (models whose labels are mostly ignored)
     half_weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
     main_grad_in: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # the output layer in fp8 (megatrain.runtime.fp8_head.Fp8HeadWeights; MEGATRAIN_FP8_OUTPUT_LAYER=1):
+    # the fusion refreshes its copies once per step; used once they exist and the layer has no bias
+    fp8_weights: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -252,6 +264,8 @@ class ChunkedCrossEntropy:
     @torch.compiler.disable  # a whole-model compile stops here: the chunks run their own kernels
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        fp8 = self.fp8_weights
+        fp8 = fp8 if fp8 is not None and fp8.w8 is not None and bias is None else None
         return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, compile=self.compile,
                                      half_weight=self.half_weight, prev_grad=self.main_grad_in, bias=bias,
-                                     labeled_rows_only=self.labeled_rows_only)
+                                     labeled_rows_only=self.labeled_rows_only, fp8=fp8)

@@ -258,6 +258,8 @@ class GradAccumulationFusion:
         self.slots = self.half_slots + [(m, m.weight) for m in self.fp8_linears]
         # those with delayed scaling: the scales recorded in a micro-batch take effect after its backward
         self._delayed = [m for m in self.fp8_linears if m.recipe.delayed]
+        # holders whose weight also has fp8 copies to refresh (the output layer in fp8: fp8_head)
+        self._fp8_holders = [(h, w) for h, w in self.half_slots if getattr(h, "fp8_weights", None) is not None]
         fused = {id(w) for _, w in self.slots}
         self.others = [p for p in others if p.requires_grad and id(p) not in fused]
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient so far)
@@ -290,6 +292,8 @@ class GradAccumulationFusion:
         """Bring the weights' half-precision (and fp8) copies up to date with the float32 weights."""
         for m in self.fp8_linears:
             m.refresh_fp8()
+        for holder, w in self._fp8_holders:
+            holder.fp8_weights.refresh(w)
         if self.half_slots:
             self._refresh_halves()
 
@@ -372,6 +376,8 @@ class GradAccumulationFusion:
             holder.half_weight = None
         for m in self.fp8_linears:
             m.drop_fp8()
+        for holder, _ in self._fp8_holders:
+            holder.fp8_weights.drop()
         self._halves = None
         if self.copier is not None:
             self.copier.set_half_copies(())

@@ -26,6 +26,7 @@ from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.parallelize import ParallelizeConfig
 from megatrain.parallel.pipeline import PipelineConfig
 from megatrain.parallel.recompute import RecomputeConfig
+from megatrain.runtime.fp8_head import fp8_output_layer_from_env
 from megatrain.runtime.fp8_scaling import Fp8Recipe
 from megatrain.training.builders import Precision
 from megatrain.training.lr_schedule import LRScheduleConfig, lr_schedule_config_from_args
@@ -101,7 +102,7 @@ def _parallelize_config(args: argparse.Namespace, precision: Precision) -> Paral
         attention_mask=args.reset_attention_mask, compile_mode=args.torch_compile_mode,
         compile_scope=args.torch_compile_scope, fp8_format=args.fp8_format, tp_comm_overlap=args.tp_comm_overlap,
         grad_accumulation_fusion=False if args.no_gradient_accumulation_fusion else None,
-        fp8_fused=fp8_backend_from_env() == "fused",
+        fp8_fused=fp8_backend_from_env() == "fused", fp8_output_layer=fp8_output_layer_from_env(),
         fp8_recipe=Fp8Recipe(args.fp8_recipe == "delayed", args.fp8_margin, args.fp8_amax_history_len,
                              args.fp8_amax_compute_algo))
 

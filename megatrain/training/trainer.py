@@ -424,6 +424,10 @@ class Trainer(StepMixin, EvaluationMixin):
             backend = ("megatrain's, weights cast once per step" if fusion is not None and fusion.fp8_linears
                        else "torchao")
             recipe = self.run.parallelize.fp8_recipe
+            fp8_head = getattr(self.parallelized.loss_head, "fp8_weights", None) is not None
+            if self.run.parallelize.fp8_output_layer and not fp8_head:
+                print_rank0(" note: MEGATRAIN_FP8_OUTPUT_LAYER=1 applies with megatrain's fp8 layers and the chunked "
+                            "loss head (no bias, sizes multiples of 16): the output layer stays bf16")
             scaling = recipe.describe() if backend != "torchao" else "tensorwise scaling"
             if recipe.delayed and backend == "torchao":
                 print_rank0(" note: --fp8-recipe delayed: torchao's fp8 layers (under TP, PP, FSDP2 or "
@@ -432,7 +436,8 @@ class Trainer(StepMixin, EvaluationMixin):
                         f"gradients; per-tensor {scaling}; {backend}): {len(converted)} linear "
                         "layers of the transformer layers run fp8 matmuls"
                         + (" (on this rank's pipeline stages)" if self.dims.pp > 1 else "")
-                        + "; the output layer stays bf16"
+                        + ("; the output layer too (MEGATRAIN_FP8_OUTPUT_LAYER=1, tensorwise)" if fp8_head
+                           else "; the output layer stays bf16")
                         + (f"; kept in bf16 (sizes not multiples of 16): {', '.join(kept)}" if kept else ""))
         self.interval = IntervalStats()
         t_last = time.time()

@@ -1,0 +1,138 @@
+"""The output layer in fp8 (an experiment, ``MEGATRAIN_FP8_OUTPUT_LAYER=1`` with ``--fp8-format``; off
+by default, as in Megatron, whose fp8 covers the transformer layers only).
+
+The output layer of a language model is a large share of its matmuls (LLaMA-1.2B: 21 % of the weight
+matmuls' multiply-adds), and ``--fp8-format`` leaves it in bf16. Here the chunked loss head
+(:mod:`megatrain.runtime.fused_loss`) runs its three matmuls in fp8 with the recipe of megatrain's fp8
+layers (:mod:`megatrain.runtime.fp8_fusion`): the hidden states in e4m3 with a per-tensor scale, the
+weight cast once per optimizer step in both layouts (:class:`Fp8HeadWeights`, refreshed by the
+gradient-accumulation fusion), the logits' gradient in the format's gradient dtype (e5m2 for hybrid),
+the weight gradient in float32 added in place. The float32 loss and its gradient are the chunked
+head's own. What it risks: the logits' gradient (softmax minus one-hot) spans many orders of magnitude
+in one tensor, kept at e5m2's two mantissa bits under one scale; its loss curve against bf16 decides.
+
+Row counts that are not a multiple of 16 get rows with ignored labels appended (loss 0, no gradient).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.runtime.fp8_fusion import E4M3, _weight_caster, _wgrad, fp8_accumulate_wgrad_, quantize
+from megatrain.runtime.fused_loss import _kernels, _rows_per_call, _stats_dtype, backward_once
+
+__all__ = ["FP8_OUTPUT_LAYER_ENV", "Fp8HeadWeights", "chunked_fp8_cross_entropy", "fp8_output_layer_from_env"]
+
+FP8_OUTPUT_LAYER_ENV = "MEGATRAIN_FP8_OUTPUT_LAYER"
+_INNER = 16
+
+
+def fp8_output_layer_from_env() -> bool:
+    """``MEGATRAIN_FP8_OUTPUT_LAYER``: 1 (the output layer in fp8 where ``--fp8-format`` runs megatrain's
+    fp8 layers and the chunked loss head) or 0 / unset; another value is an error at start-up."""
+    value = os.environ.get(FP8_OUTPUT_LAYER_ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{FP8_OUTPUT_LAYER_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class Fp8HeadWeights:
+    """The output weight's fp8 copies (row-major for the logits, transposed for the hidden states'
+    gradient) and inverse scale, cast once per optimizer step into fixed buffers."""
+
+    def __init__(self, grad_dtype: torch.dtype, compile_cast: bool) -> None:
+        self.grad_dtype = grad_dtype
+        self.compile_cast = compile_cast
+        self.w8: torch.Tensor | None = None
+        self.w8_t: torch.Tensor | None = None
+        self.inv: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor) -> None:
+        if self.w8 is None or self.w8.device != weight.device:
+            self.w8 = torch.empty_like(weight, dtype=E4M3)
+            self.w8_t = torch.empty(weight.shape[1], weight.shape[0], dtype=E4M3, device=weight.device)
+            self.inv = torch.empty((), dtype=torch.float32, device=weight.device)
+        _weight_caster(weight.device, self.compile_cast)(weight, self.w8, self.w8_t, self.inv)
+
+    def drop(self) -> None:
+        self.w8 = self.w8_t = self.inv = None
+
+
+_COMPILED_QUANTIZE: list[Any] = []
+
+
+def _quantize(t: torch.Tensor, dtype: torch.dtype, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~megatrain.runtime.fp8_fusion.quantize`, compiled on CUDA when ``compiled`` (eager, its
+    absolute value would be a temporary as large as the logits)."""
+    if not compiled or t.device.type != "cuda":
+        return quantize(t, dtype)
+    if not _COMPILED_QUANTIZE:
+        _COMPILED_QUANTIZE.append(torch.compile(quantize))
+    return _COMPILED_QUANTIZE[0](t, dtype)
+
+
+class _ChunkedFp8LinearCrossEntropy(torch.autograd.Function):
+    """hidden [N, h], weight [V, h], target [N] -> per-token loss [N] float32, the matmuls in fp8."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
+                ignore_index: int, dtype: torch.dtype, compile: bool, fp8: Fp8HeadWeights,
+                prev_grad: torch.Tensor | None) -> torch.Tensor:
+        loss_fn, _ = _kernels(compile)
+        rows = hidden.shape[0]
+        pad = -rows % _INNER
+        h = F.pad(hidden.to(dtype), (0, 0, 0, pad)) if pad else hidden.to(dtype)
+        target = F.pad(target, (0, pad), value=ignore_index) if pad else target
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            h8, h_inv = _quantize(h, E4M3, compile)
+            logits = torch._scaled_mm(h8, fp8.w8.t(), h_inv, fp8.inv, out_dtype=dtype, use_fast_accum=True)
+            n = logits.shape[0]
+            loss = torch.empty(n, dtype=_stats_dtype(dtype), device=logits.device)
+            lse = torch.empty_like(loss)
+            step = _rows_per_call(n, chunk_size, compile)
+            for start in range(0, n, step):
+                end = min(start + step, n)
+                loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
+        ctx.save_for_backward(h8, h_inv, fp8.w8_t, fp8.inv, logits, lse, target, prev_grad)
+        ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype, rows, fp8.grad_dtype, dtype)
+        return loss[:rows]
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+        backward_once(ctx, "the chunked cross entropy")
+        chunk_size, ignore_index, compile, hidden_dtype, weight_dtype, rows, grad_dtype, dtype = ctx.config
+        h8, h_inv, w8_t, w_inv, logits, lse, target, prev = ctx.saved_tensors
+        _, grad_fn = _kernels(compile)
+        n = logits.shape[0]
+        grad_loss = F.pad(grad_loss.contiguous(), (0, n - rows))
+        grad_hidden = grad_weight = None
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            step = _rows_per_call(n, chunk_size, compile)
+            for start in range(0, n, step):
+                end = min(start + step, n)
+                grad_fn(logits[start:end], lse[start:end], target[start:end], grad_loss[start:end], ignore_index)
+            g8, g_inv = _quantize(logits, grad_dtype, compile)  # the logits' gradient, now in the logits
+            del logits
+            if ctx.needs_input_grad[0]:
+                grad_hidden = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=dtype)[:rows].to(hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                g8_t, h8_t = g8.t().contiguous(), h8.t().contiguous()
+                if prev is None:
+                    grad_weight = _wgrad(g8_t, h8_t, g_inv, h_inv).to(weight_dtype)
+                else:  # the staged float32 gradient (gradient-accumulation fusion)
+                    fp8_accumulate_wgrad_(prev, g8_t, h8_t, g_inv, h_inv)
+                    grad_weight = prev
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def chunked_fp8_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
+                              ignore_index: int, dtype: torch.dtype, compile: bool, fp8: Fp8HeadWeights,
+                              prev_grad: torch.Tensor | None) -> torch.Tensor:
+    """Per-token loss [N] of rows ``hidden`` [N, h] against ``target`` [N] with the fp8 matmuls above."""
+    return _ChunkedFp8LinearCrossEntropy.apply(hidden, weight, target, int(chunk_size), int(ignore_index), dtype,
+                                               bool(compile), fp8, prev_grad)
