@@ -27,6 +27,7 @@
 #   bash benchmarks/device_round.sh llama21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan, timed and profiled, then fp8
 #   bash benchmarks/device_round.sh llama22    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): LLaMA beside torchtitan (AdamW kernel default and off), bf16 and fp8 at global batch 8
 #   bash benchmarks/device_round.sh fp8-delayed  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of delayed scaling, LLaMA-1.2B at global batch 8 in bf16, fp8 tensorwise and fp8 delayed; the delayed step profiled
+#   bash benchmarks/device_round.sh fp8-head   # nvidia-h200 or H100, ~9 min (carry .whl): LLaMA-1.2B at global batch 8, fp8 with the output layer in bf16 and in fp8 (MEGATRAIN_FP8_OUTPUT_LAYER=1), then the GPU loss-curve test of the latter
 #   bash benchmarks/device_round.sh t5-22      # nvidia-h200 or H100, ~8 min: T5 beside transformers, with and without the AdamW kernel
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
@@ -250,6 +251,17 @@ case "${1:-table}" in
       "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" fp8_delayed > /tmp/prof_delayed.log 2>&1
     tail -n 3 /tmp/llama_fp8.log /tmp/prof_*.log; tail -n 3 "$OUT/gpu_tests.txt"
     ;;
+  fp8-head)  # nvidia-h200 or H100, ~9 min (carry .whl): the output layer in fp8, timed (bf16 row for the ratio),
+             # then its 100-step loss curve against bf16 (the GPU test)
+    timeout 345 $B llama-1.2b --iters 10 --warmup 4 --timeout 110 --extra "" --extra "--fp8-format hybrid" \
+      --extra "MEGATRAIN_FP8_OUTPUT_LAYER=1 --fp8-format hybrid" --output "$OUT/llama_fp8_head.md" \
+      > /tmp/llama_fp8_head.log 2>&1
+    left=$((585 - SECONDS))
+    [ $left -gt 120 ] && timeout $((left - 5)) python -m pytest -q -p no:cacheprovider -m gpu \
+      tests/e2e/test_fast_path_parity.py -k "fp8_trains_like_bf16 and fused and not delayed" \
+      > "$OUT/gpu_tests.txt" 2>&1
+    tail -n 3 /tmp/llama_fp8_head.log; tail -n 3 "$OUT/gpu_tests.txt"
+    ;;
   t5-22)  # nvidia-h200 or H100, ~8 min: T5 beside transformers with and without the AdamW kernel
     timeout 560 python benchmarks/t5_speed.py --rows hf-layout,hf-layout-adamw-kernel,transformers --iters 10 \
       --warmup 5 --timeout 170 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
@@ -264,6 +276,6 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|vlm-20|llama21|llama22|t5-22|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -126,11 +126,12 @@ GPU_RUN = [*_run_flags(4, 256, 256, 4, 16, 8000, "cuda", GPU_ITERS, "1e-3", 10),
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_losses(*extra: str, fp8_backend: str = "fused") -> list[float]:
+def _gpu_losses(*extra: str, fp8_backend: str = "fused", fp8_output_layer: str = "0") -> list[float]:
     import os
 
     out = run_cmd([sys.executable, "pretrain_gpt.py", *GPU_RUN, *extra], timeout=900,
-                  env={**os.environ, "MEGATRAIN_FP8_BACKEND": fp8_backend}).stdout
+                  env={**os.environ, "MEGATRAIN_FP8_BACKEND": fp8_backend,
+                       "MEGATRAIN_FP8_OUTPUT_LAYER": fp8_output_layer}).stdout
     lines = [parse_train_log_line(line) for line in out.splitlines() if "] iteration " in line]
     assert [d["iteration"] for d in lines] == list(range(1, GPU_ITERS + 1))
     return [d["lm loss"] for d in lines]
@@ -190,18 +191,21 @@ def test_cuda_graphs_train_with_dropout_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend, recipe", [("torchao", ()), ("fused", ()),
                                              ("fused", ("--fp8-amax-history-len", "16", "--fp8-amax-compute-algo",
-                                                        "max"))], ids=["torchao", "fused", "fused_delayed"])
+                                                        "max")), ("fused_output_layer", ())],
+                         ids=["torchao", "fused", "fused_delayed", "fused_output_layer"])
 def test_fp8_trains_like_bf16_on_gpu(backend, recipe):
     """--fp8-format hybrid changes the matmuls' maths (fp8 inputs, per-tensor scales), so it is held to a
     looser bound than the bf16 fast paths: 100 steps against the bf16 eager run, every step within 5 %
     and the last 10 steps' mean within 3 %. Both fp8 backends: torchao's layers and megatrain's on the
     gradient-accumulation fusion (MEGATRAIN_FP8_BACKEND), the latter also with delayed scaling as
-    Megatron's fp8 example sets it. Measured on an H100 (2026-12-07), worst step / last-10 mean: torchao
+    Megatron's fp8 example sets it, and with the output layer in fp8 (MEGATRAIN_FP8_OUTPUT_LAYER=1). Measured on an H100 (2026-12-07), worst step / last-10 mean: torchao
     2.5 % / 1.6 % (seed 1234) and 1.7 % / 1.3 % (seed 7); megatrain's 3.3 % / 2.2 % and 1.6 % / 1.2 %:
     fp8 runs wander apart by that much from one seed to another."""
     pytest.importorskip("torchao.float8")
     eager = _gpu_losses(*EAGER)
-    fp8 = _gpu_losses("--fp8-format", "hybrid", *recipe, fp8_backend=backend)
+    output_layer = backend == "fused_output_layer"  # MEGATRAIN_FP8_OUTPUT_LAYER=1: the experiment
+    fp8 = _gpu_losses("--fp8-format", "hybrid", *recipe, fp8_backend="fused" if output_layer else backend,
+                      fp8_output_layer="1" if output_layer else "0")
     worst = max(abs(c - e) / abs(e) for e, c in zip(eager, fp8))
     assert worst < 5e-2, f"fp8 differs from bf16 by {worst:.3%} relative at worst"
     tail_e, tail_f = sum(eager[-10:]) / 10, sum(fp8[-10:]) / 10
