@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.runtime.fp8_fusion import E4M3, _weight_caster, _wgrad, fp8_accumulate_wgrad_, quantize
-from megatrain.runtime.fused_loss import _kernels, _rows_per_call, _stats_dtype, backward_once
+from megatrain.runtime.fused_loss import backward_once, logits_grad_in_chunks_, losses_in_chunks
 
 __all__ = ["FP8_OUTPUT_LAYER_ENV", "Fp8HeadWeights", "chunked_fp8_cross_entropy", "fp8_output_layer_from_env"]
 
@@ -83,7 +83,6 @@ class _ChunkedFp8LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
                 ignore_index: int, dtype: torch.dtype, compile: bool, fp8: Fp8HeadWeights,
                 prev_grad: torch.Tensor | None) -> torch.Tensor:
-        loss_fn, _ = _kernels(compile)
         rows = hidden.shape[0]
         pad = -rows % _INNER
         h = F.pad(hidden.to(dtype), (0, 0, 0, pad)) if pad else hidden.to(dtype)
@@ -91,13 +90,7 @@ class _ChunkedFp8LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             h8, h_inv = _quantize(h, E4M3, compile)
             logits = torch._scaled_mm(h8, fp8.w8.t(), h_inv, fp8.inv, out_dtype=dtype, use_fast_accum=True)
-            n = logits.shape[0]
-            loss = torch.empty(n, dtype=_stats_dtype(dtype), device=logits.device)
-            lse = torch.empty_like(loss)
-            step = _rows_per_call(n, chunk_size, compile)
-            for start in range(0, n, step):
-                end = min(start + step, n)
-                loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
+            loss, lse = losses_in_chunks(logits, target, chunk_size, ignore_index, compile)
         ctx.save_for_backward(h8, h_inv, fp8.w8_t, fp8.inv, logits, lse, target, prev_grad)
         ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype, rows, fp8.grad_dtype, dtype)
         return loss[:rows]
@@ -107,15 +100,10 @@ class _ChunkedFp8LinearCrossEntropy(torch.autograd.Function):
         backward_once(ctx, "the chunked cross entropy")
         chunk_size, ignore_index, compile, hidden_dtype, weight_dtype, rows, grad_dtype, dtype = ctx.config
         h8, h_inv, w8_t, w_inv, logits, lse, target, prev = ctx.saved_tensors
-        _, grad_fn = _kernels(compile)
-        n = logits.shape[0]
-        grad_loss = F.pad(grad_loss.contiguous(), (0, n - rows))
+        grad_loss = F.pad(grad_loss.contiguous(), (0, logits.shape[0] - rows))
         grad_hidden = grad_weight = None
         with torch.autocast(device_type=logits.device.type, enabled=False):
-            step = _rows_per_call(n, chunk_size, compile)
-            for start in range(0, n, step):
-                end = min(start + step, n)
-                grad_fn(logits[start:end], lse[start:end], target[start:end], grad_loss[start:end], ignore_index)
+            logits_grad_in_chunks_(logits, lse, target, grad_loss, chunk_size, ignore_index, compile)
             g8, g_inv = _quantize(logits, grad_dtype, compile)  # the logits' gradient, now in the logits
             del logits
             if ctx.needs_input_grad[0]:

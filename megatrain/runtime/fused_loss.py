@@ -36,7 +36,8 @@ import torch
 
 from megatrain.runtime.grad_accumulation_fusion import wgrad_float32
 
-__all__ = ["ChunkedCrossEntropy", "backward_once", "chunk_kernel", "chunked_cross_entropy", "compute_dtype"]
+__all__ = ["ChunkedCrossEntropy", "backward_once", "chunk_kernel", "chunked_cross_entropy", "compute_dtype",
+           "logits_grad_in_chunks_", "losses_in_chunks"]
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -118,6 +119,32 @@ def _rows_per_call(n: int, chunk_size: int, compile: bool) -> int:
     return max(n, 1) if compile else chunk_size
 
 
+def losses_in_chunks(logits: torch.Tensor, target: torch.Tensor, chunk_size: int, ignore_index: int,
+                     compile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss and log-sum-exp (float32, or float64 for float64 logits) of ``logits`` [N, V]
+    against ``target`` [N], computed chunk by chunk."""
+    loss_fn, _ = _kernels(compile)
+    n = logits.shape[0]
+    loss = torch.empty(n, dtype=_stats_dtype(logits.dtype), device=logits.device)
+    lse = torch.empty_like(loss)
+    step = _rows_per_call(n, chunk_size, compile)
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
+    return loss, lse
+
+
+def logits_grad_in_chunks_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
+                           chunk_size: int, ignore_index: int, compile: bool) -> None:
+    """Overwrite ``logits`` with d loss / d logits times ``grad_loss``, chunk by chunk."""
+    _, grad_fn = _kernels(compile)
+    n = logits.shape[0]
+    step = _rows_per_call(n, chunk_size, compile)
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        grad_fn(logits[start:end], lse[start:end], target[start:end], grad_loss[start:end], ignore_index)
+
+
 def backward_once(ctx: Any, what: str) -> None:
     """Refuse a second backward through a loss whose backward overwrites its saved logits."""
     if getattr(ctx, "used", False):
@@ -133,18 +160,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_size: int,
                 ignore_index: int, dtype: torch.dtype, compile: bool, half_weight: torch.Tensor | None = None,
                 prev_grad: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-        loss_fn, _ = _kernels(compile)
         h = hidden.to(dtype)
         w = weight.to(dtype) if half_weight is None else half_weight
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             logits = h @ w.t() if bias is None else torch.addmm(bias.to(dtype), h, w.t())  # [N, V], compute dtype
-            n = logits.shape[0]
-            loss = torch.empty(n, dtype=_stats_dtype(dtype), device=logits.device)
-            lse = torch.empty_like(loss)
-            step = _rows_per_call(n, chunk_size, compile)
-            for start in range(0, n, step):
-                end = min(start + step, n)
-                loss[start:end], lse[start:end] = loss_fn(logits[start:end], target[start:end], ignore_index)
+            loss, lse = losses_in_chunks(logits, target, chunk_size, ignore_index, compile)
         ctx.save_for_backward(h, w, logits, lse, target, prev_grad)
         ctx.config = (chunk_size, ignore_index, compile, hidden.dtype, weight.dtype, half_weight is not None)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -155,15 +175,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         backward_once(ctx, "the chunked cross entropy")
         chunk_size, ignore_index, compile, hidden_dtype, weight_dtype, fused = ctx.config
         h, w, logits, lse, target, prev_grad = ctx.saved_tensors
-        _, grad_fn = _kernels(compile)
         grad_loss = grad_loss.contiguous()
         grad_hidden = grad_weight = grad_bias = None
         with torch.autocast(device_type=logits.device.type, enabled=False):
-            n = logits.shape[0]
-            step = _rows_per_call(n, chunk_size, compile)
-            for start in range(0, n, step):
-                end = min(start + step, n)
-                grad_fn(logits[start:end], lse[start:end], target[start:end], grad_loss[start:end], ignore_index)
+            logits_grad_in_chunks_(logits, lse, target, grad_loss, chunk_size, ignore_index, compile)
             grad_logits = logits  # now d loss / d logits, in the compute dtype
             if ctx.needs_input_grad[0]:
                 grad_hidden = (grad_logits @ w).to(hidden_dtype)
