@@ -25,6 +25,9 @@ Labels equal to ``ignore_index`` give a loss of 0 and no gradient, as with ``F.c
 
 The logits buffer is overwritten by the backward, so a graph through this function can be
 back-propagated once (``retain_graph`` is refused with a clear error).
+
+With ``MEGATRAIN_FP8_OUTPUT_LAYER=1`` the three matmuls run in fp8 instead
+(:mod:`megatrain.runtime.fp8_head`, an experiment); the chunked float32 work is this module's.
 """
 
 from __future__ import annotations
