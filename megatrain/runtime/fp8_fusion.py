@@ -88,6 +88,18 @@ def _weight_caster(device: torch.device, compiled: bool) -> Any:
     return _COMPILED_CAST[0]
 
 
+def cast_weight_copies(weight: torch.Tensor, copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                       compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` cast to fp8 into ``copies`` (its row-major fp8 copy, the transpose, the inverse scale),
+    allocated on ``weight``'s device where None or elsewhere; the copies, written in place."""
+    if copies is None or copies[0].device != weight.device:
+        copies = (torch.empty_like(weight, dtype=E4M3),
+                  torch.empty(weight.shape[1], weight.shape[0], dtype=E4M3, device=weight.device),
+                  torch.empty((), dtype=torch.float32, device=weight.device))
+    _weight_caster(weight.device, compiled)(weight, *copies)
+    return copies
+
+
 def _wgrad(grad_t: torch.Tensor, inp_t: torch.Tensor, grad_inv: torch.Tensor, inp_inv: torch.Tensor,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight gradient dY^T x in float32 from row-major fp8 ``grad_t`` [out, tokens] and ``inp_t``
@@ -209,11 +221,8 @@ class Fp8FusedLinear(nn.Linear):
     def refresh_fp8(self) -> None:
         """Cast the weight to fp8 (both layouts) into this module's buffers, allocated on first use."""
         w = self.weight
-        if self.fp8_weight is None or self.fp8_weight.device != w.device:
-            self.fp8_weight = torch.empty_like(w, dtype=E4M3)
-            self.fp8_weight_t = torch.empty(w.shape[1], w.shape[0], dtype=E4M3, device=w.device)
-            self.fp8_inv_scale = torch.empty((), dtype=torch.float32, device=w.device)
-        _weight_caster(w.device, self.compile_cast)(w, self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale)
+        held = None if self.fp8_weight is None else (self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale)
+        self.fp8_weight, self.fp8_weight_t, self.fp8_inv_scale = cast_weight_copies(w, held, self.compile_cast)
         if self.scale_in is not None and self.scale_in.device != w.device:  # the model moved
             for name in ("scale_in", "amax_state_in", "scale_grad", "amax_state_grad"):
                 setattr(self, name, getattr(self, name).to(w.device))

@@ -22,15 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatrain.runtime.fp8_fusion import E4M3, _weight_caster, _wgrad, fp8_accumulate_wgrad_, quantize
+from megatrain.runtime.fp8_fusion import (E4M3, _pad_rows, _wgrad, cast_weight_copies, fp8_accumulate_wgrad_,
+                                          quantize)
 from megatrain.runtime.fused_loss import backward_once, logits_grad_in_chunks_, losses_in_chunks
 
 __all__ = ["FP8_OUTPUT_LAYER_ENV", "Fp8HeadWeights", "chunked_fp8_cross_entropy", "fp8_output_layer_from_env"]
 
 FP8_OUTPUT_LAYER_ENV = "MEGATRAIN_FP8_OUTPUT_LAYER"
-_INNER = 16
-
-
 def fp8_output_layer_from_env() -> bool:
     """``MEGATRAIN_FP8_OUTPUT_LAYER``: 1 (the output layer in fp8 where ``--fp8-format`` runs megatrain's
     fp8 layers and the chunked loss head) or 0 / unset; another value is an error at start-up."""
@@ -53,11 +51,8 @@ class Fp8HeadWeights:
 
     @torch.no_grad()
     def refresh(self, weight: torch.Tensor) -> None:
-        if self.w8 is None or self.w8.device != weight.device:
-            self.w8 = torch.empty_like(weight, dtype=E4M3)
-            self.w8_t = torch.empty(weight.shape[1], weight.shape[0], dtype=E4M3, device=weight.device)
-            self.inv = torch.empty((), dtype=torch.float32, device=weight.device)
-        _weight_caster(weight.device, self.compile_cast)(weight, self.w8, self.w8_t, self.inv)
+        held = None if self.w8 is None else (self.w8, self.w8_t, self.inv)
+        self.w8, self.w8_t, self.inv = cast_weight_copies(weight, held, self.compile_cast)
 
     def drop(self) -> None:
         self.w8 = self.w8_t = self.inv = None
@@ -84,9 +79,9 @@ class _ChunkedFp8LinearCrossEntropy(torch.autograd.Function):
                 ignore_index: int, dtype: torch.dtype, compile: bool, fp8: Fp8HeadWeights,
                 prev_grad: torch.Tensor | None) -> torch.Tensor:
         rows = hidden.shape[0]
-        pad = -rows % _INNER
-        h = F.pad(hidden.to(dtype), (0, 0, 0, pad)) if pad else hidden.to(dtype)
-        target = F.pad(target, (0, pad), value=ignore_index) if pad else target
+        h = _pad_rows(hidden.to(dtype))
+        if h.shape[0] > rows:  # the appended rows' labels are ignored
+            target = F.pad(target, (0, h.shape[0] - rows), value=ignore_index)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             h8, h_inv = _quantize(h, E4M3, compile)
             logits = torch._scaled_mm(h8, fp8.w8.t(), h_inv, fp8.inv, out_dtype=dtype, use_fast_accum=True)
