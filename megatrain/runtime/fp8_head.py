@@ -16,7 +16,6 @@ Row counts that are not a multiple of 16 get rows with ignored labels appended (
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -26,17 +25,7 @@ from megatrain.runtime.fp8_fusion import (E4M3, _pad_rows, _wgrad, cast_weight_c
                                           quantize)
 from megatrain.runtime.fused_loss import backward_once, logits_grad_in_chunks_, losses_in_chunks
 
-__all__ = ["FP8_OUTPUT_LAYER_ENV", "Fp8HeadWeights", "chunked_fp8_cross_entropy", "fp8_output_layer_from_env"]
-
-FP8_OUTPUT_LAYER_ENV = "MEGATRAIN_FP8_OUTPUT_LAYER"
-def fp8_output_layer_from_env() -> bool:
-    """``MEGATRAIN_FP8_OUTPUT_LAYER``: 1 (the output layer in fp8 where ``--fp8-format`` runs megatrain's
-    fp8 layers and the chunked loss head) or 0 / unset; another value is an error at start-up."""
-    value = os.environ.get(FP8_OUTPUT_LAYER_ENV, "").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{FP8_OUTPUT_LAYER_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
+__all__ = ["Fp8HeadWeights", "chunked_fp8_cross_entropy"]
 
 class Fp8HeadWeights:
     """The output weight's fp8 copies (row-major for the logits, transposed for the hidden states'

@@ -26,7 +26,6 @@ from megatrain.parallel.dims import ParallelDims
 from megatrain.parallel.parallelize import ParallelizeConfig
 from megatrain.parallel.pipeline import PipelineConfig
 from megatrain.parallel.recompute import RecomputeConfig
-from megatrain.runtime.fp8_head import fp8_output_layer_from_env
 from megatrain.runtime.fp8_scaling import Fp8Recipe
 from megatrain.training.builders import Precision
 from megatrain.training.lr_schedule import LRScheduleConfig, lr_schedule_config_from_args
@@ -116,6 +115,7 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 ADAMW_KERNEL_ENV = "MEGATRAIN_ADAMW_KERNEL"
 FP8_BACKEND_ENV = "MEGATRAIN_FP8_BACKEND"
+FP8_OUTPUT_LAYER_ENV = "MEGATRAIN_FP8_OUTPUT_LAYER"
 
 
 def fp8_backend_from_env() -> str:
@@ -128,11 +128,22 @@ def fp8_backend_from_env() -> str:
     return value
 
 
+def _switch_from_env(name: str) -> bool | None:
+    """An environment switch: 1 (True), 0 (False) or unset (None); another value is an error at start-up."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return None if value == "" else value == "1"
+
+
 def adamw_kernel_from_env() -> bool | None:
     """``MEGATRAIN_ADAMW_KERNEL``: 1 (AdamW through megatrain's Triton kernel wherever it applies), 0
     (torch's fused AdamW) or unset (None: the kernel on CUDA for large models, see
-    ``megatrain.optimizer.KERNEL_ADAMW_MIN_PARAMETERS``); another value is an error at start-up."""
-    value = os.environ.get(ADAMW_KERNEL_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ADAMW_KERNEL_ENV} must be 0 or 1, got {value!r}")
-    return None if value == "" else value == "1"
+    ``megatrain.optimizer.KERNEL_ADAMW_MIN_PARAMETERS``)."""
+    return _switch_from_env(ADAMW_KERNEL_ENV)
+
+
+def fp8_output_layer_from_env() -> bool:
+    """``MEGATRAIN_FP8_OUTPUT_LAYER``: 1 (the output layer in fp8 where ``--fp8-format`` runs megatrain's
+    fp8 layers and the chunked loss head, :mod:`megatrain.runtime.fp8_head`) or 0 / unset."""
+    return bool(_switch_from_env(FP8_OUTPUT_LAYER_ENV))

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.runtime.fp8_fusion import E4M3, E5M2, quantize
-from megatrain.runtime.fp8_head import Fp8HeadWeights, fp8_output_layer_from_env
+from megatrain.runtime.fp8_head import Fp8HeadWeights
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion
+from megatrain.training.run_config import fp8_output_layer_from_env
 from tests.unit.test_fp8_fusion import _run  # noqa: F401  (skips this module where the CPU has no fp8 matmul)
 
 V, H = 96, 64
