@@ -29,6 +29,8 @@
 #   bash benchmarks/device_round.sh fp8-delayed  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of delayed scaling, LLaMA-1.2B at global batch 8 in bf16, fp8 tensorwise and fp8 delayed; the delayed step profiled
 #   bash benchmarks/device_round.sh fp8-head   # nvidia-h200 or H100, ~9 min (carry .whl): LLaMA-1.2B at global batch 8, fp8 with the output layer in bf16 and in fp8 (MEGATRAIN_FP8_OUTPUT_LAYER=1), then the GPU loss-curve test of the latter
 #   bash benchmarks/device_round.sh t5-22      # nvidia-h200 or H100, ~8 min: T5 beside transformers, with and without the AdamW kernel
+#   bash benchmarks/device_round.sh t5-llama23 # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): T5 with the AdamW kernel beside transformers, LLaMA beside torchtitan
+#   bash benchmarks/device_round.sh fp8-23     # nvidia-h200 or H100, ~9.5 min (carry .whl): fp8 CUDA tests; LLaMA bf16, fp8 tensorwise, delayed, delayed + fp8 output layer
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
@@ -267,6 +269,28 @@ case "${1:-table}" in
       --warmup 5 --timeout 170 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
     tail -n 4 /tmp/t5.log
     ;;
+  t5-llama23)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): T5 with the AdamW kernel beside
+               # transformers (the hf-layout row without it measured 88.5 ms on an H100), then LLaMA-1.2B beside
+               # torchtitan with the AdamW kernel the default
+    timeout 330 python benchmarks/t5_speed.py --rows hf-layout-adamw-kernel,transformers --iters 10 --warmup 5 \
+      --timeout 160 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
+    left=$((590 - SECONDS))
+    [ $left -gt 150 ] && timeout $left python benchmarks/peers.py --rows llama-2 --titan --iters 10 --warmup 4 \
+      --timeout $(((left - 10) / 2)) --budget $((left - 5)) --output "$OUT/llama_titan.md" > /tmp/llama_titan.log 2>&1
+    tail -n 3 /tmp/t5.log /tmp/llama_titan.log
+    ;;
+  fp8-23)  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of the fp8 layers, delayed scaling and the
+           # fp8 output layer, then LLaMA-1.2B at global batch 8 in bf16, fp8 tensorwise, fp8 delayed (Megatron's
+           # example settings) and fp8 delayed with the output layer in fp8
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/unit/test_fp8_fusion.py tests/unit/test_fp8_delayed.py \
+      tests/unit/test_fp8_head.py -k cuda > "$OUT/gpu_tests.txt" 2>&1
+    D="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+    left=$((590 - SECONDS))
+    timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $(((left - 10) / 4)) --extra "" \
+      --extra "--fp8-format hybrid" --extra "$D" --extra "MEGATRAIN_FP8_OUTPUT_LAYER=1 $D" \
+      --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
+    tail -n 3 /tmp/llama_fp8.log; tail -n 3 "$OUT/gpu_tests.txt"
+    ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
       --budget 545 --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
@@ -276,6 +300,6 @@ case "${1:-table}" in
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
