@@ -24,10 +24,10 @@ from tests.unit.test_fp8_fusion import _run  # noqa: F401  (skips this module wh
 V, H = 96, 64
 
 
-def _head(grad_dtype: torch.dtype = E5M2):
+def _head(grad_dtype: torch.dtype = E5M2, shape: tuple[int, int] = (V, H), device: str = "cpu", chunk: int = 8):
     torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(V, H) * 0.05)
-    head = ChunkedCrossEntropy(chunk_size=8)
+    weight = torch.nn.Parameter(torch.randn(*shape, device=device) * 0.05)
+    head = ChunkedCrossEntropy(chunk_size=chunk)
     head.fp8_weights = Fp8HeadWeights(grad_dtype, compile_cast=False)
     fusion = GradAccumulationFusion([], torch.bfloat16, extra=[(head, weight)])
     return head, weight, fusion
@@ -35,6 +35,7 @@ def _head(grad_dtype: torch.dtype = E5M2):
 
 def _reference(weight, hs, targets, grad_dtype):
     """The recipe in float32, each micro-batch's loss summed (its gradient 1 per token)."""
+    V = weight.shape[0]
     w8, w_inv = quantize(weight.detach(), E4M3)
     losses, grads_h, grad_w = [], [], torch.zeros_like(weight)
     for h, t in zip(hs, targets):
@@ -53,16 +54,24 @@ def _reference(weight, hs, targets, grad_dtype):
 @pytest.mark.parametrize("rows", [48, 37], ids=["rows_multiple_of_16", "padded_rows"])
 def test_matmuls_follow_the_recipe_and_the_weight_gradient_accumulates(grad_dtype, rows):
     head, weight, fusion = _head(grad_dtype)
-    gen = torch.Generator().manual_seed(1)
-    hs = [torch.randn(rows, H, generator=gen) * s for s in (1.0, 3.0)]  # two micro-batches
-    targets = [torch.randint(0, V, (rows,), generator=gen) for _ in hs]
+    _check_two_micro_batches(head, weight, fusion, grad_dtype, rows, "cpu")
+
+
+def _check_two_micro_batches(head, weight, fusion, grad_dtype, rows, device, call=None):
+    """Two micro-batches (the second with ignored labels) through ``call`` (the head, or its compiled
+    self), against the recipe in float32."""
+    V, H = weight.shape
+    gen = torch.Generator(device).manual_seed(1)
+    hs = [torch.randn(rows, H, generator=gen, device=device) * s for s in (1.0, 3.0)]
+    targets = [torch.randint(0, V, (rows,), generator=gen, device=device) for _ in hs]
     targets[1][::5] = -100  # ignored labels: loss 0, no gradient
     fusion.refresh()
     losses, grads_h = [], []
     for h, t in zip(hs, targets):
         h = h.clone().requires_grad_(True)
         fusion.stage()
-        loss = head(h, weight, t)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = (call or head)(h, weight, t)
         fusion.release()
         loss.sum().backward()
         fusion.merge_held()
@@ -76,6 +85,19 @@ def test_matmuls_follow_the_recipe_and_the_weight_gradient_accumulates(grad_dtyp
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
     assert weight.grad.dtype == torch.float32
     torch.testing.assert_close(weight.grad, want_gw, rtol=5e-2, atol=5e-2 * want_gw.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with fp8 matmuls (sm89 or later)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_head_follows_the_recipe(compiled):
+    """On the GPU's fp8 kernels (``torch._scaled_mm``), eager and inside ``torch.compile``: the losses, the
+    hidden states' gradients and the float32 weight gradient accumulated over two micro-batches follow the
+    recipe in float32 (rows not a multiple of 16, a vocabulary of several chunks)."""
+    head, weight, fusion = _head(E5M2, shape=(1024, 256), device="cuda", chunk=128)
+    call = torch.compile(head) if compiled else None
+    _check_two_micro_batches(head, weight, fusion, E5M2, 300, "cuda", call)
 
 
 def test_before_the_first_refresh_the_head_runs_in_bf16():
