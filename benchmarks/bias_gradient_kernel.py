@@ -7,8 +7,9 @@ the same run.
     python benchmarks/bias_gradient_kernel.py                 # T5-base encoder layer (b 64, 12 x 64, s 512), CUDA
     python benchmarks/bias_gradient_kernel.py --shape tiny    # a smoke run (CUDA, or TRITON_INTERPRET=1 on CPU)
 
-Settings are ``BMxBN-wW[-sS][-pP]``: the gradient kernel's tile and warps (``TILE``), S programs per
-tile sharing its batch (``SPLIT_BATCH``), P software-pipelining stages (``STAGES``).
+Settings are ``BMxBN-wW[-sS][-pP][-lBMxBNwW][-lpP]``: the gradient kernel's tile and warps (``TILE``), S
+programs per tile sharing its batch (``SPLIT_BATCH``), P software-pipelining stages (``STAGES``); after
+``-l`` the log-sum-exp kernel's tile and warps (``LSE_TILE``) and after ``-lp`` its stages (``LSE_STAGES``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import measure_matmul_peak  # noqa: E402
 
 SHAPES = {"t5-base": (64, 12, 512, 64), "tiny": (2, 2, 32, 16)}  # batch, heads, seq, head dim
-DEFAULT_SETTINGS = ["64x64-w8", "64x64-w4", "64x64-w8-p1", "64x64-w8-p2", "64x64-w8-p4", "64x64-w8-s2",
-                    "64x64-w8-s4", "128x64-w8", "64x128-w8", "128x128-w8-s4"]
+# the gradient kernel's fastest tiles of 2026-12-07, then log-sum-exp kernel tiles (FlashAttention's forward
+# on Hopper favours 128-row tiles with 8 warps)
+DEFAULT_SETTINGS = ["64x64-w8", "64x128-w8", "64x64-w8-l64x64w8", "64x64-w8-l128x64w8", "64x64-w8-l128x128w8",
+                    "64x64-w8-l128x64w4", "64x64-w8-l64x128w4", "64x64-w8-l128x64w8-lp2", "64x64-w8-l128x64w8-lp4",
+                    "64x64-w8-l64x64w4-lp4"]
+SETTING = re.compile(r"(\d+)x(\d+)-w(\d+)(?:-s(\d+))?(?:-p(\d+))?(?:-l(\d+)x(\d+)w(\d+))?(?:-lp(\d+))?")
 
 
-def parse_setting(text: str) -> tuple[tuple[int, int, int], int, int | None]:
-    m = re.fullmatch(r"(\d+)x(\d+)-w(\d+)(?:-s(\d+))?(?:-p(\d+))?", text)
+def parse_setting(text: str) -> tuple[tuple[int, int, int], int, int | None, tuple[int, int, int], int | None]:
+    """(TILE, SPLIT_BATCH, STAGES, LSE_TILE, LSE_STAGES) of a setting's text."""
+    m = SETTING.fullmatch(text)
     if not m:
-        raise SystemExit(f"--settings: {text!r} is not BMxBN-wW[-sS][-pP]")
-    bm, bn, w, s, p = m.groups()
-    return (int(bm), int(bn), int(w)), int(s or 1), (int(p) if p else None)
+        raise SystemExit(f"--settings: {text!r} is not BMxBN-wW[-sS][-pP][-lBMxBNwW][-lpP]")
+    bm, bn, w, s, p, lbm, lbn, lw, lp = m.groups()
+    lse_tile = (int(lbm), int(lbn), int(lw)) if lbm else bgk.LSE_TILE
+    return (int(bm), int(bn), int(w)), int(s or 1), (int(p) if p else None), lse_tile, (int(lp) if lp else None)
 
 
 def inputs(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -90,11 +97,12 @@ def kernel_times(args, iters: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="t5-base", choices=list(SHAPES))
-    ap.add_argument("--settings", nargs="+", default=None, help="BMxBN-wW[-sS][-pP] (default: ten of them)")
+    ap.add_argument("--settings", nargs="+", default=None, help="BMxBN-wW[-sS][-pP][-lBMxBNwW][-lpP] (default: ten of them)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--output", default=None, help="also write the table here")
     a = ap.parse_args(argv)
-    settings = a.settings or (DEFAULT_SETTINGS if a.shape == "t5-base" else ["16x16-w4", "16x16-w4-s2"])
+    settings = a.settings or (DEFAULT_SETTINGS if a.shape == "t5-base"
+                              else ["16x16-w4", "16x16-w4-s2", "16x16-w4-l32x16w4-lp2"])
     parsed = [(s, *parse_setting(s)) for s in settings]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -112,11 +120,11 @@ def main(argv: list[str] | None = None) -> None:
                      f"{flops / 1e9:.0f} GFLOP at the measured {rate / 1e12:.1f} TFLOP/s = {flops / rate * 1e3:.3f} ms")
         lines.append("")
     lines += ["| setting | op ms | lse kernel ms | gradient kernel ms | other ms |", "|---|---|---|---|---|"]
-    saved = (bgk.TILE, bgk.SPLIT_BATCH, getattr(bgk, "STAGES", None))
+    saved = (bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES, bgk.LSE_TILE, bgk.LSE_STAGES)
     reference = None
     try:
-        for name, tile, split, stages in parsed:
-            bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES = tile, split, stages
+        for name, tile, split, stages, lse_tile, lse_stages in parsed:
+            bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES, bgk.LSE_TILE, bgk.LSE_STAGES = tile, split, stages, lse_tile, lse_stages
             grad = bgk.attention_bias_grad(*args, 1.0)
             if reference is None:
                 reference = grad
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{k.get('other', 0):.3f} |")
             print(lines[-1], flush=True)
     finally:
-        bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES = saved
+        bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES, bgk.LSE_TILE, bgk.LSE_STAGES = saved
     text = "\n".join(lines) + "\n"
     print(text)
     if a.output:

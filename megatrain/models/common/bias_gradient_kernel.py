@@ -37,8 +37,10 @@ LSE_TILE = (64, 64, 4)
 # atomic add (1: one program loops over the whole batch and stores the tile). More programs in flight
 # for the same work; a benchmark variant (``t5_attention.py --variants sdpa-bias-tap-...-sS``).
 SPLIT_BATCH = 1
-# Software-pipelining stages of the gradient kernel's batch loop (None: Triton's default).
+# Software-pipelining stages of the gradient kernel's batch loop and of the log-sum-exp kernel's loop over
+# the keys (None: Triton's default).
 STAGES: Optional[int] = None
+LSE_STAGES: Optional[int] = None
 
 
 @functools.cache
@@ -50,7 +52,7 @@ def _kernels():
     def lse_kernel(Q, K, BIAS, KEEP, LSE, O, DO, DELTA, scale, H, KV_GROUP, M, N, D, DV,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, sbh, sbm, sbn, skeepb, skeepm, skeepn,
                    sob, soh, som, sod, sdb, sdh, sdm, sdd,
-                   HAS_KEEP: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_KEEP: tl.constexpr, KEEP_ROWS: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -76,8 +78,11 @@ def _kernels():
             s = s * scale + bias.to(tl.float32)
             visible = inside
             if HAS_KEEP:
-                keep = tl.load(KEEP + b * skeepb + rows[:, None] * skeepm + cols[None, :] * skeepn, mask=inside,
-                               other=0)
+                if KEEP_ROWS:
+                    keep = tl.load(KEEP + b * skeepb + rows[:, None] * skeepm + cols[None, :] * skeepn, mask=inside,
+                                   other=0)
+                else:  # padding alone ([b, 1, 1, s_k]): one row of keys, broadcast over the tile's rows
+                    keep = tl.load(KEEP + b * skeepb + cols * skeepn, mask=cols < N, other=0)[None, :]
                 visible = visible & (keep != 0)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -99,7 +104,7 @@ def _kernels():
     def grad_kernel(Q, K, V, DO, BIAS, KEEP, LSE, DELTA, OUT, scale, B, H, KV_GROUP, M, N, D, DV,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                     sbh, sbm, sbn, skeepb, skeepm, skeepn, slb, slh, sdeltab, sdeltah,
-                    HAS_KEEP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                    HAS_KEEP: tl.constexpr, KEEP_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
         h = tl.program_id(0) // SPLIT
         share = tl.program_id(0) % SPLIT
@@ -132,8 +137,11 @@ def _kernels():
             s = s * scale + bias
             visible = inside
             if HAS_KEEP:
-                keep = tl.load(KEEP + b * skeepb + rows[:, None] * skeepm + cols[None, :] * skeepn, mask=inside,
-                               other=0)
+                if KEEP_ROWS:
+                    keep = tl.load(KEEP + b * skeepb + rows[:, None] * skeepm + cols[None, :] * skeepn, mask=inside,
+                                   other=0)
+                else:  # padding alone ([b, 1, 1, s_k]): one row of keys, broadcast over the tile's rows
+                    keep = tl.load(KEEP + b * skeepb + cols * skeepn, mask=cols < N, other=0)[None, :]
                 visible = visible & (keep != 0)
             lse = tl.load(LSE + b * slb + h * slh + rows, mask=rows < M, other=float("inf"))
             delta = tl.load(DELTA + b * sdeltab + h * sdeltah + rows, mask=rows < M, other=0.0)
@@ -179,6 +187,7 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     bd, bdv = triton.next_power_of_2(max(D, 16)), triton.next_power_of_2(max(DV, 16))
     sb, skeep = _strides(bias, 4), _strides(keep_u8, 4)
     keep_arg = keep_u8 if keep_u8 is not None else q  # unused without HAS_KEEP
+    keep_rows = keep_u8 is not None and keep_u8.shape[2] > 1  # else one row of keys for every query
     if lse is None:
         lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
         delta = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
@@ -186,7 +195,8 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         lse_kernel[(B * H, triton.cdiv(M, lbm))](
             q, k, bias, keep_arg, lse, out, grad_out, delta, scale, H, H // Hk, M, N, D, DV, *q.stride(),
             *k.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3], *out.stride(), *grad_out.stride(),
-            HAS_KEEP=keep_u8 is not None, IEEE=ieee, BM=lbm, BN=lbn, BD=bd, BDV=bdv, num_warps=lwarps)
+            HAS_KEEP=keep_u8 is not None, KEEP_ROWS=keep_rows, IEEE=ieee, BM=lbm, BN=lbn, BD=bd, BDV=bdv,
+            num_warps=lwarps, **({} if LSE_STAGES is None else {"num_stages": int(LSE_STAGES)}))
     else:
         assert lse.dtype == torch.float32 and lse.shape[:2] == (B, H) and lse.shape[2] >= M
         lse = lse if lse.stride(2) == 1 else lse.contiguous()
@@ -197,7 +207,7 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     grad_kernel[(H * split, triton.cdiv(M, bm), triton.cdiv(N, bn))](
         q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
-        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), HAS_KEEP=keep_u8 is not None, IEEE=ieee,
+        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), HAS_KEEP=keep_u8 is not None, KEEP_ROWS=keep_rows, IEEE=ieee,
         SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps,
         **({} if STAGES is None else {"num_stages": int(STAGES)}))
     return grad
