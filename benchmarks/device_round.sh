@@ -269,11 +269,23 @@ case "${1:-table}" in
       --warmup 5 --timeout 170 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
     tail -n 4 /tmp/t5.log
     ;;
-  t5-llama23)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): T5 with the AdamW kernel beside
-               # transformers (the hf-layout row without it measured 88.5 ms on an H100), then LLaMA-1.2B beside
-               # torchtitan with the AdamW kernel the default
-    timeout 330 python benchmarks/t5_speed.py --rows hf-layout-adamw-kernel,transformers --iters 10 --warmup 5 \
-      --timeout 160 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
+  t5-llama23)  # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): the bias-gradient op's tiles
+               # (log-sum-exp tiles among them), T5 with the AdamW kernel and the fastest log-sum-exp tile beside
+               # transformers (the hf-layout row without either measured 88.5 ms on an H100), then, if time is
+               # left, LLaMA-1.2B beside torchtitan with the AdamW kernel the default
+    timeout 120 python benchmarks/bias_gradient_kernel.py --output "$OUT/bias_kernel.md" > /tmp/bias_kernel.log 2>&1
+    # the fastest log-sum-exp tile of that table (its "-l" part), for the T5 rows
+    LSE=$(python - "$OUT/bias_kernel.md" <<'PY'
+import re, sys
+rows = [l.split("|") for l in open(sys.argv[1]) if re.match(r"\| \d+x\d+-w", l)]
+rows = [(float(r[2]), r[1].strip()) for r in rows if re.fullmatch(r" [\d.]+ ", r[2])]
+m = re.search(r"-l(\d+x\d+w\d+)", min(rows)[1]) if rows else None
+print(m.group(1) if m else "")
+PY
+)
+    echo "log-sum-exp tile for the T5 rows: ${LSE:-default}" | tee "$OUT/lse_choice.txt"
+    MEGATRAIN_BIAS_GRAD_LSE_TILE=$LSE timeout 330 python benchmarks/t5_speed.py --rows hf-layout-adamw-kernel,transformers \
+      --iters 10 --warmup 5 --timeout 160 --output "$OUT/t5.md" > /tmp/t5.log 2>&1
     left=$((590 - SECONDS))
     [ $left -gt 150 ] && timeout $left python benchmarks/peers.py --rows llama-2 --titan --iters 10 --warmup 4 \
       --timeout $(((left - 10) / 2)) --budget $((left - 5)) --output "$OUT/llama_titan.md" > /tmp/llama_titan.log 2>&1

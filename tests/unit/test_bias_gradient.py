@@ -121,6 +121,19 @@ def test_t5_bias_gradient_from_env(monkeypatch):
         bias_gradient_from_env()
 
 
+def test_lse_tile_from_env(monkeypatch):
+    from megatrain.models.common.bias_gradient_kernel import lse_tile_from_env
+
+    monkeypatch.delenv("MEGATRAIN_BIAS_GRAD_LSE_TILE", raising=False)
+    assert lse_tile_from_env() == (64, 64, 4)
+    monkeypatch.setenv("MEGATRAIN_BIAS_GRAD_LSE_TILE", "128x64w8")
+    assert lse_tile_from_env() == (128, 64, 8)
+    for bad in ("128x64", "100x64w8", "8x64w4", "64x64w3", "64x64w32"):
+        monkeypatch.setenv("MEGATRAIN_BIAS_GRAD_LSE_TILE", bad)
+        with pytest.raises(ValueError, match=f"MEGATRAIN_BIAS_GRAD_LSE_TILE must be BMxBNwW .*got '{bad}'"):
+            lse_tile_from_env()
+
+
 def test_auto_recomputes_only_where_the_triton_kernel_runs_on_a_gpu():
     """"auto" picks the recomputation on CUDA with the Triton kernel, the mask's own gradient elsewhere
     (the PyTorch recomputation is slower than the mask's gradient); the two forced choices hold anywhere."""

@@ -322,3 +322,7 @@ def test_a_bad_bias_gradient_choice_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
     monkeypatch.setenv("MEGATRAIN_T5_BIAS_GRADIENT", "recompute")
     assert _t5_args(tmp_path, *GOOD, "--position-embedding-type", "relative") is not None
+    monkeypatch.setenv("MEGATRAIN_BIAS_GRAD_LSE_TILE", "big")
+    with pytest.raises(SystemExit) as e:
+        _t5_args(tmp_path, *GOOD)
+    assert "MEGATRAIN_BIAS_GRAD_LSE_TILE must be BMxBNwW" in str(e.value) and "\n" not in str(e.value)

@@ -20,6 +20,8 @@ on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests che
 from __future__ import annotations
 
 import functools
+import os
+import re
 from typing import Optional
 
 import torch
@@ -29,10 +31,27 @@ from megatrain.triton_support import kernel_available
 __all__ = ["kernel_available", "attention_bias_grad"]
 
 # (BLOCK_M, BLOCK_N, num_warps) of the gradient kernel (64 x 64 with 8 warps: the fastest of five tiles on
-# an H100, 2026-12-07); the log-sum-exp kernel's in LSE_TILE. Module attributes read at each call
-# (benchmarks/t5_attention.py tries others).
+# an H100, 2026-12-07); the log-sum-exp kernel's in LSE_TILE (or the environment). Module attributes read at
+# each call (benchmarks/t5_attention.py and bias_gradient_kernel.py try others).
 TILE = (64, 64, 8)
-LSE_TILE = (64, 64, 4)
+LSE_TILE_ENV = "MEGATRAIN_BIAS_GRAD_LSE_TILE"
+
+
+def lse_tile_from_env(default: tuple[int, int, int] = (64, 64, 4)) -> tuple[int, int, int]:
+    """``MEGATRAIN_BIAS_GRAD_LSE_TILE=BMxBNwW`` (e.g. ``128x64w8``): the log-sum-exp kernel's tile and warps, a
+    speed setting (the same numbers); unset: ``default``. Powers of two from 16 (rows, keys) and 1-16 warps."""
+    text = os.environ.get(LSE_TILE_ENV, "").strip()
+    if not text:
+        return default
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)", text)
+    ok = m is not None and all(v >= 16 and v & (v - 1) == 0 for v in map(int, m.groups()[:2]))
+    if not ok or not 1 <= int(m.group(3)) <= 16 or int(m.group(3)) & (int(m.group(3)) - 1):
+        raise ValueError(f"{LSE_TILE_ENV} must be BMxBNwW with powers of two (rows and keys >= 16, warps 1-16), "
+                         f"e.g. 128x64w8; got {text!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+LSE_TILE: Optional[tuple[int, int, int]] = None  # None: lse_tile_from_env() at each call
 # Programs per gradient tile, each summing its share of the batch and adding it into the tile with one
 # atomic add (1: one program loops over the whole batch and stores the tile). More programs in flight
 # for the same work; a benchmark variant (``t5_attention.py --variants sdpa-bias-tap-...-sS``).
@@ -191,7 +210,7 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if lse is None:
         lse = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
         delta = torch.empty(B, H, M, dtype=torch.float32, device=q.device)
-        lbm, lbn, lwarps = LSE_TILE
+        lbm, lbn, lwarps = LSE_TILE or lse_tile_from_env()
         lse_kernel[(B * H, triton.cdiv(M, lbm))](
             q, k, bias, keep_arg, lse, out, grad_out, delta, scale, H, H // Hk, M, N, D, DV, *q.stride(),
             *k.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3], *out.stride(), *grad_out.stride(),

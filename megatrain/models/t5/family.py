@@ -98,6 +98,9 @@ def check_t5_args(args: argparse.Namespace) -> None:
     if args.sequence_parallel and args.decoder_seq_length % tp:
         raise ValueError(f"--sequence-parallel needs --decoder-seq-length ({args.decoder_seq_length}) divisible "
                          f"by --tensor-model-parallel-size ({tp})")
+    from megatrain.models.common.bias_gradient_kernel import lse_tile_from_env
+
+    lse_tile_from_env()  # a malformed MEGATRAIN_BIAS_GRAD_LSE_TILE stops here, not in the first backward
     # How attention will run (FlexAttention or SDPA), printed with the other notes at start-up.
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     note = attention_description(attention_backend_from_args(args), args.position_embedding_type,
