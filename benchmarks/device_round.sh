@@ -294,7 +294,7 @@ PY
   fp8-23)  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA tests of the fp8 layers, delayed scaling and the
            # fp8 output layer, then LLaMA-1.2B at global batch 8 in bf16, fp8 tensorwise, fp8 delayed (Megatron's
            # example settings) and fp8 delayed with the output layer in fp8
-    timeout 100 python -m pytest -q -p no:cacheprovider tests/unit/test_fp8_fusion.py tests/unit/test_fp8_delayed.py \
+    timeout 130 python -m pytest -q -p no:cacheprovider tests/unit/test_fp8_fusion.py tests/unit/test_fp8_delayed.py \
       tests/unit/test_fp8_head.py -k cuda > "$OUT/gpu_tests.txt" 2>&1
     D="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
     left=$((590 - SECONDS))
