@@ -230,5 +230,5 @@ def test_the_kernel_is_the_default_on_cuda_for_large_models_only(monkeypatch):
         model = model.cuda()
         assert isinstance(build_optimizer(model, OptimizerConfig()), KernelAdamW)
         assert not isinstance(build_optimizer(model, OptimizerConfig(adamw_kernel=False)), KernelAdamW)
-        monkeypatch.setattr(opt_mod, "KERNEL_ADAMW_MIN_PARAMETERS", 1 << 28)
+        monkeypatch.setattr(opt_mod, "KERNEL_ADAMW_MIN_PARAMETERS", 1 << 27)
         assert not isinstance(build_optimizer(model, OptimizerConfig()), KernelAdamW)  # small: torch's
