@@ -48,8 +48,9 @@ call cut short still shows the rows done). ``--rows`` picks rows (``transformers
 ``hf-layout-flex`` add one each; ``hf-layout-mask`` runs the HF layout with
 ``MEGATRAIN_T5_BIAS_GRADIENT=mask``: SDPA's own gradient of the float mask, the default before 2026-12-07,
 where ``hf-layout`` now recomputes the bias gradient apart with the Triton kernel on CUDA;
-``hf-layout-recompute`` forces the recomputation; ``hf-layout-adamw-kernel`` steps AdamW through
-megatrain's kernel, below its default size at T5-base).
+``hf-layout-recompute`` forces the recomputation; ``hf-layout-adamw-kernel`` forces AdamW through
+megatrain's kernel (``MEGATRAIN_ADAMW_KERNEL=1``; the default at T5-base's size since 2026-12-07, so the
+same as ``hf-layout`` there) and ``hf-layout-torch-adamw`` keeps torch's fused AdamW (``=0``).
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                          "transformers-eager (an extra row with eager attention), hf-layout-flex (an extra "
                          "megatrain HF-layout row with FlexAttention instead of SDPA), hf-layout-mask and "
                          "hf-layout-recompute (extra HF-layout rows with MEGATRAIN_T5_BIAS_GRADIENT=mask or "
-                         "=recompute), hf-layout-adamw-kernel (MEGATRAIN_ADAMW_KERNEL=1)")
+                         "=recompute), hf-layout-adamw-kernel / hf-layout-torch-adamw (MEGATRAIN_ADAMW_KERNEL=1 / 0)")
     ap.add_argument("--attn", default="best", choices=["best", "sdpa", "eager", "flex_attention"],
                     help="transformers' attn_implementation (best: SDPA if T5 offers it, else eager)")
     ap.add_argument("--output", default=None, help="also write the table to this file")
@@ -307,10 +308,13 @@ def main(argv: list[str] | None = None) -> None:
             # not a default row: AdamW through megatrain's kernel (T5-base is below its default size)
             "hf-layout-adamw-kernel": ("megatrain pretrain_t5.py, HF T5 layout, MEGATRAIN_ADAMW_KERNEL=1",
                                        HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
+            "hf-layout-torch-adamw": ("megatrain pretrain_t5.py, HF T5 layout, MEGATRAIN_ADAMW_KERNEL=0",
+                                      HF_LAYOUT + (["--untie-embeddings-and-output-weights"] if untied else [])),
         }
         envs = {"hf-layout-mask": {"MEGATRAIN_T5_BIAS_GRADIENT": "mask"},
                 "hf-layout-recompute": {"MEGATRAIN_T5_BIAS_GRADIENT": "recompute"},
-                "hf-layout-adamw-kernel": {"MEGATRAIN_ADAMW_KERNEL": "1"}}
+                "hf-layout-adamw-kernel": {"MEGATRAIN_ADAMW_KERNEL": "1"},
+                "hf-layout-torch-adamw": {"MEGATRAIN_ADAMW_KERNEL": "0"}}
         for key in [r for r in wanted if r in megatrain_rows]:
             name, flags = megatrain_rows[key]
             rows.append(run_megatrain(name, a.shape, a.iters, a.warmup, a.device, tmp, a.timeout,
