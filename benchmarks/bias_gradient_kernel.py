@@ -97,7 +97,8 @@ def kernel_times(args, iters: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="t5-base", choices=list(SHAPES))
-    ap.add_argument("--settings", nargs="+", default=None, help="BMxBN-wW[-sS][-pP][-lBMxBNwW][-lpP] (default: ten of them)")
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="BMxBN-wW[-sS][-pP][-lBMxBNwW][-lpP] (default: ten of them)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--output", default=None, help="also write the table here")
     a = ap.parse_args(argv)
@@ -124,11 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     reference = None
     try:
         for name, tile, split, stages, lse_tile, lse_stages in parsed:
-            bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES, bgk.LSE_TILE, bgk.LSE_STAGES = tile, split, stages, lse_tile, lse_stages
+            bgk.TILE, bgk.SPLIT_BATCH, bgk.STAGES = tile, split, stages
+            bgk.LSE_TILE, bgk.LSE_STAGES = lse_tile, lse_stages
             try:
                 grad = bgk.attention_bias_grad(*args, 1.0)
             except Exception as e:  # a tile the device's Triton cannot build (shared memory, registers)
-                lines.append(f"| {name} | error: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__} | | | |")
+                why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+                lines.append(f"| {name} | error: {why} | | | |")
                 print(lines[-1], flush=True)
                 continue
             if reference is None:

@@ -45,11 +45,16 @@ def lse_tile_from_env(default: tuple[int, int, int] = (64, 64, 4)) -> tuple[int,
     if not text:
         return default
     m = re.fullmatch(r"(\d+)x(\d+)w(\d+)", text)
-    ok = m is not None and all(v >= 16 and v & (v - 1) == 0 for v in map(int, m.groups()[:2]))
-    if not ok or not 1 <= int(m.group(3)) <= 16 or int(m.group(3)) & (int(m.group(3)) - 1):
+    bm, bn, warps = map(int, m.groups()) if m else (0, 0, 0)
+    if not (_power_of_two(bm) and _power_of_two(bn) and _power_of_two(warps) and min(bm, bn) >= 16
+            and warps <= 16):
         raise ValueError(f"{LSE_TILE_ENV} must be BMxBNwW with powers of two (rows and keys >= 16, warps 1-16), "
                          f"e.g. 128x64w8; got {text!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    return bm, bn, warps
+
+
+def _power_of_two(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
 
 LSE_TILE: Optional[tuple[int, int, int]] = None  # None: lse_tile_from_env() at each call
@@ -227,8 +232,8 @@ def attention_bias_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     grad_kernel[(H * split, triton.cdiv(M, bm), triton.cdiv(N, bn))](
         q, k, v, grad_out, bias, keep_arg, lse, delta, grad, scale, B, H, H // Hk, M, N, D, DV,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), sb[1], sb[2], sb[3], skeep[0], skeep[2], skeep[3],
-        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), HAS_KEEP=keep_u8 is not None, KEEP_ROWS=keep_rows, IEEE=ieee,
-        SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps,
+        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), HAS_KEEP=keep_u8 is not None,
+        KEEP_ROWS=keep_rows, IEEE=ieee, SPLIT=split, BM=bm, BN=bn, BD=bd, BDV=bdv, num_warps=warps,
         **({} if STAGES is None else {"num_stages": int(STAGES)}))
     return grad
 
