@@ -31,6 +31,7 @@
 #   bash benchmarks/device_round.sh t5-22      # nvidia-h200 or H100, ~8 min: T5 beside transformers, with and without the AdamW kernel
 #   bash benchmarks/device_round.sh t5-llama23 # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan .whl): T5 with the AdamW kernel beside transformers, LLaMA beside torchtitan
 #   bash benchmarks/device_round.sh fp8-23     # nvidia-h200 or H100, ~9.5 min (carry .whl): fp8 CUDA tests; LLaMA bf16, fp8 tensorwise, delayed, delayed + fp8 output layer
+#   bash benchmarks/device_round.sh t5-gpt24   # nvidia-h200 or H100, ~9.5 min (carry .peers): T5 beside transformers (this session's defaults), GPT 1.7B at global batch 2 beside nanoGPT
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
@@ -303,6 +304,16 @@ PY
       --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
     tail -n 3 /tmp/llama_fp8.log; tail -n 3 "$OUT/gpu_tests.txt"
     ;;
+  t5-gpt24)  # nvidia-h200 or H100, ~9.5 min (carry .peers): T5 beside transformers with this session's defaults
+             # (the AdamW kernel, the 64 x 128 bias-gradient tile), then GPT 1.7B at global batch 2 beside nanoGPT
+             # (the one GPT row not measured since 2026-12-04)
+    timeout 330 python benchmarks/t5_speed.py --rows hf-layout,transformers --iters 10 --warmup 5 --timeout 160 \
+      --output "$OUT/t5.md" > /tmp/t5.log 2>&1
+    left=$((590 - SECONDS))
+    [ $left -gt 150 ] && timeout $left python benchmarks/peers.py --rows 1.7b-2 --iters 10 --warmup 4 \
+      --timeout $(((left - 10) / 2)) --budget $((left - 5)) --output "$OUT/peers.md" > /tmp/peers.log 2>&1
+    tail -n 3 /tmp/t5.log /tmp/peers.log
+    ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
       --budget 545 --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
@@ -312,6 +323,6 @@ PY
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
