@@ -43,7 +43,7 @@ from megatrain.models.common.layer_stacks import transformer_layers
 from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
 from megatrain.runtime.fp8 import Fp8Config, convert_to_fp8, fp8_layer_linears
-from megatrain.runtime.fp8_fusion import convert_fp8_linears, grad_dtype_of
+from megatrain.runtime.fp8_fusion import convert_fp8_linears, fits_fp8_matmuls, grad_dtype_of
 from megatrain.runtime.fp8_head import Fp8HeadWeights
 from megatrain.runtime.fp8_scaling import Fp8Recipe
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
@@ -194,7 +194,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
         # (the fusion applies without pipeline stages only, so the model is whole and holds its head)
         extra = [(head, model.output_weight())] if isinstance(head, ChunkedCrossEntropy) else []
         if fp8_fused and cfg.fp8_output_layer and extra and model.output_bias() is None \
-                and all(d % 16 == 0 for d in extra[0][1].shape):
+                and fits_fp8_matmuls(*extra[0][1].shape):
             head.fp8_weights = Fp8HeadWeights(grad_dtype_of(cfg.fp8_format), compile_cast=cfg.compile_layers)
         if linears or extra or fp8_linears:
             fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters(),

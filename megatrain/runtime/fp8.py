@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatrain.runtime.fp8_fusion import fits_fp8_matmuls
+
 __all__ = ["FP8_FORMATS", "Fp8Config", "convert_to_fp8", "fp8_available", "fp8_layer_linears", "require_fp8",
            "is_fp8_linear"]
 
@@ -92,7 +94,7 @@ def _eligible(module: nn.Module, name: str, tp: int = 1) -> bool:
         local_out //= tp
     else:
         local_in //= tp
-    return all(n % 16 == 0 for n in (module.in_features, module.out_features, local_in, local_out))
+    return fits_fp8_matmuls(module.in_features, module.out_features, local_in, local_out)
 
 
 def convert_to_fp8(model: nn.Module, cfg: Fp8Config, tp: int = 1) -> tuple[list[str], list[str]]:

@@ -37,7 +37,8 @@ from torch import nn
 from megatrain.runtime.fp8_scaling import Fp8Recipe, abs_max, cast_delayed, new_state
 from megatrain.runtime.grad_accumulation_fusion import take_unwritten
 
-__all__ = ["Fp8FusedLinear", "convert_fp8_linears", "fp8_accumulate_wgrad_", "quantize"]
+__all__ = ["Fp8FusedLinear", "convert_fp8_linears", "fits_fp8_matmuls", "fp8_accumulate_wgrad_", "quantize",
+           "weight_grad"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -134,6 +135,22 @@ def _(main_grad: torch.Tensor, grad_t: torch.Tensor, inp_t: torch.Tensor, grad_i
 fp8_accumulate_wgrad_ = torch.ops.megatrain.fp8_accumulate_wgrad_.default
 
 
+def weight_grad(prev: torch.Tensor | None, grad_t: torch.Tensor, inp_t: torch.Tensor, grad_inv: torch.Tensor,
+                inp_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient dY^T x from the transposed fp8 operands: added into the staged float32
+    gradient ``prev`` (the gradient-accumulation fusion) and returned as it, or, without one, a new
+    tensor in ``dtype``."""
+    if prev is None:
+        return _wgrad(grad_t, inp_t, grad_inv, inp_inv).to(dtype)
+    fp8_accumulate_wgrad_(prev, grad_t, inp_t, grad_inv, inp_inv)
+    return prev
+
+
+def fits_fp8_matmuls(*sizes: int) -> bool:
+    """Whether the fp8 matmul kernels take these sizes (multiples of 16)."""
+    return all(n % _INNER == 0 for n in sizes)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x @ w^T in fp8 (+ bias); weight's gradient = prev + dY^T x in float32 (fp8 operands).
     ``delayed``: None (each cast scaled from its tensor's own amax) or (margin, use_max, record) with
@@ -176,12 +193,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             grad_x = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=dtype)[:rows]
             grad_x = grad_x.view(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            g8_t = g8.t().contiguous()
-            if prev is None:
-                grad_w = _wgrad(g8_t, x8_t, g_inv, x_inv).to(w_dtype)
-            else:
-                fp8_accumulate_wgrad_(prev, g8_t, x8_t, g_inv, x_inv)
-                grad_w = prev
+            grad_w = weight_grad(prev, g8.t().contiguous(), x8_t, g_inv, x_inv, w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[5]:
             grad_b = g2.sum(0, dtype=torch.float32).to(b_dtype)
         return grad_x, grad_w, None, None, None, grad_b, None, None, None, None, None, None, None, None

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatrain.runtime.fp8_fusion import (E4M3, _pad_rows, _wgrad, cast_weight_copies, fp8_accumulate_wgrad_,
-                                          quantize)
+from megatrain.runtime.fp8_fusion import E4M3, _pad_rows, cast_weight_copies, quantize, weight_grad
 from megatrain.runtime.fused_loss import backward_once, logits_grad_in_chunks_, losses_in_chunks
 
 __all__ = ["Fp8HeadWeights", "chunked_fp8_cross_entropy"]
@@ -93,12 +92,7 @@ class _ChunkedFp8LinearCrossEntropy(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_hidden = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=dtype)[:rows].to(hidden_dtype)
             if ctx.needs_input_grad[1]:
-                g8_t, h8_t = g8.t().contiguous(), h8.t().contiguous()
-                if prev is None:
-                    grad_weight = _wgrad(g8_t, h8_t, g_inv, h_inv).to(weight_dtype)
-                else:  # the staged float32 gradient (gradient-accumulation fusion)
-                    fp8_accumulate_wgrad_(prev, g8_t, h8_t, g_inv, h_inv)
-                    grad_weight = prev
+                grad_weight = weight_grad(prev, g8.t().contiguous(), h8.t().contiguous(), g_inv, h_inv, weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
