@@ -170,17 +170,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         y = torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=dtype, use_fast_accum=True)[:rows]
         if bias is not None:
             y = y + bias.to(dtype)
-        # the weight gradient's operand is the input transposed (the fp8 kernels take row-major [in,
-        # tokens]): made here, where a compiler can write it in the pass that casts the input, and kept
-        # instead of the row-major copy, which the backward does not read
-        x8_t = x8.t().contiguous() if ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(x8_t, x_inv, w8_t, w_inv, prev, grad_scale, grad_state)
+        ctx.save_for_backward(x8, x_inv, w8_t, w_inv, prev, grad_scale, grad_state)
         ctx.meta = (x.dtype, x.shape, weight.dtype, None if bias is None else bias.dtype, dtype, grad_dtype, delayed)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        x8_t, x_inv, w8_t, w_inv, prev, grad_scale, grad_state = ctx.saved_tensors
+        x8, x_inv, w8_t, w_inv, prev, grad_scale, grad_state = ctx.saved_tensors
         x_dtype, x_shape, w_dtype, b_dtype, dtype, grad_dtype, delayed = ctx.meta
         rows = grad_y.numel() // grad_y.shape[-1]
         g2 = _pad_rows(grad_y.reshape(rows, grad_y.shape[-1]).to(dtype))
@@ -193,7 +189,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             grad_x = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=dtype)[:rows]
             grad_x = grad_x.view(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad(prev, g8.t().contiguous(), x8_t, g_inv, x_inv, w_dtype)
+            grad_w = weight_grad(prev, g8.t().contiguous(), x8.t().contiguous(), g_inv, x_inv, w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[5]:
             grad_b = g2.sum(0, dtype=torch.float32).to(b_dtype)
         return grad_x, grad_w, None, None, None, grad_b, None, None, None, None, None, None, None, None
