@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.runtime.fp8_scaling import Fp8Recipe, abs_max, cast_delayed, new_state
+from megatrain.runtime.fp8_scaling import Fp8Recipe, cast_delayed, new_state
 from megatrain.runtime.grad_accumulation_fusion import take_unwritten
 
 __all__ = ["Fp8FusedLinear", "convert_fp8_linears", "fits_fp8_matmuls", "fp8_accumulate_wgrad_", "quantize",
@@ -55,7 +55,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     """``t`` in fp8 ``dtype`` with a per-tensor scale (the format's largest value over ``t``'s
     absolute maximum, computed in float64 so eager and compiled code agree), and the inverse scale
     (float32, 0-d) that ``torch._scaled_mm`` multiplies the product by."""
-    amax = abs_max(t).to(torch.float64)
+    amax = t.abs().amax().to(torch.float64)
     fmax = torch.finfo(dtype).max
     scale = (fmax / amax.clamp(min=_EPS)).to(torch.float32)
     t8 = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)

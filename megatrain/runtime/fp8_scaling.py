@@ -38,7 +38,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Fp8Recipe", "abs_max", "cast_delayed", "load_state_", "new_state", "promote_", "state_of", "sync_"]
+__all__ = ["Fp8Recipe", "cast_delayed", "load_state_", "new_state", "promote_", "state_of", "sync_"]
 
 
 @dataclass(frozen=True)
@@ -108,14 +108,6 @@ def _next_scale(amax: torch.Tensor, scale: torch.Tensor, fmax: float | torch.Ten
     return torch.where((amax > 0) & torch.isfinite(amax), fresh, scale)
 
 
-def abs_max(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s largest absolute value (0-d, ``t``'s dtype), each row's first: the same value as one
-    reduction over the whole tensor, but a row-wise reduction shares the iteration space of the kernel
-    that makes ``t`` (a norm, an activation) or casts it, so a compiler can reduce it there, where a
-    reduction of the whole tensor at once is split into blocks of its own that read ``t`` again."""
-    return t.abs().amax(dim=-1).amax() if t.dim() > 1 else t.abs().amax()
-
-
 def cast_delayed(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, state: torch.Tensor,
                  margin: int, use_max: bool, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` in fp8 ``dtype`` cast with ``scale`` (saturating), and the inverse scale (a new 0-d
@@ -127,7 +119,7 @@ def cast_delayed(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, state
     t8 = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
     inv = scale.reciprocal()
     if record:
-        amax = abs_max(t).to(torch.float32).view(1)
+        amax = t.abs().amax().to(torch.float32).view(1)
         history = torch.cat([amax, state[1:-1]])
         newest = history.amax() if use_max else amax[0]
         fp8_scaling_store_(state, torch.cat([_next_scale(newest, scale, fmax, margin).view(1), history]))
