@@ -7,7 +7,10 @@ Reads the trace's device events (``cat``: kernel, gpu_memcpy, gpu_memset), and p
 the top ``--top`` kernels by device time (calls, ms, share, mean us), the sum per category
 (``benchmarks/profile_step.py``'s categories: matmul, attention, copies, ...), the device's busy time
 and the span from the first to the last device event, so busy / span says how much of the window the
-GPU worked (the rest: it waited for the host, or for a synchronisation).
+GPU worked (the rest: it waited for the host, or for a synchronisation); then where it waited: each gap
+of 5 us or more filed under the kernel that ended it and the host operator that queued that kernel
+(the trace's runtime launch with the kernel's correlation id, inside the innermost ``cpu_op`` of its
+thread), as ``profile_step.py``'s idle table.
 """
 
 from __future__ import annotations
@@ -24,12 +27,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def load_events(path: str) -> list[dict]:
+def load_trace(path: str) -> list[dict]:
+    """Every complete ("X") event of the trace."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+
+
+def launchers(events: list[dict], depth: int = 2) -> dict[int, str]:
+    """Correlation id -> the host operators around the runtime call that launched it (innermost first,
+    ``depth`` of them, joined by " < "), from the ``cpu_op`` events of the launching thread."""
+    ops: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e.get("tid")].append(e)
+    for thread in ops.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+    found: dict[int, str] = {}
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") != "cuda_runtime" or corr is None:
+            continue
+        around = [op for op in ops.get(e.get("tid"), ()) if op["ts"] <= e["ts"] <= op["ts"] + op["dur"]]
+        around.sort(key=lambda op: op["ts"], reverse=True)  # the innermost (latest opened) first
+        found[corr] = " < ".join(op["name"] for op in around[:depth])
+    return found
+
+
+def gap_lines(events: list[dict], iterations: int, top: int) -> list[str]:
+    from profile_step import idle_gaps, render_gaps
+
+    launched = launchers(events)
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"],
+                        launched.get((e.get("args") or {}).get("correlation"), ""))
+                       for e in device_events(events))
+    return render_gaps(idle_gaps(intervals), iterations, top).splitlines()
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -83,12 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.iterations < 1:
         p.error("--iterations must be at least 1")
     try:
-        events = load_events(a.trace)
-    except (OSError, ValueError, KeyError) as e:
+        everything = load_trace(a.trace)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         p.error(f"{a.trace}: not a readable Chrome trace ({type(e).__name__}: {e})")
+    events = device_events(everything)
     if not events:
         p.error(f"{a.trace}: no device events (profiled without CUDA?)")
-    text = "\n".join(table(events, a.iterations, a.top))
+    text = "\n".join(table(events, a.iterations, a.top) + gap_lines(everything, a.iterations, a.top))
     print(text)
     if a.output:
         Path(a.output).write_text(text + "\n")

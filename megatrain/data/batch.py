@@ -65,6 +65,13 @@ class Batch:
         return replace(self, **{f.name: v.to(device, non_blocking=non_blocking)
                                 for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
 
+    def pin_memory(self: B) -> B:
+        """The batch with its tensors in page-locked memory: a DataLoader with ``pin_memory=True`` calls
+        this for a type it does not know (without it the batch would stay in pageable memory, whose
+        copies to the device the host stages itself)."""
+        return replace(self, **{f.name: v.pin_memory()
+                                for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
     @classmethod
     def cat(cls: type[B], batches: list[B]) -> B:
         """The micro-batches as one batch (dim 0); a field None in the first is None in the result."""

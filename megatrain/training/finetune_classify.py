@@ -339,7 +339,7 @@ class ClassificationTrainer(Trainer):
         try:
             for start in range(0, per_rank, mbs):
                 samples = collate_samples([ds[i] for i in mine[start:start + mbs]])
-                batch = self.objective.make_batch(to_device(samples, self.device))
+                batch = self.objective.make_batch(to_device(self.objective.host_batch(samples), self.device))
                 w = torch.tensor(weights[start:start + mbs], dtype=torch.float64, device=self.device)
                 with self.precision.autocast(self.device):
                     logits = self.objective.logits(self.model, batch)

@@ -97,7 +97,7 @@ class StepMixin:
     # ---- one micro-batch ------------------------------------------------------------------------
     def _rank_batch(self, samples: Any) -> Any:
         """The objective's micro-batch on the device; with context parallelism, this rank's part."""
-        b = self.objective.make_batch(to_device(samples, self.device))
+        b = self.objective.make_batch(to_device(self.objective.host_batch(samples), self.device))
         return split_batch(b, self.cp_size, self.cp_rank) if self.cp_size > 1 else b
 
     def _batch_losses(self, b: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,14 +66,23 @@ def test_idle_gaps_are_filed_under_the_kernel_that_ended_the_wait():
 
 def test_trace_kernels_table_of_a_chrome_trace(tmp_path):
     """benchmarks/trace_kernels.py on a written-out trace: per-iteration kernel times, categories, the
-    busy time with overlapping streams counted once, and one clear line for a file that is no trace."""
+    busy time with overlapping streams counted once, the device's waits filed under the kernel that ended
+    each and the host operators that queued it, and one clear line for a file that is no trace."""
     import gzip
 
     events = [{"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 100},
-              {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 150, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 150, "dur": 100,
+               "args": {"correlation": 7}},
               {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": 200, "dur": 100},  # overlaps the 2nd
-              {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 390, "dur": 10},
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]  # host: not counted
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 390, "dur": 10,
+               "args": {"correlation": 9}},
+              # host (not counted as device time): the launches inside their operators, thread 1
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::zero_", "ts": 300, "dur": 50, "tid": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 120, "dur": 5, "tid": 1,
+               "args": {"correlation": 7}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemsetAsync", "ts": 320, "dur": 5, "tid": 1,
+               "args": {"correlation": 9}}]
     trace = tmp_path / "trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -81,6 +90,9 @@ def test_trace_kernels_table_of_a_chrome_trace(tmp_path):
     assert "per iteration: span 0.20 ms, device busy 0.13 ms (65% of the span)" in out
     assert "| `sm90_xmma_gemm_bf16` | 1 | 0.100 | 64.5% | 100.0 |" in out
     assert "| matmul | 0.100 | 64.5% |" in out and "| attention | 0.050 | 32.3% |" in out
+    # two waits over the two iterations: 50 us before the second matmul, 90 us before the memset
+    assert "device idle (gaps of 5 us or more between kernels): 0.07 ms/step in 1 gaps" in out
+    assert "Memset (Device)  <- aten::zero_ < aten::mm" in out and "sm90_xmma_gemm_bf16  <- aten::mm" in out
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     import subprocess

@@ -101,10 +101,10 @@ def test_packed_per_token_losses_equal_the_samples_one_by_one(data, positions):
     samples = [ds[i] for i in range(8)]
     assert {s["num_images"] for s in samples} == {0, 1, 2}
     rows = [[0, 1, 2, 3], [4, 5, 6], [7]]  # mixed kinds in a row, two images in rows 0 and 1
-    collate, objective = _collator(data), LlavaObjective()
-    packed = collate([pack_selected_samples([samples[i] for i in row]) for row in rows])
+    packed = _collator(data)([pack_selected_samples([samples[i] for i in row]) for row in rows])
     assert packed.segments is not None and packed.segments.max() == 4
     model = _model(data["tokenizer"].vocab_size + 8, positions)
+    collate, objective = _collator(data), LlavaObjective(model.config)
     with torch.no_grad():
         out = objective.forward(model, packed)
         assert out.shape == packed.segments.shape
@@ -139,8 +139,8 @@ def test_packed_per_token_losses_equal_the_samples_one_by_one(data, positions):
 def test_packed_gradients_equal_the_unpacked_batch(data):
     ds = _jsonl(data)
     samples = [ds[i] for i in range(6)]
-    collate, objective = _collator(data), LlavaObjective()
     model = _model(data["tokenizer"].vocab_size + 8, "rope")
+    collate, objective = _collator(data), LlavaObjective(model.config)
 
     def grads(batch):
         model.zero_grad()

@@ -76,7 +76,7 @@ def test_stages_chained_equal_the_whole_model(style, num_stages, first):
     counts = [1, 0, 2, 1]
     batch = _batch(cfg, rows, counts, width=10)
     length = 10 + 2 * t + 2  # longer than any row (padding at the end)
-    objective = LlavaObjective(pipeline=(cfg, length))
+    objective = LlavaObjective(cfg, length)
     laid = pipeline_batch(batch, cfg, length)
     assert laid.tokens.shape == (4, length) and laid.loss_mask.sum() == batch.loss_mask.sum()
     stages = _stages(model, cfg, num_stages, first)
@@ -87,7 +87,7 @@ def test_stages_chained_equal_the_whole_model(style, num_stages, first):
     ref_loss, ref_counts = [], []
     for m in range(2):
         part = MultimodalBatch.cat([_slice(batch, r) for r in (2 * m, 2 * m + 1)])
-        out = LlavaObjective().forward(model, part)
+        out = LlavaObjective(cfg).forward(model, part)
         ref_loss.append(out.float().sum())
         ref_counts.append(part.loss_mask.sum())
     (ref_loss[0] / ref_counts[0] + ref_loss[1] / ref_counts[1]).backward()
@@ -139,7 +139,7 @@ def test_rows_longer_than_the_length_are_cut_with_their_images_in_place():
     assert laid.image_mask[0].sum() == t + 1 and laid.image_mask[0, -1]
     assert (laid.labels[laid.loss_mask == 0] == IGNORE_INDEX).all()
     stage = _stages(model, cfg, 1)[0]
-    args, kwargs = LlavaObjective(pipeline=(cfg, length)).stage_inputs(laid, first=True, last=True)
+    args, kwargs = LlavaObjective(cfg, length).stage_inputs(laid, first=True, last=True)
     hidden = stage.embed_rows(args[0], kwargs["image_mask"], kwargs["images"], kwargs["image_counts"],
                               kwargs["position_ids"])
     features = model.image_features(batch.pixel_values)

@@ -5,6 +5,9 @@ losses).
 
 The training loop, evaluation and the pipeline schedule use only this interface:
 
+* ``host_batch(samples)`` (optional): the loader's collated samples still on the host, reshaped
+  before they move (work whose shapes follow from the data's values, which on the device would make
+  the host wait for it); the samples unchanged by default;
 * ``make_batch(samples)``: the micro-batch (a :class:`megatrain.data.batch.Batch`) from the
   loader's collated samples already on the device;
 * ``forward(model, batch)``: the model's output for the batch (per-token losses, or whatever
@@ -28,7 +31,7 @@ __all__ = ["Objective", "loss_means"]
 
 
 class Objective:
-    """Base class: subclasses set ``loss_names`` and implement the five methods."""
+    """Base class: subclasses set ``loss_names`` and implement the five methods (``host_batch`` optional)."""
 
     loss_names: tuple[str, ...] = ()
     # Whether make_batch is device work only (no host synchronisation), so that a CUDA graph of the
@@ -37,6 +40,9 @@ class Objective:
     # Whether forward hands the model labels that are mostly IGNORE (-100): an image's positions, a prompt.
     # The trainer then has the chunked loss head compute the labeled rows alone (fused_loss, labeled_rows_only).
     sparse_labels: bool = False
+
+    def host_batch(self, samples: Any) -> Any:
+        return samples
 
     def make_batch(self, samples: Any) -> Any:
         raise NotImplementedError

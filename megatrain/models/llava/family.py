@@ -181,11 +181,11 @@ def check_llava_args(args: argparse.Namespace) -> None:
 
 def _objective(args: Any, tokenizer: Any) -> LlavaObjective:
     """Under pipeline parallelism the objective lays micro-batches out for the stages (``stage.py``)."""
-    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1:
-        return LlavaObjective()
     config = llava_config_from_args(args, getattr(args, "padded_vocab_size", None) or 1)
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1:
+        return LlavaObjective(config)
     multiple = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
-    return LlavaObjective(pipeline=(config, pipeline_length(config, args.seq_length, multiple)))
+    return LlavaObjective(config, pipeline_length(config, args.seq_length, multiple))
 
 
 def _datasets(args: Any, tokenizer: Any, num_samples: Sequence[int | None]):

@@ -153,18 +153,25 @@ class LlavaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, images: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, S, V], or with ``labels`` (aligned with ``tokens``; expanded with them) the
         per-token loss [b, S] in float32.
 
         ``images``: [N, channels, img_h, img_w], N the images in the text (None: text only).
         ``position_ids`` and ``attention_mask`` (as GPTModel's) are for the expanded sequence; by
         default positions 0 ... S-1 and causal attention (rows padded at the end need no mask).
+        ``image_mask`` (bool [b, S]): ``tokens`` and ``labels`` are laid out already (each image's
+        positions expanded, :func:`megatrain.models.llava.tokens.expand_image_tokens`), these being
+        the image positions; None: they are expanded here.
         """
         if images is not None and images.shape[0] == 0:  # a batch of text-only rows ([0, 3, H, W])
             images = None
         num_images = 0 if images is None else images.shape[0]
-        layout = self.expand_tokens(tokens, num_images, labels=labels)
+        if image_mask is None:
+            layout = self.expand_tokens(tokens, num_images, labels=labels)
+        else:
+            layout = ImageTokens(tokens=tokens, image_mask=image_mask, lengths=image_mask.new_full(
+                (tokens.shape[0],), tokens.shape[1], dtype=torch.long), labels=labels)
         length = layout.tokens.shape[1]
         if position_ids is None:
             lm = self.config.language
