@@ -25,6 +25,7 @@ from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samp
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.models.common.moe.metrics import MoEMetrics, MoEReport
+from megatrain.models.common.objective import Objective
 from megatrain.models.registry import DEFAULT_FAMILY, ModelFamily, get_family
 from megatrain.parallel.distributed import (destroy_distributed, get_rank, init_distributed,
                                             init_single_process_group)
@@ -245,6 +246,7 @@ class Trainer(StepMixin, EvaluationMixin):
                              "with host decisions (per-batch attention masks), which a recorded graph cannot hold")
         assert self.device.type == "cuda" and self.pipeline is None and self.world_size == 1, \
             "arguments.py refuses these"
+        assert type(self.objective).host_batch is Objective.host_batch, "a graphed micro-batch skips host_batch"
         return MicroBatchGraphs(list(self.module.parameters()), self.device, a.cuda_graph_warmup_steps,
                                 num_losses=len(self.objective.loss_names))
 

@@ -7,7 +7,8 @@ The training loop, evaluation and the pipeline schedule use only this interface:
 
 * ``host_batch(samples)`` (optional): the loader's collated samples still on the host, reshaped
   before they move (work whose shapes follow from the data's values, which on the device would make
-  the host wait for it); the samples unchanged by default;
+  the host wait for it); the samples unchanged by default (an objective that reshapes here keeps
+  ``batches_in_cuda_graph`` False: a recorded micro-batch replays ``make_batch`` on the raw samples);
 * ``make_batch(samples)``: the micro-batch (a :class:`megatrain.data.batch.Batch`) from the
   loader's collated samples already on the device;
 * ``forward(model, batch)``: the model's output for the batch (per-token losses, or whatever
