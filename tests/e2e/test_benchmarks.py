@@ -99,3 +99,20 @@ def test_trace_kernels_table_of_a_chrome_trace(tmp_path):
 
     proc = subprocess.run([sys.executable, "benchmarks/trace_kernels.py", str(bad)], capture_output=True, text=True)
     assert proc.returncode == 2 and "not a readable Chrome trace" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fp8_loss_curves_on_the_cpu(tmp_path):
+    """benchmarks/fp8_loss_cpu.py: the fp8 runs (matmuls emulated in float32) against the bf16 eager run,
+    one table row each; a row it does not know is one line."""
+    out = tmp_path / "fp8.md"
+    text = run_cmd([sys.executable, "benchmarks/fp8_loss_cpu.py", "--iters", "2", "--rows", "delayed",
+                    "--output", str(out)], timeout=300).stdout
+    row = [line for line in text.splitlines() if line.startswith("| delayed |")]
+    assert len(row) == 1 and out.read_text().count("| delayed |") == 1
+    worst = float(row[0].split("|")[2].strip().rstrip("%"))
+    assert 0.0 <= worst < 1.0  # two steps of fp8 against bf16: close, and measured (not a placeholder)
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "benchmarks/fp8_loss_cpu.py", "--rows", "fp4"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "--rows: unknown ['fp4']" in proc.stderr and "Traceback" not in proc.stderr
