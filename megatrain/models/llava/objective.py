@@ -14,7 +14,7 @@ placeholders' count follow from the text's values, which on the device would mak
 the device at every micro-batch (and lose the lead it keeps over the device's queue). The model then
 takes the laid-out text with its image mask (``LlavaModel.forward(image_mask=...)``).
 
-Under pipeline parallelism (``pipeline=``: the run's fixed length) each micro-batch is laid out for
+Under pipeline parallelism (``pipeline_length``: the run's fixed length) each micro-batch is laid out for
 the stages instead (:func:`megatrain.models.llava.stage.pipeline_batch`): the first stage takes the
 expanded text, its image mask, the images per row and the positions; the last stage the expanded
 labels; the loss target is the expanded loss mask (the same count).
