@@ -47,6 +47,7 @@ from megatrain.runtime.fp8_fusion import convert_fp8_linears, fits_fp8_matmuls, 
 from megatrain.runtime.fp8_head import Fp8HeadWeights
 from megatrain.runtime.fp8_scaling import Fp8Recipe
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
+from megatrain.runtime.embedding_grad_fusion import convert_tied_embeddings
 from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
 from megatrain.parallel.context_parallel import apply_context_parallel
 from megatrain.parallel.data_parallel import DataParallelConfig, apply_ddp, apply_fsdp, uses_fsdp
@@ -197,8 +198,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
                 and fits_fp8_matmuls(*extra[0][1].shape):
             head.fp8_weights = Fp8HeadWeights(grad_dtype_of(cfg.fp8_format), compile_cast=cfg.compile_layers)
         if linears or extra or fp8_linears:
+            # a word embedding tied to the output layer adds its rows into the output weight's staged gradient
+            embeddings = convert_tied_embeddings(model, extra[0][1]) if extra else []
             fusion = GradAccumulationFusion(linears, cfg.compute_dtype, extra, others=model.parameters(),
-                                            fp8_linears=fp8_linears)
+                                            fp8_linears=fp8_linears, embeddings=embeddings)
     if device.type == "cuda":
         # An encoder's padding mask is an explicit mask too (flash attention takes only causal ones).
         warn_if_attention_falls_back(config, cfg.compute_dtype, device,

@@ -246,7 +246,8 @@ class GradAccumulationFusion:
 
     def __init__(self, linears: list[FusedGradLinear], dtype: torch.dtype,
                  extra: list[tuple[Any, torch.Tensor]] | None = None,
-                 others: Iterable[torch.Tensor] = (), fp8_linears: list[Any] | None = None) -> None:
+                 others: Iterable[torch.Tensor] = (), fp8_linears: list[Any] | None = None,
+                 embeddings: list[Any] | None = None) -> None:
         assert linears or extra or fp8_linears, "no layers to fuse"
         self.linears = linears
         self.dtype = dtype
@@ -270,12 +271,27 @@ class GradAccumulationFusion:
         self._half_weights = [w for _, w in self.half_slots]
         self._dicts = [_plain_attribute_dict(h, "main_grad_in") for h, _ in self.slots]
         self._fast_attrs = all(d is not None for d in self._dicts)
+        # tied word embeddings (megatrain.runtime.embedding_grad_fusion.FusedGradEmbedding): each adds its
+        # gradient rows into the staged buffer of the slot holding its weight
+        self._companions: list[tuple[Any, int]] = []
+        for emb in embeddings or []:
+            index = next(i for i, (_, w) in enumerate(self.slots) if w is emb.weight)
+            self._companions.append((emb, index))
         self._halves: list[torch.Tensor] | None = None  # the holders' half_weight, as refresh made them
         # An optimizer that writes the half-precision copies in its own step (KernelAdamW): refresh then
         # copies only where that optimizer's copies are not current (the first step, a loaded checkpoint).
         self.copier: Any = None
 
+    def detach_embeddings(self) -> None:
+        """Leave the tied embeddings to autograd (their dense gradient added to the output layer's):
+        for CUDA-graph recording, which this path is not tested under."""
+        for emb, _ in self._companions:
+            emb.main_grad_in = None
+        self._companions = []
+
     def _set_main_grads(self, grads: list[torch.Tensor | None] | None) -> None:
+        for emb, index in self._companions:
+            emb.main_grad_in = None if grads is None else grads[index]
         if self._fast_attrs:
             if grads is None:
                 for d in self._dicts:
@@ -327,7 +343,16 @@ class GradAccumulationFusion:
         grads = [w.grad for w in ws]
         if fresh:
             assert all(g is None for g in grads), "fresh: the step's gradients must start empty"
-            self._set_main_grads(None)
+            if not self._companions:
+                self._set_main_grads(None)
+            else:  # a tied weight's two readers need one buffer: the output layer writes it, the embedding adds
+                _UNWRITTEN.clear()
+                staged: list[torch.Tensor | None] = [None] * len(ws)
+                for _, index in self._companions:
+                    if staged[index] is None:
+                        staged[index] = torch.empty_like(ws[index])
+                        _UNWRITTEN.add(staged[index].data_ptr())
+                self._set_main_grads(staged)
             self._hold(hold_others)
             return
         _UNWRITTEN.clear()

@@ -247,6 +247,8 @@ class Trainer(StepMixin, EvaluationMixin):
         assert self.device.type == "cuda" and self.pipeline is None and self.world_size == 1, \
             "arguments.py refuses these"
         assert type(self.objective).host_batch is Objective.host_batch, "a graphed micro-batch skips host_batch"
+        if self.grad_fusion is not None:
+            self.grad_fusion.detach_embeddings()
         return MicroBatchGraphs(list(self.module.parameters()), self.device, a.cuda_graph_warmup_steps,
                                 num_losses=len(self.objective.loss_names))
 

@@ -133,13 +133,18 @@ def test_parallelize_applies_it_for_half_precision_only():
     assert _parallelized(compute_dtype=torch.bfloat16, recompute=RecomputeConfig("selective")).grad_fusion is not None
 
 
-@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+@pytest.mark.parametrize("untie, rows", [(False, False), (False, True), (True, True)],
+                         ids=["tied", "tied_rows", "untied"])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_chunked_loss_output_weight_joins_the_fusion(untie, fresh):
+def test_chunked_loss_output_weight_joins_the_fusion(untie, rows, fresh):
     """The output weight's matmuls in the chunked loss follow the protocol too (a tied weight also
-    gets the embedding's gradient, which autograd adds): equal to the plain model with float32 copies.
-    ``fresh``: one micro-batch staged with nothing (the matmuls write the gradients; the loss's chunks
-    add theirs to the first chunk's)."""
+    gets the embedding's gradient: ``rows``, the embedding adds its rows into the staged buffer
+    (megatrain.runtime.embedding_grad_fusion), else autograd adds its dense gradient): equal to the
+    plain model with float32 copies. ``fresh``: one micro-batch staged with nothing (the matmuls write
+    the gradients; the loss's chunks add theirs to the first chunk's), the tied weight's buffer
+    excepted where the embedding adds into it."""
+    from megatrain.runtime.embedding_grad_fusion import FusedGradEmbedding, convert_tied_embeddings
+
     fields = dict(GPT, untie_embeddings_and_output_weights=untie)
     torch.manual_seed(0)
     ref = GPTModel(GPTConfig(**fields))
@@ -148,7 +153,11 @@ def test_chunked_loss_output_weight_joins_the_fusion(untie, fresh):
     for m in (ref, fused):
         m.loss_head = ChunkedCrossEntropy(8)
     linears = convert_linears(m for layer in fused.layers.values() for m in layer.modules())
-    fusion = GradAccumulationFusion(linears, torch.float32, [(fused.loss_head, fused.output_weight())])
+    embeddings = convert_tied_embeddings(fused, fused.output_weight()) if rows else []
+    assert len(embeddings) == (1 if rows and not untie else 0)
+    assert (type(fused.embedding.word_embeddings) is FusedGradEmbedding) == bool(embeddings)
+    fusion = GradAccumulationFusion(linears, torch.float32, [(fused.loss_head, fused.output_weight())],
+                                    embeddings=embeddings)
     tokens = [torch.randint(0, 96, (2, 16)) for _ in range(1 if fresh else 3)]
     for step in range(2):
         for m in (ref, fused):
@@ -167,13 +176,23 @@ def test_chunked_loss_output_weight_joins_the_fusion(untie, fresh):
             for p in list(ref.parameters()) + list(fused.parameters()):
                 p.sub_(0.01 * p.grad)
     assert fused.loss_head.half_weight is not None and fused.loss_head.main_grad_in is None
+    assert all(e.main_grad_in is None for e in embeddings)
 
 
 def test_parallelize_includes_the_chunked_loss_output_weight():
+    from megatrain.runtime.embedding_grad_fusion import FusedGradEmbedding
+
     made = _parallelized(compute_dtype=torch.bfloat16, cross_entropy_chunk_size=16)
     holders = [h for h, _ in made.grad_fusion.slots]
     assert holders[-1] is made.loss_head is made.module.loss_head and len(holders) == 4 * GPT["num_layers"] + 1
     assert made.grad_fusion.slots[-1][1] is made.module.embedding.word_embeddings.weight
+    # the tied word embedding adds its rows into the output weight's staged gradient
+    assert type(made.module.embedding.word_embeddings) is FusedGradEmbedding
+    assert "main_grad_in" not in str(list(made.module.state_dict()))
+    made.grad_fusion.detach_embeddings()  # CUDA-graph recording: autograd's dense gradient again
+    made.grad_fusion.stage(fresh=True)
+    assert made.module.embedding.word_embeddings.main_grad_in is None
+    made.grad_fusion.release()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
