@@ -10,8 +10,9 @@ one written), every micro-batch. Here the embedding's backward adds its rows int
 instead (:class:`FusedGradEmbedding`, the fusion's companion of the output layer's holder) and gives
 autograd no gradient for ``W``; the buffer is then ``W``'s gradient, as the output layer returns it.
 
-The rows are added with ``index_put_(..., accumulate=True)``: on CUDA a sort of the token ids and one
-ordered sum per id (deterministic, as torch's own embedding backward), on the CPU in token order.
+The rows are added with ``index_put_(..., accumulate=True)``: on CUDA a stable sort of the token ids and
+one ordered sum per id (deterministic, as torch's own embedding backward); on the CPU torch's kernel
+(deterministic under ``torch.use_deterministic_algorithms``).
 The output layer's backward runs first (the embedding's input gradient depends on it), so the rows
 land on the written buffer; a buffer with no values yet (:func:`take_unwritten`) is zeroed first.
 """
