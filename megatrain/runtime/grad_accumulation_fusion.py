@@ -349,7 +349,7 @@ class GradAccumulationFusion:
                 _UNWRITTEN.clear()
                 staged: list[torch.Tensor | None] = [None] * len(ws)
                 for _, index in self._companions:
-                    if staged[index] is None:
+                    if staged[index] is None and ws[index].requires_grad:  # (a frozen weight gets no gradient)
                         staged[index] = torch.empty_like(ws[index])
                         _UNWRITTEN.add(staged[index].data_ptr())
                 self._set_main_grads(staged)
