@@ -101,6 +101,7 @@ def test_trace_kernels_table_of_a_chrome_trace(tmp_path):
     assert proc.returncode == 2 and "not a readable Chrome trace" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.long  # ~15 s alone, ~35 s beside another worker: a benchmark's tool, like the throughput table's test
 def test_fp8_loss_curves_on_the_cpu(tmp_path):
     """benchmarks/fp8_loss_cpu.py: the fp8 runs (matmuls emulated in float32) against the bf16 eager run,
     one table row each; a row it does not know is one line."""
