@@ -42,21 +42,29 @@ def device_events(events: list[dict]) -> list[dict]:
 
 def launchers(events: list[dict], depth: int = 2) -> dict[int, str]:
     """Correlation id -> the host operators around the runtime call that launched it (innermost first,
-    ``depth`` of them, joined by " < "), from the ``cpu_op`` events of the launching thread."""
+    ``depth`` of them, joined by " < "), from the ``cpu_op`` events of the launching thread (nested on
+    a thread: one sweep in time order with the operators still open on a stack)."""
     ops: dict[object, list[dict]] = defaultdict(list)
+    calls: dict[object, list[dict]] = defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op":
             ops[e.get("tid")].append(e)
-    for thread in ops.values():
-        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        elif e.get("cat") == "cuda_runtime" and (e.get("args") or {}).get("correlation") is not None:
+            calls[e.get("tid")].append(e)
     found: dict[int, str] = {}
-    for e in events:
-        corr = (e.get("args") or {}).get("correlation")
-        if e.get("cat") != "cuda_runtime" or corr is None:
-            continue
-        around = [op for op in ops.get(e.get("tid"), ()) if op["ts"] <= e["ts"] <= op["ts"] + op["dur"]]
-        around.sort(key=lambda op: op["ts"], reverse=True)  # the innermost (latest opened) first
-        found[corr] = " < ".join(op["name"] for op in around[:depth])
+    for tid, launches in calls.items():
+        opened = sorted(ops.get(tid, ()), key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        i = 0
+        for call in sorted(launches, key=lambda e: e["ts"]):
+            while i < len(opened) and opened[i]["ts"] <= call["ts"]:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < opened[i]["ts"]:
+                    stack.pop()
+                stack.append(opened[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < call["ts"]:
+                stack.pop()
+            found[call["args"]["correlation"]] = " < ".join(op["name"] for op in reversed(stack[-depth:]))
     return found
 
 

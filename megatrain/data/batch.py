@@ -61,16 +61,18 @@ class Batch:
     # Fields whose dim 1 is the sequence: context parallelism keeps this rank's positions of them.
     sequence_fields: ClassVar[tuple[str, ...]] = ()
 
+    def _map_tensors(self: B, fn: Any) -> B:
+        return replace(self, **{f.name: fn(v) for f in fields(self)
+                                if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
     def to(self: B, device: torch.device, non_blocking: bool = False) -> B:
-        return replace(self, **{f.name: v.to(device, non_blocking=non_blocking)
-                                for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self: B) -> B:
         """The batch with its tensors in page-locked memory: a DataLoader with ``pin_memory=True`` calls
         this for a type it does not know (without it the batch would stay in pageable memory, whose
         copies to the device the host stages itself)."""
-        return replace(self, **{f.name: v.pin_memory()
-                                for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+        return self._map_tensors(torch.Tensor.pin_memory)
 
     @classmethod
     def cat(cls: type[B], batches: list[B]) -> B:

@@ -96,6 +96,13 @@ def take_unwritten(main_grad: torch.Tensor) -> bool:
     return False
 
 
+def _unfilled(like: torch.Tensor) -> torch.Tensor:
+    """A staged buffer shaped as ``like`` that the first product written into it fills (no zeros first)."""
+    buffer = torch.empty_like(like)
+    _UNWRITTEN.add(buffer.data_ptr())
+    return buffer
+
+
 def _accumulate_wgrad(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
     """main_grad += grad_out^T @ inp in place (an opaque operator: the compiler keeps it as one
     matmul with beta = 1 instead of a matmul and a separate addition); main_grad = grad_out^T @ inp
@@ -334,31 +341,29 @@ class GradAccumulationFusion:
 
     def stage(self, hold_others: bool = False, fresh: bool = False) -> None:
         """Before a training micro-batch's forward. ``fresh``: the optimizer step's only micro-batch
-        (no gradients so far): nothing is staged, so every weight-gradient matmul writes a new float32
-        gradient (``wgrad_float32(None, ...)``) instead of adding into zero-filled buffers, which saves
-        one pass writing zeros over every fused weight's gradient and the matmuls' reads of them.
+        (no gradients so far): nothing is staged (but a tied embedding's weight: an unfilled buffer), so
+        every weight-gradient matmul writes a new float32 gradient (``wgrad_float32(None, ...)``)
+        instead of adding into zero-filled buffers, which saves one pass writing zeros over every fused
+        weight's gradient and the matmuls' reads of them.
         (Only for a single micro-batch: with several, the first one's graph would differ from the
         others' under torch.compile, which would compile the model twice.)"""
         ws = self._weights
         grads = [w.grad for w in ws]
         if fresh:
             assert all(g is None for g in grads), "fresh: the step's gradients must start empty"
-            if not self._companions:
-                self._set_main_grads(None)
-            else:  # a tied weight's two readers need one buffer: the output layer writes it, the embedding adds
-                _UNWRITTEN.clear()
-                staged: list[torch.Tensor | None] = [None] * len(ws)
-                for _, index in self._companions:
-                    if staged[index] is None and ws[index].requires_grad:  # (a frozen weight gets no gradient)
-                        staged[index] = torch.empty_like(ws[index])
-                        _UNWRITTEN.add(staged[index].data_ptr())
-                self._set_main_grads(staged)
+            _UNWRITTEN.clear()
+            staged: list[torch.Tensor | None] = [None] * len(ws)
+            # except a tied weight's (its two readers need one buffer: the output layer writes it, the
+            # embedding adds its rows); a frozen weight gets no gradient
+            for _, index in self._companions:
+                if staged[index] is None and ws[index].requires_grad:
+                    staged[index] = _unfilled(ws[index])
+            self._set_main_grads(staged)
             self._hold(hold_others)
             return
         _UNWRITTEN.clear()
         if all(g is None for g in grads):  # the step's first micro-batch: buffers the matmuls write
-            grads = [torch.empty_like(w) for w in ws]
-            _UNWRITTEN.update(g.data_ptr() for g in grads)
+            grads = [_unfilled(w) for w in ws]
         else:
             empty = [i for i, g in enumerate(grads) if g is None]
             if empty:  # some start from zeros (one multi-tensor fill)

@@ -127,9 +127,7 @@ class LlavaModel(nn.Module):
                        position_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`embed` of text whose image positions are already expanded (``image_mask`` [b, S]);
         what generation calls at the prefill."""
-        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
-        layout = ImageTokens(tokens=tokens, image_mask=image_mask, lengths=lengths)
-        return self.embed(layout, image_features, position_ids)
+        return self.embed(ImageTokens.laid_out(tokens, image_mask), image_features, position_ids)
 
     def text_only_term(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` of a batch without images, with the encoder and projector taking part in its graph
@@ -167,11 +165,8 @@ class LlavaModel(nn.Module):
         if images is not None and images.shape[0] == 0:  # a batch of text-only rows ([0, 3, H, W])
             images = None
         num_images = 0 if images is None else images.shape[0]
-        if image_mask is None:
-            layout = self.expand_tokens(tokens, num_images, labels=labels)
-        else:
-            layout = ImageTokens(tokens=tokens, image_mask=image_mask, lengths=image_mask.new_full(
-                (tokens.shape[0],), tokens.shape[1], dtype=torch.long), labels=labels)
+        layout = (self.expand_tokens(tokens, num_images, labels=labels) if image_mask is None
+                  else ImageTokens.laid_out(tokens, image_mask, labels))
         length = layout.tokens.shape[1]
         if position_ids is None:
             lm = self.config.language

@@ -30,6 +30,7 @@ import torch
 from megatrain.data.batch import Batch
 from megatrain.models.common.objective import Objective
 from megatrain.models.llava.config import LlavaConfig
+from megatrain.models.llava.stage import LlavaPipelineBatch, pipeline_batch
 from megatrain.models.llava.tokens import IGNORE_INDEX, expand_image_tokens
 
 __all__ = ["LlavaLaidOutBatch", "LlavaObjective", "PARALLEL_REFUSAL"]
@@ -66,8 +67,6 @@ class LlavaObjective(Objective):
 
     def host_batch(self, samples: Any) -> Any:
         if self.pipeline_length is not None:
-            from megatrain.models.llava.stage import pipeline_batch
-
             return pipeline_batch(samples, self.config, self.pipeline_length)
         cfg = self.config
         layout = expand_image_tokens(samples.tokens, samples.pixel_values.shape[0], image_token_id=cfg.image_token_id,
@@ -79,8 +78,6 @@ class LlavaObjective(Objective):
                                  segments=getattr(samples, "segments", None))
 
     def make_batch(self, samples: Any) -> Any:
-        from megatrain.models.llava.stage import LlavaPipelineBatch
-
         if isinstance(samples, (LlavaLaidOutBatch, LlavaPipelineBatch)):
             return samples
         return self.host_batch(samples)  # a caller that moved the loader's samples itself: laid out there

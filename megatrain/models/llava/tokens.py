@@ -36,6 +36,13 @@ class ImageTokens:
     labels: torch.Tensor | None = None  # [b, S], IGNORE_INDEX where there is nothing to predict
     loss_mask: torch.Tensor | None = None  # float [b, S]
 
+    @classmethod
+    def laid_out(cls, tokens: torch.Tensor, image_mask: torch.Tensor,
+                 labels: torch.Tensor | None = None) -> ImageTokens:
+        """Text whose image positions are expanded already (``image_mask`` [b, S]), every row S long."""
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return cls(tokens=tokens, image_mask=image_mask, lengths=lengths, labels=labels)
+
 
 def expand_image_tokens(tokens: torch.Tensor, num_images: int, *, image_token_id: int, tokens_per_image: int,
                         pad_token_id: int = 0, labels: torch.Tensor | None = None,
