@@ -33,6 +33,7 @@
 #   bash benchmarks/device_round.sh fp8-23     # nvidia-h200 or H100, ~9.5 min (carry .whl): fp8 CUDA tests; LLaMA bf16, fp8 tensorwise, delayed, delayed + fp8 output layer
 #   bash benchmarks/device_round.sh t5-gpt24   # nvidia-h200 or H100, ~9.5 min (carry .peers): T5 beside transformers (this session's defaults), GPT 1.7B at global batch 2 beside nanoGPT
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
+#   bash benchmarks/device_round.sh tail7      # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA-graph GPU tests; LLaMA bf16, fp8 delayed, delayed with the whole model compiled
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -314,15 +315,28 @@ PY
       --timeout $(((left - 10) / 2)) --budget $((left - 5)) --output "$OUT/peers.md" > /tmp/peers.log 2>&1
     tail -n 3 /tmp/t5.log /tmp/peers.log
     ;;
-  peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT
+  peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT, each process's compiled
+            # frames in compile_report.txt (benchmarks/compile_report: the start-ups piece by piece)
+    export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
       --budget 545 --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
     tail -5 "$OUT/peers.log"
+    ;;
+  tail7)  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA-graph GPU tests (the graphs keep autograd's path for
+          # the tied embedding), then LLaMA-1.2B at global batch 8 in bf16, fp8 delayed per layer and delayed with
+          # the whole model compiled
+    timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_fast_path_parity.py -k cuda_graphs \
+      > "$OUT/gpu_tests.txt" 2>&1
+    D="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+    left=$((590 - SECONDS))
+    timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $(((left - 10) / 3)) --extra "" --extra "$D" \
+      --extra "$D --torch-compile-scope model" --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
+    tail -n 3 /tmp/llama_fp8.log; tail -n 3 "$OUT/gpu_tests.txt"
     ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
