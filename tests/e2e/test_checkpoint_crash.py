@@ -94,6 +94,9 @@ def test_kill_9_of_one_rank_then_relaunch_reaches_the_same_loss(tmp_path):
     assert not [n for n in os.listdir(save) if n.endswith(".tmp")]
 
 
+# ~14 s; tests/faults/test_kill_during_save.py's SIGTERM case with --async-save (every iteration saved, so a
+# background write is under way) exits cleanly, leaves nothing half-written and resumes bit for bit
+@pytest.mark.long
 def test_sigterm_with_async_save_leaves_a_loadable_checkpoint(tmp_path):
     save = tmp_path / "ckpt"
     single = [a for a in ARGS if a != "cpu" and a != "--device"]

@@ -35,52 +35,78 @@ def _losses(stdout: str) -> dict[int, float]:
     return _logged(stdout, "lm loss")
 
 
-def test_megatron_checkpoint_continues_training(tmp_path):
-    env = cpu_env()
+def _megatrain_runs(tmp_path, env) -> tuple:
+    """A 3-iteration megatrain run saved at iteration 3, its resume to 6 without optimizer state (the losses a
+    --no-load-optim start must give) and its full resume (the schedule overridden as the Megatron starts are)."""
     first = tmp_path / "first"
     run_cmd([sys.executable, "pretrain_gpt.py", *MODEL, *RUN, "--train-iters", "3", "--save", str(first),
              "--save-interval", "3"], env=env)
     reference = run_cmd([sys.executable, "pretrain_gpt.py", *MODEL, *RUN, "--train-iters", "6", "--load", str(first),
                          "--no-load-optim", "--no-load-rng"], env=env)
-    want = _losses(reference.stdout)
-    assert sorted(want) == [4, 5, 6]
-    dist, legacy = tmp_path / "megatron_dist", tmp_path / "megatron_legacy"
-    base = [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", "--no-progress"]
-    run_cmd(base + ["--loader", "megatrain", "--saver", "mcore", "--load-dir", str(first), "--save-dir", str(dist)],
-            env=env)
-    run_cmd(base + ["--loader", "mcore", "--saver", "megatron", "--load-dir", str(dist), "--save-dir", str(legacy),
-                    "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"], env=env)
-    for source in (dist, legacy):
-        save = tmp_path / f"resumed_{source.name}"
-        proc = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--use-checkpoint-args", "--train-iters", "6",
-                        "--load", str(source), "--save", str(save), "--no-load-optim"], env=env)
-        got = _losses(proc.stdout)
-        assert got == want, (source.name, got, want)
-        assert "model flags from the Megatron-LM checkpoint" in proc.stdout + proc.stderr
-        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-    # Without --no-load-optim the LR schedule travels through common.pt's opt_param_scheduler and continues
-    # where it stopped (megatrain's full resume's rates), and Adam's moments travel in the torch_dist files.
+    assert sorted(_losses(reference.stdout)) == [4, 5, 6]
     # (--override-opt_param-scheduler: a 6-iteration run's decay length against the 3-iteration run's, as Megatron)
     full = run_cmd([sys.executable, "pretrain_gpt.py", *MODEL, *RUN, "--train-iters", "6", "--load", str(first),
                     "--no-load-rng", "--override-opt_param-scheduler"], env=env)
-    proc = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--use-checkpoint-args", "--train-iters", "6",
-                    "--load", str(dist), "--save", str(tmp_path / "resumed_schedule"),
-                    "--override-opt_param-scheduler"], env=env)
-    assert _logged(proc.stdout, "learning rate") == _logged(full.stdout, "learning rate")
-    assert _logged(proc.stdout, "learning rate") != _logged(reference.stdout, "learning rate")
+    return first, reference, full
+
+
+CONVERT = [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", "--no-progress"]
+
+
+def _resume(source, save, *extra: str, env):
+    return run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--use-checkpoint-args", "--train-iters", "6",
+                    "--load", str(source), "--save", str(save), *extra], env=env)
+
+
+def _assert_no_optim_resume(proc, reference, save) -> None:
+    assert _losses(proc.stdout) == _losses(reference.stdout)
+    assert "model flags from the Megatron-LM checkpoint" in proc.stdout + proc.stderr
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def _assert_full_resume(proc, full) -> None:
     assert _losses(proc.stdout) == _losses(full.stdout)
+    assert _logged(proc.stdout, "learning rate") == _logged(full.stdout, "learning rate")
     assert "optimizer starts fresh" not in proc.stdout + proc.stderr
-    # the legacy format with Adam's state (megatrain -> --saver megatron, TP=2 x PP=2): the same full resume
-    legacy_adam = tmp_path / "megatron_legacy_adam"
-    run_cmd(base + ["--loader", "megatrain", "--saver", "megatron", "--load-dir", str(first), "--save-dir",
-                    str(legacy_adam), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"],
+
+
+def test_megatron_checkpoint_continues_training(tmp_path):
+    """torch_dist (--saver mcore): --no-load-optim gives megatrain's resume without optimizer state; without it
+    the LR schedule travels through common.pt's opt_param_scheduler and continues where it stopped (megatrain's
+    full resume's rates), and Adam's moments travel in the torch_dist files (megatrain's full resume's losses)."""
+    env = cpu_env()
+    first, reference, full = _megatrain_runs(tmp_path, env)
+    dist = tmp_path / "megatron_dist"
+    run_cmd(CONVERT + ["--loader", "megatrain", "--saver", "mcore", "--load-dir", str(first), "--save-dir", str(dist)],
             env=env)
-    proc = run_cmd([sys.executable, "pretrain_gpt.py", *RUN, "--use-checkpoint-args", "--train-iters", "6",
-                    "--load", str(legacy_adam), "--save", str(tmp_path / "resumed_legacy_adam"),
-                    "--override-opt_param-scheduler"], env=env)
-    assert _losses(proc.stdout) == _losses(full.stdout)
-    assert _logged(proc.stdout, "learning rate") == _logged(full.stdout, "learning rate")
-    assert "optimizer starts fresh" not in proc.stdout + proc.stderr
+    save = tmp_path / "resumed_megatron_dist"
+    _assert_no_optim_resume(_resume(dist, save, "--no-load-optim", env=env), reference, save)
+    proc = _resume(dist, tmp_path / "resumed_schedule", "--override-opt_param-scheduler", env=env)
+    _assert_full_resume(proc, full)
+    assert _logged(proc.stdout, "learning rate") != _logged(reference.stdout, "learning rate")
+
+
+@pytest.mark.long  # ~20 s; the start converts either format with import_megatron, whose reading of legacy files
+# (TP=2 x PP=2, with Adam's state by index) is unit tests (test_megatron_ckpt.py, test_megatron_legacy_optim.py)
+def test_megatron_legacy_checkpoint_continues_training(tmp_path):
+    """The legacy torch format (TP=2 x PP=2): converted from torch_dist by the mcore loader (no optimizer state),
+    the losses of megatrain's resume without optimizer state; written by --saver megatron with Adam's state (by
+    parameter index in each rank file), those of megatrain's full resume."""
+    env = cpu_env()
+    first, reference, full = _megatrain_runs(tmp_path, env)
+    dist, legacy = tmp_path / "megatron_dist", tmp_path / "megatron_legacy"
+    layout = ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
+    run_cmd(CONVERT + ["--loader", "megatrain", "--saver", "mcore", "--load-dir", str(first), "--save-dir", str(dist)],
+            env=env)
+    run_cmd(CONVERT + ["--loader", "mcore", "--saver", "megatron", "--load-dir", str(dist), "--save-dir", str(legacy),
+                       *layout], env=env)
+    save = tmp_path / "resumed_megatron_legacy"
+    _assert_no_optim_resume(_resume(legacy, save, "--no-load-optim", env=env), reference, save)
+    legacy_adam = tmp_path / "megatron_legacy_adam"
+    run_cmd(CONVERT + ["--loader", "megatrain", "--saver", "megatron", "--load-dir", str(first), "--save-dir",
+                       str(legacy_adam), *layout], env=env)
+    _assert_full_resume(_resume(legacy_adam, tmp_path / "resumed_legacy_adam", "--override-opt_param-scheduler",
+                                env=env), full)
 
 
 @pytest.mark.long  # ~22 s; the scaler's round trips are unit tests (test_megatron_legacy_optim.py)

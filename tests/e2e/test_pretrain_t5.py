@@ -88,6 +88,10 @@ def test_tensorboard_has_the_losses(tp2_run):
     assert "lm loss" in tags and any("lm loss" in t and "validation" in t for t in tags), sorted(tags)
 
 
+# ~18 s (as BERT's in test_pretrain_bert.py): a TP=2 checkpoint of the real trainer resuming exactly is
+# tests/distributed/test_t5_layouts.py's tp2_saves_after_2 -> resume_dp2_zero1, and --load continuing a T5 run
+# exactly test_t5_finetune.py's
+@pytest.mark.long
 def test_the_checkpoint_resumes_exactly(tp2_run, tmp_path):
     from megatrain import checkpoint as checkpointing
 

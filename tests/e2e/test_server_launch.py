@@ -60,7 +60,10 @@ MEGATRON_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-h
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frontend", [[], ["--frontend-process"]], ids=["one_process", "frontend_process"])
+# --frontend-process under TP=2 is `long` (~14 s): the TP=2 server is the one_process case's, the front end's
+# child process test_frontend_process_server_answers_and_stops_with_its_parent's
+@pytest.mark.parametrize("frontend", [[], pytest.param(["--frontend-process"], marks=pytest.mark.long)],
+                         ids=["one_process", "frontend_process"])
 def test_tensor_parallel_server_answers_as_one_process(ckpt, frontend):
     """torchrun TP=2 answers as one process, also with ``--frontend-process`` (rank 0's engine behind the
     child's HTTP app, the other rank following); a registered call (beam search) runs on both ranks."""

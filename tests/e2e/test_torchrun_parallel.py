@@ -41,6 +41,7 @@ def single_process():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~30 s: TP=2 x DP=2 under torchrun is the two-node test's below, the tiny corpus test_pretrain.py's
 def test_torchrun_tp2_dp2_on_the_tiny_corpus_matches_one_process(tiny_corpus):
     """TP=2 x DP=2 on real preprocessed data (BPE-tokenized stdlib sources) against one process."""
     mock = ARGS.index("--mock-data")

@@ -420,6 +420,7 @@ def check_export_cli(ckpt: Path, tmp_path: Path, model: BertModel) -> None:
     assert checkpointing.checkpoint_family(meta) == "bert"
 
 
+@pytest.mark.long  # ~14 s: the same command lines run on pretrain_bert.py's checkpoint below
 def test_command_lines_on_a_saved_checkpoint(tmp_path):
     model = random_model("binary_exact")
     vocab = write_vocab(tmp_path / "vocab.txt")

@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+# ~9 s alone, ~32 s beside another worker (six variants, each compiled): a benchmark's tool, like the fp8 loss-curve
+# and throughput tables' tests; the bias gradient's maths is tests/unit/test_bias_gradient.py's
+@pytest.mark.long
 def test_tiny_cpu_run_prints_a_row_per_variant(tmp_path):
     out = tmp_path / "t5_attention.md"
     variants = ["sdpa-bias", "sdpa-bias-shared", "sdpa-bias-per-layer", "sdpa-bias-tap", "sdpa-bias-frozen", "sdpa-pad"]
