@@ -337,10 +337,11 @@ PY
   combo7)  # nvidia-h200 or H100, ~9.8 min (carry .peers): the two GPT 1.7B rows beside nanoGPT (compile report as
            # peers21), then LLaVA beside transformers (fewer iterations than vlm-20: a session short of device time)
     export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
-    timeout 290 python benchmarks/peers.py --rows 1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 140 --budget 270 \
-      --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
+    end=${ROUND_S:-590}  # the call's seconds: the 1.7B rows get half (at least 270 s at the full 590)
+    timeout $((end / 2)) python benchmarks/peers.py --rows 1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 140 \
+      --budget $((end / 2 - 20)) --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
     unset COMPILE_REPORT
-    left=$((588 - SECONDS))
+    left=$((end - 2 - SECONDS))
     timeout $left python benchmarks/vlm_speed.py --iters 10 --warmup 6 --timeout $(((left - 4) / 2)) \
       --output "$OUT/vlm.md" > "$OUT/vlm.log" 2>&1
     tail -n 4 "$OUT"/*.log
