@@ -35,6 +35,7 @@
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
 #   bash benchmarks/device_round.sh tail7      # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA-graph GPU tests; LLaMA bf16, fp8 delayed, delayed with the whole model compiled
 #   bash benchmarks/device_round.sh combo7     # nvidia-h200 or H100, ~9.8 min (carry .peers): GPT 1.7B rows beside nanoGPT (compile report), LLaVA beside transformers
+#   bash benchmarks/device_round.sh gpt17-7    # nvidia-h200 or H100, ROUND_S s (carry .peers): GPT 1.7B rows beside nanoGPT (compile report)
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -346,10 +347,18 @@ PY
       --output "$OUT/vlm.md" > "$OUT/vlm.log" 2>&1
     tail -n 4 "$OUT"/*.log
     ;;
+  gpt17-7)  # nvidia-h200 or H100, ROUND_S (default 590) s (carry .peers): the two GPT 1.7B rows beside nanoGPT with
+            # the compile report (combo7's first half, for a call shorter than combo7's)
+    export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
+    end=${ROUND_S:-590}
+    timeout $((end - 5)) python benchmarks/peers.py --rows 1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 140 \
+      --budget $((end - 150)) --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
+    tail -n 4 "$OUT"/*.log
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7|combo7]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7|combo7|gpt17-7]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
