@@ -31,7 +31,9 @@ def _report() -> None:
                     f"frame {g('entire_frame_compile_time_s'):6.2f} aot {g('backend_compile_time_s'):6.2f} "
                     f"inductor {g('inductor_compile_time_s'):6.2f} triton {g('triton_compile_time_us') / 1e6:6.2f}"
                     + (f" | FAILED {g('fail_reason')}" if g("fail_reason") else ""))
-    rows.append(f"# compiled frames: {len(rows) - 1}, {total:.1f} s wall in compilation")
+    frames = sum(1 for m in utils.get_compilation_metrics() if getattr(m, "co_name", None))
+    rows.append(f"# compiled frames: {frames} ({len(rows) - 1} lines with their backward passes), "
+                f"{total:.1f} s wall in compilation")
     with open(_PATH, "a") as f:
         f.write("\n".join(rows) + "\n\n")
 
