@@ -36,6 +36,7 @@
 #   bash benchmarks/device_round.sh tail7      # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA-graph GPU tests; LLaMA bf16, fp8 delayed, delayed with the whole model compiled
 #   bash benchmarks/device_round.sh combo7     # nvidia-h200 or H100, ~9.8 min (carry .peers): GPT 1.7B rows beside nanoGPT (compile report), LLaVA beside transformers
 #   bash benchmarks/device_round.sh gpt17-7    # nvidia-h200 or H100, ROUND_S s (carry .peers): GPT 1.7B rows beside nanoGPT (compile report)
+#   bash benchmarks/device_round.sh graphs7    # nvidia-h200 or H100, ~6 min: the CUDA-graph GPU tests (e2e and unit) with their whole output
 #   bash benchmarks/device_round.sh gpu-tests  # nvidia-h200-x2, ~6 min: `pytest -m gpu`, one-GPU set on GPU 1, then the two-GPU set (carry .whl)
 set -u
 OUT=${OUT:-bench_out}
@@ -355,10 +356,18 @@ PY
       --budget $((end - 150)) --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
     tail -n 4 "$OUT"/*.log
     ;;
+  graphs7)  # nvidia-h200 or H100, ~6 min: the CUDA-graph GPU tests with their whole output (two failed on
+            # 2026-12-07 with it lost), then the CUDA-graph unit tests
+    timeout 420 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/e2e/test_fast_path_parity.py \
+      -k cuda_graphs > "$OUT/graphs.txt" 2>&1
+    timeout 120 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/unit/test_cuda_graph.py \
+      > "$OUT/graphs_unit.txt" 2>&1
+    tail -n 5 "$OUT"/graphs*.txt
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7|combo7|gpt17-7]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7|combo7|gpt17-7|graphs7]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null
