@@ -17,8 +17,8 @@ _PATH = os.environ.get("COMPILE_REPORT")
 
 def _report() -> None:
     utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None or not _PATH:
-        return
+    if utils is None or not _PATH or not utils.get_compilation_metrics():
+        return  # (inductor's compile workers inherit the variable and compile no frame)
     rows = [f"# {' '.join(sys.argv)[:200]} (pid {os.getpid()}, exit at {time.time() - _START:.1f} s)"]
     total = 0.0
     for m in utils.get_compilation_metrics():
