@@ -78,16 +78,27 @@ def _rows_into_staged(ids: torch.Tensor, weight: torch.Tensor, staged: torch.Ten
     return _RowsIntoStagedFn.apply(ids, weight, staged)
 
 
+@torch.compiler.disable  # the same compiled regions as _rows_into_staged's (see FusedGradEmbedding.forward)
+def _lookup_outside_compile(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight)
+
+
 class FusedGradEmbedding(nn.Embedding):
     """``nn.Embedding`` whose weight-gradient rows go into ``main_grad_in`` while the fusion stages
-    it (a training micro-batch); a plain embedding otherwise. Made by :func:`convert_tied_embeddings`."""
+    it (a training micro-batch); a plain embedding otherwise. Made by :func:`convert_tied_embeddings`.
+
+    With gradients on and nothing staged (the fusion detached it: CUDA-graph recording) the lookup
+    still runs outside a whole-model compile, so the compiled regions, and with them the forward's
+    rounding, are those of the staged path: a run with CUDA graphs computes what one without computes."""
 
     main_grad_in: torch.Tensor | None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        staged = self.main_grad_in
-        if staged is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return F.embedding(ids, self.weight)
+        staged = self.main_grad_in
+        if staged is None:
+            return _lookup_outside_compile(ids, self.weight)
         return _rows_into_staged(ids, self.weight, staged)
 
 

@@ -83,3 +83,34 @@ def test_a_gpt_under_the_fusion_gets_autograds_gradients(compiled):
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6 * ref[name].abs().max().item(),
                                        msg=f"step {step}: {name}")
+
+
+def test_a_detached_embedding_keeps_the_staged_paths_compiled_regions():
+    """CUDA-graph recording detaches the tied embedding (autograd's dense gradient); under a whole-model
+    compile its lookup still runs outside the compiled regions, so the graphs (and the forward's rounding)
+    are those of a run without CUDA graphs, and the losses the same bits."""
+    torch.manual_seed(0)
+    base = GPTModel(GPTConfig(**GPT))
+    t = torch.randint(0, 96, (2, 16))
+    results = []
+    for detach in (False, True):
+        m = copy.deepcopy(base)
+        m.loss_head = ChunkedCrossEntropy(8)
+        linears = convert_linears(x for layer in m.layers.values() for x in layer.modules())
+        fusion = GradAccumulationFusion(linears, torch.float32, [(m.loss_head, m.output_weight())],
+                                        embeddings=convert_tied_embeddings(m, m.output_weight()))
+        if detach:
+            fusion.detach_embeddings()
+        fusion.refresh()
+        fusion.stage()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(m)(t, labels=t.roll(-1, 1))
+        fusion.release()
+        fusion.stage()
+        loss = torch.compile(m)(t, labels=t.roll(-1, 1)).mean()
+        fusion.release()
+        loss.backward()
+        results.append((explained.graph_count, explained.graph_break_count, loss.detach()))
+    (graphs, breaks, staged_loss), (graphs_d, breaks_d, detached_loss) = results
+    assert breaks >= 1 and (graphs_d, breaks_d) == (graphs, breaks)
+    assert torch.equal(detached_loss, staged_loss)
