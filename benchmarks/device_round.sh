@@ -33,7 +33,7 @@
 #   bash benchmarks/device_round.sh fp8-23     # nvidia-h200 or H100, ~9.5 min (carry .whl): fp8 CUDA tests; LLaMA bf16, fp8 tensorwise, delayed, delayed + fp8 output layer
 #   bash benchmarks/device_round.sh t5-gpt24   # nvidia-h200 or H100, ~9.5 min (carry .peers): T5 beside transformers (this session's defaults), GPT 1.7B at global batch 2 beside nanoGPT
 #   bash benchmarks/device_round.sh peers21    # nvidia-h200 or H100, ~9.5 min (carry .peers .whl_titan): the four GPT rows beside nanoGPT
-#   bash benchmarks/device_round.sh tail7      # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA-graph GPU tests; LLaMA bf16, fp8 delayed, delayed with the whole model compiled
+#   bash benchmarks/device_round.sh tail7      # nvidia-h200 or H100, ~9.5 min (carry .whl): LLaMA bf16, fp8 delayed, delayed with the whole model compiled
 #   bash benchmarks/device_round.sh combo7     # nvidia-h200 or H100, ~9.8 min (carry .peers): GPT 1.7B rows beside nanoGPT (compile report), LLaVA beside transformers
 #   bash benchmarks/device_round.sh gpt17-7    # nvidia-h200 or H100, ROUND_S s (carry .peers): GPT 1.7B rows beside nanoGPT (compile report)
 #   bash benchmarks/device_round.sh graphs7    # nvidia-h200 or H100, ~6 min: the CUDA-graph GPU tests (e2e and unit) with their whole output
@@ -55,6 +55,9 @@ profile() {  # profile SHAPE LIMIT_S [extra flags [tag]]: the kernel and idle ta
   local name="$1${4:+_$4}"
   timeout "$2" python benchmarks/profile_step.py --warmup 4 --steps 3 --top 40 --shape "$1" --out "/tmp/prof_$name" \
     ${3:+--extra "$3"} && cp "/tmp/prof_$name/kernels.txt" "$OUT/prof_${name}_kernels.txt"
+}
+compile_report_on() {  # every later process appends its compiled frames to $OUT/compile_report.txt
+  export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
 }
 one_gpu_tests() { timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests_one_gpu.txt" 2>&1; }
 two_gpu_tests() {
@@ -320,25 +323,22 @@ PY
     ;;
   peers21)  # nvidia-h200 or H100, ~8 min (carry .peers): the four GPT rows beside nanoGPT, each process's compiled
             # frames in compile_report.txt (benchmarks/compile_report: the start-ups piece by piece)
-    export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
+    compile_report_on
     timeout 590 python benchmarks/peers.py --rows gpt2-16,gpt2-64,1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 150 \
       --budget 545 --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
     tail -5 "$OUT/peers.log"
     ;;
-  tail7)  # nvidia-h200 or H100, ~9.5 min (carry .whl): the CUDA-graph GPU tests (the graphs keep autograd's path for
-          # the tied embedding), then LLaMA-1.2B at global batch 8 in bf16, fp8 delayed per layer and delayed with
-          # the whole model compiled
-    timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_fast_path_parity.py -k cuda_graphs \
-      > "$OUT/gpu_tests.txt" 2>&1
+  tail7)  # nvidia-h200 or H100, ~9.5 min (carry .whl): LLaMA-1.2B at global batch 8 in bf16, fp8 delayed per layer
+          # and delayed with the whole model compiled (the CUDA-graph tests: graphs7)
     D="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
     left=$((590 - SECONDS))
     timeout $left $B llama-1.2b --iters 10 --warmup 4 --timeout $(((left - 10) / 3)) --extra "" --extra "$D" \
       --extra "$D --torch-compile-scope model" --output "$OUT/llama_fp8.md" > /tmp/llama_fp8.log 2>&1
-    tail -n 3 /tmp/llama_fp8.log; tail -n 3 "$OUT/gpu_tests.txt"
+    tail -n 3 /tmp/llama_fp8.log
     ;;
   combo7)  # nvidia-h200 or H100, ~9.8 min (carry .peers): the two GPT 1.7B rows beside nanoGPT (compile report as
            # peers21), then LLaVA beside transformers (fewer iterations than vlm-20: a session short of device time)
-    export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
+    compile_report_on
     end=${ROUND_S:-590}  # the call's seconds: the 1.7B rows get half (at least 270 s at the full 590)
     timeout $((end / 2)) python benchmarks/peers.py --rows 1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 140 \
       --budget $((end / 2 - 20)) --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1
@@ -350,7 +350,7 @@ PY
     ;;
   gpt17-7)  # nvidia-h200 or H100, ROUND_S (default 590) s (carry .peers): the two GPT 1.7B rows beside nanoGPT with
             # the compile report (combo7's first half, for a call shorter than combo7's)
-    export COMPILE_REPORT="$OUT/compile_report.txt" PYTHONPATH="$PWD/benchmarks/compile_report${PYTHONPATH:+:$PYTHONPATH}"
+    compile_report_on
     end=${ROUND_S:-590}
     timeout $((end - 5)) python benchmarks/peers.py --rows 1.7b-2,1.7b-8 --iters 10 --warmup 4 --timeout 140 \
       --budget $((end - 150)) --output "$OUT/peers.md" > "$OUT/peers.log" 2>&1

@@ -17,11 +17,12 @@ _PATH = os.environ.get("COMPILE_REPORT")
 
 def _report() -> None:
     utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None or not _PATH or not utils.get_compilation_metrics():
+    metrics = utils.get_compilation_metrics() if utils is not None and _PATH else []
+    if not metrics:
         return  # (inductor's compile workers inherit the variable and compile no frame)
     rows = [f"# {' '.join(sys.argv)[:200]} (pid {os.getpid()}, exit at {time.time() - _START:.1f} s)"]
     total = 0.0
-    for m in utils.get_compilation_metrics():
+    for m in metrics:
         g = lambda k: getattr(m, k, None) or 0  # noqa: E731 (fields differ between torch versions)
         begin = (g("start_time_us") / 1e6 or g("start_time")) - _START
         end = g("end_time_us") / 1e6 - _START if g("end_time_us") else begin
@@ -31,7 +32,7 @@ def _report() -> None:
                     f"frame {g('entire_frame_compile_time_s'):6.2f} aot {g('backend_compile_time_s'):6.2f} "
                     f"inductor {g('inductor_compile_time_s'):6.2f} triton {g('triton_compile_time_us') / 1e6:6.2f}"
                     + (f" | FAILED {g('fail_reason')}" if g("fail_reason") else ""))
-    frames = sum(1 for m in utils.get_compilation_metrics() if getattr(m, "co_name", None))
+    frames = sum(1 for m in metrics if getattr(m, "co_name", None))
     rows.append(f"# compiled frames: {frames} ({len(rows) - 1} lines with their backward passes), "
                 f"{total:.1f} s wall in compilation")
     with open(_PATH, "a") as f:
