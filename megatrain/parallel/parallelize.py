@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from megatrain.host_threads import host_threads
-from megatrain.models.common.init import canonical_parameter_name
+from megatrain.models.common.init import canonical_parameter_name, drawing_on
 from megatrain.models.common.layer_stacks import transformer_layers
 from megatrain.models.registry import ModelFamily, family_of_config
 from megatrain.runtime.attention_backends import warn_if_attention_falls_back
@@ -81,6 +81,8 @@ class ParallelizeConfig:
     # applies (--bf16/--fp16 without FSDP2, TP, PP, fp8 or full recompute); False: off
     # (--no-gradient-accumulation-fusion); True: also with float32 compute (tests)
     grad_accumulation_fusion: bool | None = None
+    # --use-cpu-initialization: initial values drawn on the CPU (its generator's values) where the model is on a GPU
+    cpu_initialization: bool = False
 
     def __post_init__(self) -> None:
         if self.compile_scope not in ("auto", "layer", "model"):
@@ -180,7 +182,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     keep_unsharded = apply_fsdp(model, dims.replica_mesh(), cfg.data_parallel, expert_mesh) if fsdp else False
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
-    init_parameters(model, config, seed, family.initial_value)
+    init_parameters(model, config, seed, family.initial_value, on_cpu=cfg.cpu_initialization)
     fusion = None
     if fusion_applies:
         fp8_linears = []
@@ -257,15 +259,30 @@ def _in_order(fn: Callable[[Any], torch.Tensor], items: list, workers: int, nbyt
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, config: Any, seed: int,
-                    initial_value: Callable[..., torch.Tensor] | None = None, workers: int | None = None) -> None:
+                    initial_value: Callable[..., torch.Tensor] | None = None, workers: int | None = None,
+                    on_cpu: bool = False) -> None:
     """Fill every parameter (plain or DTensor) with its shard of ``initial_value(name, full shape)``
-    (default: the family of ``config``'s rules). Each value comes from its own seeded generator, so
-    ``workers`` threads (default: this process's share of the usable cores, at most 16) draw them at once
-    with the same result (at most 2 GiB of drawn values waiting for their copy), the largest first (one tensor
-    is one generator's stream: the embedding and output layer bound the time). Each thread fills the plain
-    parameters it drew; DTensor shards are cut and filled on this thread (the same order on every rank)."""
+    (default: the family of ``config``'s rules). Each value comes from its own seeded generator.
+
+    Parameters on a CUDA device get values drawn there (:func:`~megatrain.models.common.init.drawing_on`:
+    no host drawing, no host-to-device copy of the model), one after another; ``on_cpu``
+    (``--use-cpu-initialization``) draws them on the CPU instead. On the CPU ``workers`` threads (default:
+    this process's share of the usable cores, at most 16) draw them at once with the same result (at most
+    2 GiB of drawn values waiting for their copy), the largest first (one tensor is one generator's stream:
+    the embedding and output layer bound the time). Each thread fills the plain parameters it drew; DTensor
+    shards are cut and filled on this thread (the same order on every rank)."""
     initial_value = initial_value or family_of_config(config).initial_value
     named = sorted(model.named_parameters(), key=lambda item: -item[1].numel())  # stable: ties in model order
+    device = _local(named[0][1]).device if named else torch.device("cpu")
+    if device.type == "cuda" and not on_cpu:
+        with drawing_on(device):
+            for name, param in named:
+                full = initial_value(canonical_parameter_name(name), param.shape, config, seed)
+                if isinstance(param, DTensor):
+                    _local(param).copy_(_local_shard(full.to(dtype=param.dtype), param))
+                else:
+                    param.copy_(full)
+        return
 
     def draw(item: tuple[str, torch.Tensor]) -> torch.Tensor | None:
         name, param = item
@@ -285,6 +302,10 @@ def init_parameters(model: nn.Module, config: Any, seed: int,
             local = param.to_local()
             shard = _local_shard(full.to(device=local.device, dtype=local.dtype), param)
             local.copy_(shard)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _local_shard(full: torch.Tensor, like: DTensor) -> torch.Tensor:

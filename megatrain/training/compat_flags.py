@@ -112,7 +112,6 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
 
 # Megatron flags that megatrain knows but does not implement; they are refused with this reason.
 UNSUPPORTED_FLAGS: dict[str, str] = {
-    "--use-cpu-initialization": None,
     "--spec": "custom layer specs are not supported; the model shape is given by flags",
     "--yaml-cfg": "use --config run.yaml",
     "--retro-project-dir": "RETRO is not supported",

@@ -46,6 +46,10 @@ def add_loop_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--data-parallel-random-init", action="store_true",
                    help="initialise each data-parallel replica with a different seed (Megatron's option)")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="draw the initial weights on the CPU when training on a GPU (by default they are drawn on "
+                        "the GPU: a faster start; the values differ, and both are the same under every parallel "
+                        "layout)")
 
 
 def add_housekeeping_flags(parser: argparse.ArgumentParser) -> None:

@@ -103,7 +103,8 @@ def _parallelize_config(args: argparse.Namespace, precision: Precision) -> Paral
         grad_accumulation_fusion=False if args.no_gradient_accumulation_fusion else None,
         fp8_fused=fp8_backend_from_env() == "fused", fp8_output_layer=fp8_output_layer_from_env(),
         fp8_recipe=Fp8Recipe(args.fp8_recipe == "delayed", args.fp8_margin, args.fp8_amax_history_len,
-                             args.fp8_amax_compute_algo))
+                             args.fp8_amax_compute_algo),
+        cpu_initialization=args.use_cpu_initialization)
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:

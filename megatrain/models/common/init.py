@@ -4,19 +4,25 @@ starts from exactly the same weights as one built whole on one device.
 
 A family states its rules as module names (which weights get ``N(0, std)``, which write into the
 residual stream and get ``N(0, std / sqrt(2 L))``) and calls :func:`megatron_initial_value`.
+
+Values are drawn on the CPU (mt19937), or, inside :func:`drawing_on` a CUDA device, by that device's
+generator (Philox), which is what training on a GPU does by default: no host drawing and no copy of the
+whole model to the GPU at start-up (``--use-cpu-initialization`` keeps the CPU's values). Both are
+layout-independent; the two devices' values differ.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from megatrain.models.common.config import TransformerConfig
 
-__all__ = ["canonical_parameter_name", "seeded_normal", "megatron_initial_value", "RESIDUAL_PROJECTIONS"]
+__all__ = ["canonical_parameter_name", "drawing_on", "seeded_normal", "megatron_initial_value", "RESIDUAL_PROJECTIONS"]
 
 # Path parts that wrappers insert (torch.compile, activation checkpointing, DDP/FSDP1); dropping
 # them gives every parameter the same canonical name whatever wraps it.
@@ -30,18 +36,36 @@ def canonical_parameter_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
+# Where initial values are drawn (set by drawing_on; read by the drawing threads of init_parameters).
+_DRAW_DEVICE = [torch.device("cpu")]
+
+
+@contextmanager
+def drawing_on(device: torch.device | str) -> Iterator[None]:
+    """Draw the initial values (:func:`seeded_normal`, and the constant ones) on ``device`` inside the block."""
+    before = _DRAW_DEVICE[0]
+    _DRAW_DEVICE[0] = torch.device(device)
+    try:
+        yield
+    finally:
+        _DRAW_DEVICE[0] = before
+
+
 def seeded_normal(canonical: str, shape: Sequence[int], std: float, seed: int) -> torch.Tensor:
-    """``N(0, std)`` float32 CPU values from a generator seeded by (seed, crc32 of the name)."""
+    """``N(0, std)`` float32 values from a generator seeded by (seed, crc32 of the name), on the CPU or on
+    the device of :func:`drawing_on`."""
     # The CPU generator (mt19937) keeps only 32 bits of its seed, so hash seed and name together.
-    generator = torch.Generator(device="cpu")
+    device = _DRAW_DEVICE[0]
+    generator = torch.Generator(device=device)
     generator.manual_seed(zlib.crc32(f"{seed}:{canonical}".encode("utf-8")))
-    return torch.empty(tuple(shape), device="cpu").normal_(mean=0.0, std=std, generator=generator)
+    return torch.empty(tuple(shape), device=device).normal_(mean=0.0, std=std, generator=generator)
 
 
 def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerConfig, seed: int, *,
                            std_weights: Collection[str],
                            scaled_weights: Collection[str] = RESIDUAL_PROJECTIONS) -> torch.Tensor:
-    """The initial value of parameter ``name`` as a float32 CPU tensor of ``shape``.
+    """The initial value of parameter ``name`` as a float32 tensor of ``shape`` (on the CPU, or on the
+    device of :func:`drawing_on`).
 
     Megatron's scheme: weights of the modules in ``std_weights`` ~ N(0, std); those in
     ``scaled_weights`` (the projections that add into the residual stream) ~ N(0, std / sqrt(2 L));
@@ -59,10 +83,10 @@ def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerC
 
     if module.endswith("layernorm"):
         if leaf == "weight" and not config.apply_layernorm_1p:  # 1p: the zero weight means a scale of 1
-            return torch.ones(shape, device="cpu")
-        return torch.zeros(shape, device="cpu")
+            return torch.ones(shape, device=_DRAW_DEVICE[0])
+        return torch.zeros(shape, device=_DRAW_DEVICE[0])
     if leaf == "bias":
-        return torch.zeros(shape, device="cpu")
+        return torch.zeros(shape, device=_DRAW_DEVICE[0])
     if leaf != "weight":
         if leaf in std_weights:  # a parameter named for itself (a MoE layer's shared_experts.gate_weight)
             return seeded_normal(canonical, shape, config.init_method_std, seed)
