@@ -361,7 +361,7 @@ PY
     timeout 420 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/e2e/test_fast_path_parity.py \
       -k cuda_graphs > "$OUT/graphs.txt" 2>&1
     timeout 120 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/unit/test_cuda_graph.py \
-      > "$OUT/graphs_unit.txt" 2>&1
+      tests/unit/test_initial_value_device.py > "$OUT/graphs_unit.txt" 2>&1
     tail -n 5 "$OUT"/graphs*.txt
     ;;
   gpu-tests)
