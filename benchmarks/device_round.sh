@@ -364,10 +364,22 @@ PY
       tests/unit/test_initial_value_device.py > "$OUT/graphs_unit.txt" 2>&1
     tail -n 5 "$OUT"/graphs*.txt
     ;;
+  why8)  # nvidia-h200 or H100, ~4 min (carry .peers): GPT 1.7B at global batch 8, both sides' kernel tables (the
+          # row short of 1.10x), and one profiled step's trace: what queues the memsets the device waits before
+    timeout 200 python benchmarks/profile_step.py --shape 1.7b --extra "--global-batch-size 8" --steps 1 --top 30 \
+      --trace --out /tmp/mt > "$OUT/megatrain.log" 2>&1
+    cp /tmp/mt/kernels.txt "$OUT/megatrain_kernels.txt"
+    timeout 120 python benchmarks/trace_kernels.py /tmp/mt/trace.json.gz --top 30 --before "Memset" \
+      --output "$OUT/megatrain_trace.txt" > /dev/null 2>&1
+    timeout 200 python benchmarks/profile_peer.py 24 2048 16 4096 131072 2 4 --top 30 --out /tmp/peer \
+      > "$OUT/peer.log" 2>&1
+    cp /tmp/peer/kernels.txt "$OUT/nanogpt_kernels.txt"
+    tail -n 3 "$OUT"/*.log
+    ;;
   gpu-tests)
     (export CUDA_VISIBLE_DEVICES=1; one_gpu_tests)
     two_gpu_tests
     ;;
-  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7|combo7|gpt17-7|graphs7]" >&2; exit 2 ;;
+  *) echo "usage: $0 [table|profiles|fp8|tp|graphs|graph-profiles|final6|trust7|seam16|gpu-tests|two-gpu-tests|close6|t5-18|t5-lse|fp8-21|fp8-fused|fp8-delayed|fp8-head|vlm-20|llama21|llama22|t5-22|t5-llama23|fp8-23|t5-gpt24|peers21|tail7|combo7|gpt17-7|graphs7|why8]" >&2; exit 2 ;;
 esac
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null

@@ -11,6 +11,10 @@ GPU worked (the rest: it waited for the host, or for a synchronisation); then wh
 of 5 us or more filed under the kernel that ended it and the host operator that queued that kernel
 (the trace's runtime launch with the kernel's correlation id, inside the innermost ``cpu_op`` of its
 thread), as ``profile_step.py``'s idle table.
+
+``--before REGEX`` adds, for the device events whose name matches (e.g. ``Memset``), what came just before
+each on its stream and how long the device waited, grouped by the host operators that queued it (six deep,
+without the profiler's "Command Buffer Full" markers) and the event before: where such events come from.
 """
 
 from __future__ import annotations
@@ -40,14 +44,14 @@ def device_events(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
 
 
-def launchers(events: list[dict], depth: int = 2) -> dict[int, str]:
+def launchers(events: list[dict], depth: int = 2, skip: tuple[str, ...] = ()) -> dict[int, str]:
     """Correlation id -> the host operators around the runtime call that launched it (innermost first,
     ``depth`` of them, joined by " < "), from the ``cpu_op`` events of the launching thread (nested on
     a thread: one sweep in time order with the operators still open on a stack)."""
     ops: dict[object, list[dict]] = defaultdict(list)
     calls: dict[object, list[dict]] = defaultdict(list)
     for e in events:
-        if e.get("cat") == "cpu_op":
+        if e.get("cat") == "cpu_op" and e.get("name") not in skip:
             ops[e.get("tid")].append(e)
         elif e.get("cat") == "cuda_runtime" and (e.get("args") or {}).get("correlation") is not None:
             calls[e.get("tid")].append(e)
@@ -76,6 +80,34 @@ def gap_lines(events: list[dict], iterations: int, top: int) -> list[str]:
                         launched.get((e.get("args") or {}).get("correlation"), ""))
                        for e in device_events(events))
     return render_gaps(idle_gaps(intervals), iterations, top).splitlines()
+
+
+def before_lines(events: list[dict], pattern: str, iterations: int, top: int) -> list[str]:
+    """For each device event whose name matches ``pattern``: the event before it on its stream and the gap,
+    grouped by the host operators that queued it and that previous event (module doc, ``--before``)."""
+    import re
+
+    launched = launchers(events, depth=6, skip=("Command Buffer Full",))
+    wanted = re.compile(pattern)
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    by_stream: dict[object, list[dict]] = defaultdict(list)
+    for e in device_events(events):
+        by_stream[(e.get("args") or {}).get("stream", e.get("tid"))].append(e)
+    for stream_events in by_stream.values():
+        stream_events.sort(key=lambda e: e["ts"])
+        for prev, e in zip([None, *stream_events], stream_events):
+            if not wanted.search(e["name"]):
+                continue
+            gap = 0.0 if prev is None else max(0.0, e["ts"] - (prev["ts"] + prev["dur"]))
+            host = launched.get((e.get("args") or {}).get("correlation"), "") or "?"
+            groups[(host, "-" if prev is None else prev["name"][:60])].append(gap)
+    lines = ["", f"device events matching {pattern!r}: what queued them and what ran before, per iteration",
+             "| calls/iter | gap us/iter | mean gap us | queued by (innermost first) | before it on its stream |",
+             "|---:|---:|---:|---|---|"]
+    for (host, prev), gaps in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"| {len(gaps) / iterations:g} | {sum(gaps) / iterations:.1f} | {sum(gaps) / len(gaps):.1f} | "
+                     f"{host[:160]} | `{prev}` |")
+    return lines
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -125,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=1, help="iterations the trace covers (the table is per one)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--output", default=None, help="also write the table here")
+    p.add_argument("--before", default=None, metavar="REGEX",
+                   help="for device events matching REGEX: what queued them and what ran before (module doc)")
     a = p.parse_args(argv)
     if a.iterations < 1:
         p.error("--iterations must be at least 1")
@@ -135,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     events = device_events(everything)
     if not events:
         p.error(f"{a.trace}: no device events (profiled without CUDA?)")
-    text = "\n".join(table(events, a.iterations, a.top) + gap_lines(everything, a.iterations, a.top))
+    lines = table(events, a.iterations, a.top) + gap_lines(everything, a.iterations, a.top)
+    if a.before:
+        lines += before_lines(everything, a.before, a.iterations, a.top)
+    text = "\n".join(lines)
     print(text)
     if a.output:
         Path(a.output).write_text(text + "\n")

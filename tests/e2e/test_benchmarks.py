@@ -86,7 +86,10 @@ def test_trace_kernels_table_of_a_chrome_trace(tmp_path):
     trace = tmp_path / "trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    out = run_cmd([sys.executable, "benchmarks/trace_kernels.py", str(trace), "--iterations", "2"], timeout=60).stdout
+    out = run_cmd([sys.executable, "benchmarks/trace_kernels.py", str(trace), "--iterations", "2", "--before",
+                   "Memset"], timeout=60).stdout
+    # --before: the memset, queued inside aten::zero_ < aten::mm, after the flash kernel on its stream (90 us later)
+    assert "| 0.5 | 45.0 | 90.0 | aten::zero_ < aten::mm | `flash_fwd_kernel` |" in out, out
     assert "per iteration: span 0.20 ms, device busy 0.13 ms (65% of the span)" in out
     assert "| `sm90_xmma_gemm_bf16` | 1 | 0.100 | 64.5% | 100.0 |" in out
     assert "| matmul | 0.100 | 64.5% |" in out and "| attention | 0.050 | 32.3% |" in out
