@@ -47,6 +47,7 @@ ms per kernel category (the categories of ``profile_step.py``) printed at the en
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -58,7 +59,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -181,6 +182,31 @@ def parse_peer_output(text: str) -> dict | None:
             if "step_ms" in out:
                 return out
     return None
+
+
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@contextlib.contextmanager
+def compile_caches(warm: bool) -> Iterator[None]:
+    """Inside the block, launched processes compile into empty inductor and Triton caches of their own (so
+    each side's start-up is a cold one: the second run of the same graph would otherwise load the first's
+    kernels), unless ``warm`` (``--warm-caches``: the machine's shared caches, as before)."""
+    if warm:
+        yield
+        return
+    before = {k: os.environ.get(k) for k in CACHE_VARIABLES}
+    with tempfile.TemporaryDirectory(prefix="peers_cache_") as folder:
+        for k in CACHE_VARIABLES:
+            os.environ[k] = os.path.join(folder, k.lower())
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def run_peer(peer: Path, shape: PeerShape, iters: int, timeout: float) -> dict:
@@ -348,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", default=None, help="also write the table here (after every row, then final)")
     ap.add_argument("--results", default=None, help="append the table with its environment to this file")
     ap.add_argument("--title", default="megatrain vs nanoGPT", help="heading of the section --results appends")
+    ap.add_argument("--warm-caches", action="store_true",
+                    help="let runs share the machine's inductor and Triton caches (default: each run compiles cold, "
+                         "so the start-up columns compare)")
     ap.add_argument("--profile", action="store_true", help="kernel tables instead of timings")
     ap.add_argument("--profile-dir", default=os.path.join(os.environ.get("OUT", "."), "peer_profiles"))
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -410,11 +439,12 @@ def bench(a: argparse.Namespace) -> list[str]:
                 mt, pr = (skipped, pr) if side == "megatrain" else (mt, skipped)
                 continue
             t0 = time.time()
-            if side == "megatrain":
-                mt = run_one(row.shape, a.iters, a.warmup, megatrain_extra(row, a.extra_flags), 1, int(tmo))
-            else:
-                assert peer is not None
-                pr = run_peer(peer, shape, max(a.iters - a.warmup, 3), tmo)
+            with compile_caches(a.warm_caches):
+                if side == "megatrain":
+                    mt = run_one(row.shape, a.iters, a.warmup, megatrain_extra(row, a.extra_flags), 1, int(tmo))
+                else:
+                    assert peer is not None
+                    pr = run_peer(peer, shape, max(a.iters - a.warmup, 3), tmo)
             shown = {k: v for k, v in (mt if side == "megatrain" else pr).items() if k != "error"}
             print(f"[{row.name}] {side} {time.time() - t0:.0f} s: {shown} "
                   f"{(mt if side == 'megatrain' else pr).get('error', '')[-600:]}", flush=True)

@@ -4,6 +4,7 @@ argument handling, the missing-peer error, and a real tiny megatrain run against
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -187,3 +188,17 @@ def test_profile_mode_on_cpu(tmp_path):
     assert "nanoGPT L2 H64" in (out / "tiny-8_nanogpt_kernels.txt").read_text(encoding="utf-8")
     text = table.read_text(encoding="utf-8")
     assert "### tiny-8 (global batch 8)" in text and "| matmul |" in text and "profile missing" not in text
+
+
+def test_each_run_compiles_into_empty_caches_of_its_own_unless_warm(monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    seen = []
+    for _ in range(2):
+        with peers.compile_caches(False):
+            seen.append((os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"]))
+            assert not os.path.exists(seen[-1][0])  # empty: the process makes it
+    assert seen[0] != seen[1] and all("/shared" not in d for pair in seen for d in pair)
+    assert os.environ["TRITON_CACHE_DIR"] == "/shared/triton" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    with peers.compile_caches(True):
+        assert os.environ["TRITON_CACHE_DIR"] == "/shared/triton"
