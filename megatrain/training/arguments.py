@@ -353,6 +353,27 @@ def _validate_fp8(args: argparse.Namespace) -> None:
     _checked(require_fp8)
 
 
+def _step_schedule(args: argparse.Namespace) -> None:
+    """``--step-batch-size-schedule``: valid entries; ``--global-batch-size`` is its last batch (given, it must
+    be; Megatron-LM's example passes both); not with ``--rampup-batch-size``; under pipeline parallelism each
+    batch fills whole pipeline schedules."""
+    from megatrain.training.batch_rampup import StepBatchSchedule
+
+    if args.rampup_batch_size is not None:
+        _fail("--step-batch-size-schedule and --rampup-batch-size both set the batch size's growth: give one")
+    per_micro = args.micro_batch_size * args.data_parallel_size
+    schedule = _checked(StepBatchSchedule.parse, args.step_batch_size_schedule, args.seq_length, per_micro)
+    if args.global_batch_size is not None and args.global_batch_size != schedule.global_batch_size:
+        _fail(f"--global-batch-size ({args.global_batch_size}) must equal the last batch size of "
+              f"--step-batch-size-schedule ({schedule.global_batch_size}), or be left out")
+    args.global_batch_size = schedule.global_batch_size
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and any((batch // per_micro) % pp for _, batch in schedule.entries):
+        _fail(f"--step-batch-size-schedule with --pipeline-model-parallel-size {pp}: every batch size must be a "
+              f"whole multiple of {pp} micro-batches ({pp * per_micro} samples), so that it fills the pipeline "
+              "schedule")
+
+
 def _validate_pipeline(args: argparse.Namespace) -> None:
     """Pipeline flags: the layer split divides, the schedule exists, enough micro-batches for it."""
     pipeline_flags = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -553,6 +574,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
             args.tp_comm_overlap = False
             args.legacy_notes.append("note: --tp-comm-overlap needs CUDA and --use-torch-compile (async TP is an "
                                      "inductor pass); this run communicates without overlap")
+    if args.step_batch_size_schedule is not None:
+        _step_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
@@ -574,6 +597,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         rampup = _checked(BatchRampup, *args.rampup_batch_size, args.global_batch_size,
                           args.micro_batch_size * args.data_parallel_size)
         args.train_iters_derived = rampup.iterations_for(args.train_samples)
+    elif args.step_batch_size_schedule is not None:
+        from megatrain.training.batch_rampup import batch_schedule_from_args
+
+        args.train_iters_derived = (args.train_iters if args.train_samples is None else
+                                    _checked(batch_schedule_from_args, args).iterations_for(args.train_samples))
     elif args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
     else:

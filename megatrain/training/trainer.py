@@ -35,7 +35,7 @@ from megatrain import checkpoint as checkpointing
 from megatrain.checkpoint import TrainState
 from megatrain.runtime.cuda_graph import MicroBatchGraphs
 from megatrain.runtime.fused_loss import ChunkedCrossEntropy
-from megatrain.training.batch_rampup import BatchRampup
+from megatrain.training.batch_rampup import BatchRampup, StepBatchSchedule, batch_schedule_from_args
 from megatrain.training.builders import choose_device, padded_vocab_size
 from megatrain.training.console import print_rank0, print_rank_last, setup_logging
 from megatrain.training.evaluation import EvaluationMixin
@@ -74,8 +74,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self.precision = self.run.precision
         self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
         self.per_token_loss = args.calculate_per_token_loss
-        self.rampup: BatchRampup | None = None
-        self.num_micro_batches = args.num_micro_batches  # of the current iteration (--rampup-batch-size)
+        self.batch_schedule: BatchRampup | StepBatchSchedule | None = None  # a changing global batch, or None
+        self.num_micro_batches = args.num_micro_batches  # of the current iteration (a changing global batch: --rampup-batch-size, --step-batch-size-schedule)
         hf_start.prepare_start(args)  # a Hugging Face folder to start from: rank 0 converts it, the others wait
         prepare_megatron_start(args)  # a Megatron-LM checkpoint in --load: rank 0 converts it, the others wait
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size
@@ -92,9 +92,7 @@ class Trainer(StepMixin, EvaluationMixin):
             self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
         self.cp_rank, self.cp_size = self.dims.local_rank_on("cp"), self.dims.cp
-        if args.rampup_batch_size:
-            self.rampup = BatchRampup(*args.rampup_batch_size, args.global_batch_size,
-                                      args.micro_batch_size * self.dp_size)
+        self.batch_schedule = batch_schedule_from_args(args)
         seed_everything(args.seed, pp_rank=self.dims.pp_rank, dp_rank=self.dp_rank,
                         data_parallel_random_init=args.data_parallel_random_init)
 
@@ -396,11 +394,9 @@ class Trainer(StepMixin, EvaluationMixin):
                     f"global batch {a.global_batch_size} = micro-batch {a.micro_batch_size} x "
                     f"{a.num_micro_batches} micro-batches x {self.dp_size} data-parallel, {self.precision.name} "
                     f"on {self.device}" + (f"; {self.dims.describe()}" if self.world_size > 1 else ""))
-        if self.rampup is not None:
-            r = self.rampup
-            print_rank0(f" batch size ramp-up: global batch {r.start} growing by {r.increment} over the first "
-                        f"{r.samples:,} samples to {a.global_batch_size} ({train_iters} iterations for "
-                        f"{a.train_samples:,} samples)")
+        if self.batch_schedule is not None:
+            length = f"{a.train_samples:,} samples" if a.train_samples else "--train-iters"
+            print_rank0(f" {self.batch_schedule.describe()} ({train_iters} iterations for {length})")
         estimate = self._memory_estimate()
         if estimate is not None:
             print_rank0(f" {estimate.line()}")
@@ -450,8 +446,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self.housekeeping.start()
         while self.state.iteration < train_iters:
             self.housekeeping.before_iteration(self.state.iteration)
-            if self.rampup is not None:
-                self.num_micro_batches = self.rampup.micro_batches_at(self.state.consumed_train_samples)
+            if self.batch_schedule is not None:
+                self.num_micro_batches = self.batch_schedule.micro_batches_at(self.state.consumed_train_samples)
                 if self.pipeline is not None:
                     self.pipeline.set_num_micro_batches(self.num_micro_batches)
             self.queue_step()  # settles the previous iteration; this one may stay pending
