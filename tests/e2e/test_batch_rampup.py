@@ -44,3 +44,22 @@ def test_rampup_schedule_data_parallel_and_resume(tmp_path):
     for a, b in zip(full, first + second):
         assert (a["lm loss"], a["learning rate"], a["global batch size"]) == \
                (b["lm loss"], b["learning rate"], b["global batch size"]), (a, b)
+
+
+def test_step_batch_size_schedule_of_megatrons_gpt3_example_runs_and_resumes_across_a_step(tmp_path):
+    """Megatron-LM's GPT-3 175B example passes --global-batch-size with --step-batch-size-schedule (thresholds in
+    tokens): the logged batch follows the schedule, and a run stopped before a step resumes exactly."""
+    start = RUN.index("--lr-warmup-samples")
+    run = [*RUN[:start], *RUN[RUN.index("--log-interval"):], "--train-iters", "6", "--lr-warmup-iters", "1",
+           "--step-batch-size-schedule", "0:4 0.256K:8 512:16"]
+    assert "--global-batch-size" in run and "--rampup-batch-size" not in run and "--train-samples" not in run
+    full = _lines(run_cmd([sys.executable, *run], env=cpu_env()).stdout)
+    # thresholds 0, 8, 16 samples (tokens // --seq-length 32): 4, 4 (8 consumed), 8 (16), then 16
+    assert [d["global batch size"] for d in full] == [4, 4, 8, 16, 16, 16]
+    save = tmp_path / "ckpt"
+    first = _lines(run_cmd([sys.executable, *run, "--save", str(save), "--exit-interval", "2"], env=cpu_env()).stdout)
+    second = _lines(run_cmd([sys.executable, *run, "--load", str(save)], env=cpu_env()).stdout)
+    assert [d["iteration"] for d in first + second] == list(range(1, 7))
+    for a, b in zip(full, first + second):
+        assert (a["lm loss"], a["learning rate"], a["global batch size"]) == \
+               (b["lm loss"], b["learning rate"], b["global batch size"]), (a, b)
