@@ -27,11 +27,12 @@ from torch import nn
 
 # The gradient norm and clipping live in parallel/ (the pipeline's norm over stages needs them);
 # importable from here as before.
-from megatrain.parallel.grad_norm import (clip_divisor, clip_grad_norm_, clip_grads_with_norm_, get_grad_norm,
-                                          scale_grads_)
+from megatrain.parallel.grad_norm import (clip_divisor, clip_grad_norm_, clip_grads_with_norm_, count_zeros,
+                                          get_grad_norm, get_total_norm, scale_grads_)
 
 __all__ = ["OptimizerConfig", "build_param_groups", "build_optimizer", "is_no_weight_decay", "folds_grad_divisor",
-           "get_grad_norm", "scale_grads_", "clip_divisor", "clip_grads_with_norm_", "clip_grad_norm_"]
+           "get_grad_norm", "get_total_norm", "count_zeros", "scale_grads_", "clip_divisor", "clip_grads_with_norm_",
+           "clip_grad_norm_"]
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -1,6 +1,7 @@
 """Gradient norms and clipping over plain tensors and DTensors, and across process groups.
 
-:func:`get_grad_norm` measures the global norm of all gradients (DTensor gradients through
+:func:`get_grad_norm` measures the global norm of all gradients (:func:`get_total_norm` that of any tensors,
+e.g. the parameters; :func:`count_zeros` counts the gradients' zeros) (DTensor gradients through
 DTensor, so sharded and replicated parameters count once; ``reduce_group`` combines the norms of
 ranks that hold different parameters, e.g. pipeline stages); :func:`clip_grads_with_norm_` scales
 them by Megatron's coefficient; :func:`clip_grad_norm_` does both. Nothing here syncs with the
@@ -16,7 +17,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["get_grad_norm", "scale_grads_", "clip_coefficient", "clip_divisor", "clip_grads_with_norm_",
+__all__ = ["get_grad_norm", "get_total_norm", "count_zeros", "scale_grads_", "clip_coefficient", "clip_divisor", "clip_grads_with_norm_",
            "clip_grad_norm_"]
 
 
@@ -69,13 +70,41 @@ def get_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *, red
     tensors are taken as they are. ``reduce_group``: a process group whose ranks
     hold different parameters (e.g. pipeline stages) to combine the norm over.
     """
-    norm_type = float(norm_type)
-    plain: list[torch.Tensor] = []
-    by_mesh: dict[int, list[torch.Tensor]] = defaultdict(list)
+    return get_total_norm([p.grad for p in params if p.grad is not None], norm_type, reduce_group=reduce_group)
+
+
+def count_zeros(params: Iterable[torch.Tensor], *, reduce_group: Any = None) -> torch.Tensor:
+    """How many gradient elements are exactly zero (Megatron's ``--log-num-zeros-in-grad``), as a 0-dim
+    int64 tensor: DTensor gradients counted through DTensor (each element once, however it is sharded or
+    replicated), ``reduce_group`` summing the counts of ranks that hold different parameters."""
+    counts = []
     for p in params:
         g = p.grad
         if g is None:
             continue
+        zeros = (g == 0).sum()
+        counts.append(zeros.full_tensor() if _is_dtensor(zeros) else zeros)
+    if counts:
+        device = counts[0].device
+        total = torch.stack([c.to(device=device, dtype=torch.int64) for c in counts]).sum()
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        total = torch.zeros((), dtype=torch.int64, device=device)
+    dist = torch.distributed
+    if reduce_group is not None and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=reduce_group)
+    return total
+
+
+def get_total_norm(tensors: Iterable[torch.Tensor], norm_type: float = 2.0, *, reduce_group: Any = None
+                   ) -> torch.Tensor:
+    """Total ``norm_type`` norm of ``tensors`` (gradients, or the parameters themselves: Megatron's
+    ``--log-params-norm``) as a 0-dim float32 tensor, as :func:`get_grad_norm` measures gradients."""
+    norm_type = float(norm_type)
+    plain: list[torch.Tensor] = []
+    by_mesh: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for g in tensors:
+        g = g.detach()
         (by_mesh[id(g.device_mesh)] if _is_dtensor(g) else plain).append(g)
     parts = [_dtensor_norm(gs, norm_type) for gs in by_mesh.values()]
     if plain:

@@ -415,6 +415,18 @@ class PipelineParallel:
             return list(params)
         return [p for p in params if not any(p is d for d in self._norm_duplicates)]
 
+    def params_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the whole model's ``params`` over all stages (each weight counted once)."""
+        from megatrain.parallel.grad_norm import get_total_norm
+
+        return get_total_norm(self.norm_parameters(params), reduce_group=self.pp_group)
+
+    def count_zeros(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The zeros among the whole model's gradients over all stages (each weight counted once)."""
+        from megatrain.parallel.grad_norm import count_zeros
+
+        return count_zeros(self.norm_parameters(params), reduce_group=self.pp_group)
+
     def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Global gradient norm over all stages (clipping all of ``params`` when ``max_norm > 0``)."""
         from megatrain.parallel.grad_norm import clip_grads_with_norm_, get_grad_norm

@@ -163,6 +163,10 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="log the L2 norm of the trained weights after each step (params norm: in the log line)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="log how many gradient elements are zero (num zeros: in the log line)")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)

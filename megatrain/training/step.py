@@ -20,7 +20,8 @@ from megatrain.models.common.objective import loss_means
 from megatrain.parallel.context_parallel import split_batch
 from megatrain.parallel.data_parallel import gradient_sync
 from megatrain.training.loss_scaler import found_inf_in_grads, reduce_found_inf, unscale_grads_
-from megatrain.optimizer import clip_divisor, clip_grad_norm_, folds_grad_divisor, scale_grads_
+from megatrain.optimizer import (clip_divisor, clip_grad_norm_, count_zeros, folds_grad_divisor, get_total_norm,
+                                 scale_grads_)
 
 __all__ = ["StepMixin", "StepResult", "IntervalStats", "summed"]
 
@@ -32,6 +33,8 @@ class StepResult:
     skipped: bool
     nan: bool
     losses: dict[str, float] = field(default_factory=dict)  # each loss the objective names
+    num_zeros: int | None = None  # zeros among the gradients (--log-num-zeros-in-grad)
+    params_norm: float | None = None  # L2 norm of the trained weights after the step (--log-params-norm)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class IntervalStats:
         self.skipped = 0
         self.nan = 0
         self.last_grad_norm: float | None = None
+        self.last_num_zeros: int | None = None
+        self.last_params_norm: float | None = None
 
     def add(self, r: StepResult) -> None:
         self.iterations += 1
@@ -85,6 +90,10 @@ class IntervalStats:
             self.counted += 1
         if r.grad_norm is not None:
             self.last_grad_norm = r.grad_norm
+        if r.num_zeros is not None:
+            self.last_num_zeros = r.num_zeros
+        if r.params_norm is not None:
+            self.last_params_norm = r.params_norm
 
     def mean_losses(self, names: tuple[str, ...]) -> dict[str, float]:
         return {name: self.loss_sums.get(name, 0.0) / self.counted if self.counted else float("nan")
@@ -295,9 +304,12 @@ class StepMixin:
         # found_inf is set (torch's fused Adam/SGD take it, as under GradScaler), so the device runs
         # the update while the host goes on; otherwise the host reads the flags and decides.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
-        flags = torch.cat([torch.stack([found_inf.float().reshape(()), torch.isfinite(mean_loss).float(),
-                                        norm_value.to(found_inf.device)]),
-                           mean_losses.detach().float().reshape(-1).to(found_inf.device)])
+        zeros = self._count_zeros(params) if a.log_num_zeros_in_grad else found_inf.new_zeros(())
+        # float64: the zero count is exact far beyond float32's 2^24
+        flags = torch.cat([torch.stack([found_inf.double().reshape(()), torch.isfinite(mean_loss).double(),
+                                        norm_value.double().to(found_inf.device),
+                                        zeros.double().reshape(()).to(found_inf.device)]),
+                           mean_losses.detach().double().reshape(-1).to(found_inf.device)])
         ready = None
         if device_skip and flags.is_cuda:  # the flags' copy is queued ahead of the step
             flags = flags.to("cpu", non_blocking=True)
@@ -323,7 +335,7 @@ class StepMixin:
             waited = time.perf_counter()
             p.ready.synchronize()
             self.flags_wait_s += time.perf_counter() - waited
-        found, loss_finite, norm, *loss_values = p.flags.tolist()
+        found, loss_finite, norm, zeros, *loss_values = p.flags.tolist()
         bad, loss_nan = found > 0, not loss_finite
         if self.scaler is not None:
             self.scaler.update(bad)
@@ -332,9 +344,13 @@ class StepMixin:
                 self.optimizer.step()
             self.scheduler.step(p.global_batch_size)
         names = self.objective.loss_names if not self.per_token_loss else self.objective.loss_names[:1]
+        # the weights after this iteration's step: the next iteration's step is not queued yet
+        params_norm = float(self._params_norm()) if self.args.log_params_norm else None
         result = StepResult(sum(loss_values) if len(loss_values) > 1 else loss_values[0],
                             norm if p.has_norm and not bad else None, bad,
-                            loss_nan or (bad and self.scaler is None), dict(zip(names, loss_values)))
+                            loss_nan or (bad and self.scaler is None), dict(zip(names, loss_values)),
+                            num_zeros=int(zeros) if self.args.log_num_zeros_in_grad else None,
+                            params_norm=params_norm)
         self._count(p.iteration, result)
         return result
 
@@ -354,6 +370,16 @@ class StepMixin:
             raise SystemExit(f"error: stopping: {self.state.nan_iterations} iterations had a NaN/inf loss or "
                              f"gradient (--max-nan-iterations {self.args.max_nan_iterations}); lower --lr, use "
                              f"--bf16 or check the data")
+
+    def _count_zeros(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Zeros among the gradients of ``params`` over the whole model (pipeline stages summed)."""
+        return self.pipeline.count_zeros(params) if self.pipeline is not None else count_zeros(params)
+
+    def _params_norm(self) -> torch.Tensor:
+        """The L2 norm of the trained weights over the whole model (Megatron's ``--log-params-norm``: the
+        parameters that take gradients; pipeline stages combined, each shared weight once)."""
+        params = [p for p in self._module_parameters() if p.requires_grad]
+        return self.pipeline.params_norm(params) if self.pipeline is not None else get_total_norm(params)
 
     def _queue_step_skipping_on_device(self, found_inf: torch.Tensor, grad_divisor: torch.Tensor | None) -> None:
         """Queue the optimizer step with ``found_inf``: torch's fused kernels then leave weights,

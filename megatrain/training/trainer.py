@@ -470,6 +470,7 @@ class Trainer(StepMixin, EvaluationMixin):
                 self.writer.log_train(it, consumed_samples=self.state.consumed_train_samples,
                                       losses=result.losses, learning_rate=self.scheduler.current_lr(),
                                       batch_size=self.current_global_batch_size, grad_norm=result.grad_norm,
+                                      num_zeros=result.num_zeros, params_norm=result.params_norm,
                                       loss_scale=float(self.scaler.scale) if self.scaler is not None else None)
             if log:
                 # The host waited for this iteration's flags just above, so the time between two log
@@ -562,8 +563,8 @@ class Trainer(StepMixin, EvaluationMixin):
             throughput_tflops=tflops, learning_rate=self.scheduler.current_lr(),
             global_batch_size=batch, losses=losses,
             loss_scale=float(self.scaler.scale) if self.scaler is not None else 1.0,
-            grad_norm=stats.last_grad_norm, skipped_iterations=stats.skipped, nan_iterations=stats.nan,
-            tokens_per_sec_per_gpu=tokens_per_gpu,
+            grad_norm=stats.last_grad_norm, num_zeros=stats.last_num_zeros, params_norm=stats.last_params_norm,
+            skipped_iterations=stats.skipped, nan_iterations=stats.nan, tokens_per_sec_per_gpu=tokens_per_gpu,
             mfu=mfu, peak_mem_gib=mem_gib)
         print_rank_last(line)
         self.writer.log_train(self.state.iteration, consumed_samples=self.state.consumed_train_samples,

@@ -3,7 +3,8 @@
 Runs on CPU with gloo: one process, then 4 processes (TP=2 x DP=2, on the tiny BPE corpus) on one node,
 then the same world as two simulated nodes (two torchrun agents with --nnodes 2 --node_rank), with
 sequence parallelism, ZeRO-3 and recomputation. The lm loss and grad norm of every logged iteration
-and the validation loss must agree within 1e-5 relative error.
+and the validation loss must agree within 1e-5 relative error, and so must the weights' norm and the
+gradients' zero count (--log-params-norm, --log-num-zeros-in-grad).
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--train-iters", "4",
         "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
-        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "4", "--device", "cpu"]
+        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "4", "--device", "cpu",
+        "--log-params-norm", "--log-num-zeros-in-grad", "--untie-embeddings-and-output-weights"]
+
+
+def _norms(stdout: str) -> list[tuple[float, int]]:
+    """(params norm, num zeros) of each logged iteration."""
+    from megatrain.training.logging import parse_train_log_line
+
+    lines = [parse_train_log_line(line) for line in stdout.splitlines() if "] iteration " in line]
+    return [(d["params norm"], d["num zeros"]) for d in lines]
 
 
 def _torchrun(*launch: str) -> list[str]:
@@ -36,8 +46,13 @@ def _assert_close(got, want) -> None:
 
 
 @pytest.fixture(scope="module")
-def single_process():
-    return _losses(run_cmd([sys.executable, "pretrain_gpt.py", *ARGS], env=_env()).stdout)
+def single_process_stdout():
+    return run_cmd([sys.executable, "pretrain_gpt.py", *ARGS], env=_env()).stdout
+
+
+@pytest.fixture(scope="module")
+def single_process(single_process_stdout):
+    return _losses(single_process_stdout)
 
 
 @pytest.mark.slow
@@ -88,7 +103,7 @@ def test_per_token_loss_dp2_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_node_launch_with_sp_zero3_recompute_matches_one_process(single_process):
+def test_two_node_launch_with_sp_zero3_recompute_matches_one_process(single_process, single_process_stdout):
     port = str(_free_port())
     extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "3",
              "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -102,6 +117,14 @@ def test_two_node_launch_with_sp_zero3_recompute_matches_one_process(single_proc
     # The log lines come from the last rank, which runs on the second node.
     _assert_close(_losses(outputs[1][0]), single_process)
     assert "] iteration " not in outputs[0][0]
+    # --log-params-norm / --log-num-zeros-in-grad over TP- and ZeRO-3-sharded weights: each element once
+    want, got = _norms(single_process_stdout), _norms(outputs[1][0])
+    assert len(got) == len(want) == 4
+    for (norm_a, zeros_a), (norm_b, zeros_b) in zip(want, got):
+        # the untied embedding's rows of the ids a batch lacks are zero (>= 244 of 500 rows x 64); an element
+        # that rounds to exactly zero in one layout's sums may not in another's
+        assert norm_b == pytest.approx(norm_a, rel=1e-5) and zeros_a > 15000 and abs(zeros_b - zeros_a) <= 2, \
+            (want, got)
 
 
 def test_srun_style_launch_without_torchrun_matches_one_process(single_process):

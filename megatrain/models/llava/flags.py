@@ -39,8 +39,7 @@ LLAVA_FLAGS = ("--vision-model-type", "--patch-dim", "--img-h", "--img-w", "--nu
                "--decoder-seq-length", "--language-model-checkpoint", "--vision-model-checkpoint", "--image-folder",
                "--image-processor", "--packing-buffer-size", "--packing-seq-length", "--prompt-path", "--dataloader-save",
                "--allow-missing-vision-projection-checkpoint", "--use-te",
-               "--no-use-tokenizer-model-from-checkpoint-args", "--log-params-norm", "--log-num-zeros-in-grad",
-               "--valid-path", "--img-embedding-idx")
+               "--no-use-tokenizer-model-from-checkpoint-args", "--valid-path", "--img-embedding-idx")
 
 
 # Megatron's flags of what is not built: only the default value is accepted, others are refused.
@@ -50,7 +49,6 @@ _ACCEPTED = {"--language-model-type": "recorded only; the language model's shape
              "--prompt-path": "not read", "--dataloader-save": "not read; the checkpoint holds the loader position",
              "--allow-missing-vision-projection-checkpoint": "not read", "--use-te": "megatrain's own layers",
              "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the flags'",
-             "--log-params-norm": "not logged", "--log-num-zeros-in-grad": "not logged",
              "--valid-path": "Megatron's older name of --valid-data-path (the same)",
              "--img-embedding-idx": "ignored (a note says so): the images go where the <image> placeholder is"}
 
@@ -132,8 +130,6 @@ def add_llava_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-te", action="store_true", help="Megatron's Transformer Engine layers (accepted)")
     g.add_argument("--no-use-tokenizer-model-from-checkpoint-args", action="store_false",
                    dest="use_tokenizer_model_from_checkpoint_args", help="accepted: the tokenizer is the flags'")
-    g.add_argument("--log-params-norm", action="store_true", help="accepted (not logged)")
-    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="accepted (not logged)")
     # Older versions of Megatron's multimodal example (pretrain_mistral_clip.sh passes both).
     g.add_argument("--valid-path", nargs="*", default=None,
                    help="Megatron's older validation data flag: the same as --valid-data-path (an energon dataset "
