@@ -371,10 +371,10 @@ PY
     timeout 150 python benchmarks/profile_peer.py 24 2048 16 4096 131072 2 4 --top 30 --out /tmp/peer \
       > "$OUT/peer.log" 2>&1
     cp /tmp/peer/kernels.txt "$OUT/nanogpt_kernels.txt"
-    timeout $((end - SECONDS - 15)) python benchmarks/profile_step.py --shape 1.7b --extra "--global-batch-size 8" \
+    timeout $((end - SECONDS - 35)) python benchmarks/profile_step.py --shape 1.7b --extra "--global-batch-size 8" \
       --steps 1 --warmup 3 --top 30 --trace --out /tmp/mt > "$OUT/megatrain.log" 2>&1
     cp /tmp/mt/kernels.txt "$OUT/megatrain_kernels.txt"
-    timeout 10 python benchmarks/trace_kernels.py /tmp/mt/trace.json.gz --top 30 --before "Memset" \
+    timeout 30 python benchmarks/trace_kernels.py /tmp/mt/trace.json.gz --top 30 --before "Memset" \
       --output "$OUT/megatrain_trace.txt" > /dev/null 2>&1
     tail -n 3 "$OUT"/*.log
     ;;
