@@ -359,6 +359,8 @@ def _step_schedule(args: argparse.Namespace) -> None:
     batch fills whole pipeline schedules."""
     from megatrain.training.batch_rampup import StepBatchSchedule
 
+    if not isinstance(args.step_batch_size_schedule, str):  # several words: Megatron's example script expands
+        args.step_batch_size_schedule = " ".join(args.step_batch_size_schedule)  # its quoted schedule unquoted
     if args.rampup_batch_size is not None:
         _fail("--step-batch-size-schedule and --rampup-batch-size both set the batch size's growth: give one")
     per_micro = args.micro_batch_size * args.data_parallel_size

@@ -162,8 +162,10 @@ def batch_schedule_from_args(args: argparse.Namespace) -> BatchRampup | StepBatc
     """The run's changing global batch (validated flags: ``--rampup-batch-size`` or
     ``--step-batch-size-schedule``), or None for a constant one."""
     per_step = args.micro_batch_size * args.data_parallel_size
-    if getattr(args, "step_batch_size_schedule", None) is not None:
-        return StepBatchSchedule.parse(args.step_batch_size_schedule, args.seq_length, per_step)
+    schedule = getattr(args, "step_batch_size_schedule", None)
+    if schedule is not None:
+        text = schedule if isinstance(schedule, str) else " ".join(schedule)
+        return StepBatchSchedule.parse(text, args.seq_length, per_step)
     if args.rampup_batch_size:
         return BatchRampup(*args.rampup_batch_size, args.global_batch_size, per_step)
     return None

@@ -27,10 +27,10 @@ def add_loop_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch from START by INCREMENT over the first SAMPLES samples "
                         "(needs --train-samples)")
-    g.add_argument("--step-batch-size-schedule", default=None, metavar='"THRESHOLD:BATCH ..."',
+    g.add_argument("--step-batch-size-schedule", nargs="+", default=None, metavar="THRESHOLD:BATCH",
                    help='step-wise global batch size, e.g. "0:16 2.4B:320 12B:1536": from THRESHOLD tokens on '
                         "(K/M/B/T suffixes; divided by --seq-length into samples) the global batch is BATCH; "
-                        "the last BATCH is --global-batch-size (Megatron-LM's schedule)")
+                        "the last BATCH is --global-batch-size (Megatron-LM's schedule; one quoted word or several)")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=100)

@@ -106,3 +106,10 @@ def test_pipeline_stages_need_whole_pipeline_schedules_at_every_batch():
     with pytest.raises(SystemExit, match="whole multiple of 2 micro-batches"):
         validate_args(parse_args([*BASE, "--train-iters", "10", "--pipeline-model-parallel-size", "2",
                                   "--step-batch-size-schedule", "0:2 256:16"], validate=False), world_size=2)
+
+
+def test_the_schedule_split_into_words_is_one_schedule():
+    """Megatron-LM's example expands its array unquoted, so the shell hands the schedule over word by word."""
+    a = parse_args([*BASE, "--train-iters", "10", "--step-batch-size-schedule", "0:4", "64:8", "256:16"],
+                   validate=True)
+    assert a.step_batch_size_schedule == "0:4 64:8 256:16" and a.global_batch_size == 16
