@@ -565,6 +565,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
                   f"({args.seq_length}) must be divisible by {2 * cp}")
         if args.reset_attention_mask:
             _fail("--context-parallel-size > 1 with --reset-attention-mask (document masks) is not supported yet")
+    if args.record_memory_history and not _runs_on_cuda(args):
+        args.legacy_notes.append("note: --record-memory-history records the CUDA caching allocator; this run is on "
+                                 "the CPU, so no memory snapshot is written")
     if args.tp_comm_overlap:
         if tp == 1:
             args.tp_comm_overlap = False

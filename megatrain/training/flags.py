@@ -77,6 +77,13 @@ def add_housekeeping_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-pytorch-profiler", action="store_true", help="the profiler used by --profile (always)")
     g.add_argument("--profile-dir", default=None,
                    help="where --profile writes its trace (default --tensorboard-dir, else ./profile)")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="CUDA: record the caching allocator's history from start-up on the --profile-ranks and "
+                        "write a memory snapshot (torch.cuda.memory._snapshot, for pytorch.org/memory_viz) to "
+                        "--memory-snapshot-path at every log line")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history writes its snapshot; the rank goes before the extension "
+                        "(snapshot_0.pickle)")
 
 
 def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:

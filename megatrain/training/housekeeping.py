@@ -12,6 +12,10 @@ window (``--profile``).
   ``--profile-ranks`` with ``torch.profiler`` (CPU and, on GPUs, CUDA activity) and writes a Chrome /
   Perfetto trace ``trace_rank{R}_iters{START}-{END}.json`` into ``--profile-dir`` (default
   ``--tensorboard-dir``, else ``./profile``).
+* ``--record-memory-history`` (CUDA) records the caching allocator's allocations and frees, with their Python
+  stacks, from start-up (before the model is built) on the ranks of ``--profile-ranks``, and at every log line
+  writes a snapshot to ``--memory-snapshot-path`` with the rank before the extension (Megatron-LM's naming:
+  ``snapshot_0.pickle``), for https://pytorch.org/memory_viz.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ class Housekeeping:
                             or "profile")
         self._profiler: torch.profiler.profile | None = None
         self.trace_path: str | None = None
+        self.snapshot_path: str | None = None  # where --record-memory-history writes (None: not recording)
+        if self.cuda and getattr(args, "record_memory_history", False) and \
+                rank in list(getattr(args, "profile_ranks", [0])):  # (on a CPU the flag's note says why not)
+            base, ext = os.path.splitext(getattr(args, "memory_snapshot_path", None) or "snapshot.pickle")
+            self.snapshot_path = f"{base}_{rank}{ext}"
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         if self.gc_interval < 0:
             raise ValueError(f"--manual-gc-interval must be >= 0, got {self.gc_interval}")
         if getattr(args, "profile", False) and not 0 <= self.profile_start < self.profile_end:
@@ -89,8 +99,22 @@ class Housekeeping:
             if self.empty_level >= 1 and self.cuda:
                 torch.cuda.empty_cache()
 
+    def after_log(self) -> None:
+        """At a log line: the memory snapshot (``--record-memory-history``), replacing the last one whole."""
+        if self.snapshot_path is None:
+            return
+        folder = os.path.dirname(self.snapshot_path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        with atomic_path(self.snapshot_path) as tmp:
+            torch.cuda.memory._dump_snapshot(tmp)
+
     def close(self) -> None:
         self._stop_profiler()
+        if self.snapshot_path is not None:
+            self.after_log()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot_path = None
         if self.manual_gc:
             gc.enable()
 

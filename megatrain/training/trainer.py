@@ -479,6 +479,7 @@ class Trainer(StepMixin, EvaluationMixin):
                 now = time.time()
                 self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters,
                           moe=moe_reports.get("interval"))
+                self.housekeeping.after_log()
                 if self.device.type == "cuda" and self.state.iteration == a.log_interval:
                     peak = torch.cuda.max_memory_allocated(self.device) / 2**30
                     theory = f" (theoretical {estimate.total / 2**30:.2f} GiB)" if estimate is not None else ""

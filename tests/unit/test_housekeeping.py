@@ -64,3 +64,41 @@ def test_bad_profile_window_and_interval_name_the_flags():
         Housekeeping(_args(profile=True, profile_step_start=5, profile_step_end=5), torch.device("cpu"), 0)
     with pytest.raises(ValueError, match="--manual-gc-interval"):
         Housekeeping(_args(manual_gc=True, manual_gc_interval=-1), torch.device("cpu"), 0)
+
+
+def test_memory_history_on_a_cpu_run_is_a_note_and_writes_nothing(tmp_path):
+    from megatrain.training.arguments import parse_args
+
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--device", "cpu",
+            "--record-memory-history", "--memory-snapshot-path", str(tmp_path / "mem.pickle")]
+    args = parse_args(argv, validate=True)
+    assert any(n.startswith("note: --record-memory-history records the CUDA caching allocator") for n in args.legacy_notes)
+    hk = Housekeeping(args, torch.device("cpu"), 0)
+    hk.after_log()
+    hk.close()
+    assert hk.snapshot_path is None and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_history_writes_the_ranks_snapshot_at_each_log_line(tmp_path):
+    import pickle
+
+    hk = Housekeeping(_args(record_memory_history=True, memory_snapshot_path=str(tmp_path / "run" / "mem.pickle")),
+                      torch.device("cuda"), 0)
+    try:
+        x = torch.randn(1024, 1024, device="cuda")
+        y = x @ x
+        hk.after_log()
+        path = tmp_path / "run" / "mem_0.pickle"
+        with open(path, "rb") as f:  # our own snapshot, written by torch in this test
+            snapshot = pickle.load(f)
+        assert snapshot["segments"] and any(t for t in snapshot["device_traces"]), "no allocation history"
+        del y
+    finally:
+        hk.close()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["mem_0.pickle"]  # no temporary left
+    other = Housekeeping(_args(record_memory_history=True, memory_snapshot_path=str(tmp_path / "o.pickle")),
+                         torch.device("cuda"), 1)  # rank 1 is not in --profile-ranks
+    assert other.snapshot_path is None
