@@ -68,6 +68,9 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+                   help="with --recompute-granularity selective: what to recompute, of core_attn (the default), "
+                        "mlp, moe, shared_experts")
     g.add_argument("--moe-layer-recompute", action="store_true",
                    help="recompute the mixture-of-experts layers' MLP (router, dispatch, experts) in the backward "
                         "pass")

@@ -219,8 +219,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
 def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims, fsdp: bool) -> bool:
     """Whether the layers' linear layers accumulate weight gradients in their matmuls
     (:mod:`megatrain.runtime.grad_accumulation_fusion`): half-precision compute on plain (not
-    FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, and no full-layer
-    recomputation (its second forward would not see the staged gradients). With ``--fp8-format``
+    FSDP2-sharded, not tensor-parallel) float32 weights, one pipeline stage, and no recomputation of
+    linear layers (:func:`recomputes_linears`). With ``--fp8-format``
     the fp8 layers follow the same protocol (:mod:`megatrain.runtime.fp8_fusion`) unless
     ``MEGATRAIN_FP8_BACKEND=torchao`` (``cfg.fp8_fused`` False) asks for torchao's layers everywhere."""
     if cfg.grad_accumulation_fusion is False:
@@ -228,7 +228,15 @@ def grad_accumulation_fusion_applies(cfg: ParallelizeConfig, dims: ParallelDims,
     if cfg.grad_accumulation_fusion is None and cfg.compute_dtype == torch.float32:
         return False
     return (not fsdp and not dims.tp_enabled and dims.pp == 1 and (cfg.fp8_format is None or cfg.fp8_fused)
-            and cfg.recompute.granularity != "full")
+            and not recomputes_linears(cfg.recompute))
+
+
+def recomputes_linears(recompute: RecomputeConfig) -> bool:
+    """Whether recomputation runs linear layers' forward again in the backward pass (whole layers, MLPs, MoE
+    layers or shared experts): that second forward would not see the fusion's staged gradients, which are
+    released after the first, so the fusion is off then."""
+    return (recompute.granularity == "full" or recompute.moe_layer
+            or any(m in (recompute.modules or ()) for m in ("mlp", "shared_experts")))
 
 
 # Bytes of drawn values that may wait for their copy at once (one larger tensor still goes alone).

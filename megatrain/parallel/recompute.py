@@ -11,6 +11,12 @@
 * ``--recompute-granularity selective``: only core attention (softmax(QK^T)V with its dropout,
   ``self_attention.core_attention``, and ``cross_attention.core_attention`` where a layer has
   one) is recomputed, Megatron's "selective" choice: cheap to redo, large to keep.
+* ``--recompute-granularity selective --recompute-modules M ...`` (Megatron's list; default ``core_attn``):
+  ``core_attn`` as above; ``mlp`` the dense layers' MLP (fc1, activation, fc2: only its input is kept);
+  ``moe`` the mixture-of-experts layers' whole ``mlp`` (below); ``shared_experts`` a MoE layer's shared
+  experts. Megatron's ``layernorm``, ``moe_act`` and ``mla_up_proj`` are refused: they drop an output that
+  the next operation here keeps anyway (a norm's output is the following matmul's saved input), so they
+  would save nothing; ``mlp`` or ``moe`` recompute the whole block instead.
 * ``--moe-layer-recompute``: the mixture-of-experts layers' ``mlp`` (router, token dispatch, experts,
   shared experts) is recomputed, Megatron's ``moe_layer_recompute`` (its ``--recompute-modules moe``);
   it combines with ``selective`` (not with ``full``, which already recomputes whole layers). Under
@@ -32,16 +38,38 @@ from megatrain.models.common.layer_stacks import layer_stacks
 from megatrain.parallel.expert_parallel import moe_layers
 
 
+SELECTIVE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
+_REFUSED_MODULES = {
+    "layernorm": "the norm's output is the next matmul's saved input here, so dropping it saves nothing",
+    "moe_act": "the experts' activation output is fc2's saved input here, so dropping it saves nothing; use moe",
+    "mla_up_proj": "the up-projections' outputs are the attention's saved inputs here, so dropping them saves "
+                   "nothing",
+}
+
+
 @dataclass
 class RecomputeConfig:
     granularity: str | None = None  # None, "full" or "selective"
     method: str | None = None  # "uniform" or "block" (full only)
     num_layers: int | None = None
     moe_layer: bool = False  # --moe-layer-recompute: the MoE layers' mlp
+    modules: tuple[str, ...] | None = None  # --recompute-modules (selective only; default core_attn)
 
     def __post_init__(self) -> None:
         if self.granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity must be full or selective, got {self.granularity!r}")
+        if self.granularity == "selective":
+            self.modules = tuple(self.modules) if self.modules is not None else ("core_attn",)
+            for name in self.modules:
+                if name in _REFUSED_MODULES:
+                    raise ValueError(f"--recompute-modules {name}: not supported ({_REFUSED_MODULES[name]})")
+                if name not in SELECTIVE_MODULES:
+                    raise ValueError(f"--recompute-modules {name}: not a module megatrain recomputes (choose from "
+                                     f"{', '.join(SELECTIVE_MODULES)})")
+            if "moe" in self.modules:
+                self.moe_layer = True
+        else:
+            self.modules = ()
         if self.moe_layer and self.granularity == "full":
             raise ValueError("--moe-layer-recompute with --recompute-granularity full: full recomputation already "
                              "recomputes whole layers; give one of them (as Megatron-LM refuses both)")
@@ -67,12 +95,20 @@ def apply_activation_checkpointing(model: nn.Module, cfg: RecomputeConfig) -> li
     A model with several stacks of layers (an encoder-decoder) has them handled stack by stack: with
     ``--recompute-method block`` the first N layers of each stack, as Megatron's blocks do."""
     wrapped: list[str] = []
-    if cfg.moe_layer:
-        for prefix, layers in layer_stacks(model).items():
-            for key, layer in layers.items():
-                if any(m is getattr(layer, "mlp", None) for m in moe_layers(layer)):
-                    layer.mlp = _wrap(layer.mlp)
-                    wrapped.append(f"{prefix}.{key}.mlp")
+    modules = cfg.modules or ()
+    for prefix, layers in layer_stacks(model).items():
+        for key, layer in layers.items():
+            mlp = getattr(layer, "mlp", None)
+            is_moe = mlp is not None and any(m is mlp for m in moe_layers(layer))
+            if is_moe and cfg.moe_layer:
+                layer.mlp = _wrap(mlp)
+                wrapped.append(f"{prefix}.{key}.mlp")
+            elif is_moe and "shared_experts" in modules and getattr(mlp, "shared_experts", None) is not None:
+                mlp.shared_experts = _wrap(mlp.shared_experts)
+                wrapped.append(f"{prefix}.{key}.mlp.shared_experts")
+            elif mlp is not None and not is_moe and "mlp" in modules:
+                layer.mlp = _wrap(mlp)
+                wrapped.append(f"{prefix}.{key}.mlp")
     if cfg.granularity is None:
         return wrapped
     for prefix, layers in layer_stacks(model).items():
@@ -84,7 +120,7 @@ def apply_activation_checkpointing(model: nn.Module, cfg: RecomputeConfig) -> li
                 layers[key] = _wrap(layers[key])
                 wrapped.append(f"{prefix}.{key}")
             continue
-        for key in keys:
+        for key in keys if "core_attn" in modules else ():
             for name in ("self_attention", "cross_attention"):  # core attention of each attention module
                 attention = getattr(layers[key], name, None)
                 if attention is not None:

@@ -429,6 +429,9 @@ def _apply_old_megatron_names(args: argparse.Namespace) -> None:
             _fail("--recompute-activations means --recompute-granularity selective; it cannot be combined with "
                   "full recomputation (--recompute-granularity full / --checkpoint-activations)")
         args.recompute_granularity = "selective"
+    if getattr(args, "recompute_modules", None) is not None and args.recompute_granularity != "selective":
+        args.legacy_notes.append("note: --recompute-modules chooses what --recompute-granularity selective "
+                                 "recomputes; without it the flag has no effect (as in Megatron-LM)")
     warmup = getattr(args, "warmup", None)
     if warmup is not None:
         given = [f for f, v in (("--lr-warmup-fraction", args.lr_warmup_fraction),

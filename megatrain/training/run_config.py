@@ -94,7 +94,8 @@ def _parallelize_config(args: argparse.Namespace, precision: Precision) -> Paral
         overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size,
         param_dtype=torch.bfloat16 if args.bf16 else None, grad_reduce_in_bf16=args.grad_reduce_in_bf16)
     recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
-                                moe_layer=args.moe_layer_recompute)
+                                moe_layer=args.moe_layer_recompute,
+                                modules=None if args.recompute_modules is None else tuple(args.recompute_modules))
     return ParallelizeConfig(
         data_parallel=data_parallel, recompute=recompute, compile_layers=args.use_torch_compile,
         cross_entropy_chunk_size=args.cross_entropy_chunk_size, compute_dtype=precision.dtype,

@@ -67,3 +67,73 @@ def test_selective_recompute_reruns_only_core_attention():
     mlp_counts, _, _ = _forward_counts(same_model, lambda layer: layer.mlp)
     assert counts == [2, 2, 2] and mlp_counts == [1, 1, 1]
     assert loss == ref_loss and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+
+def _saved_bytes(model: GPTModel) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of one forward."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, labels=tokens).mean()
+    return total[0]
+
+
+def test_recompute_modules_mlp_reruns_the_mlps_keeps_less_and_gives_the_same_numbers():
+    base = _model()
+    model = copy.deepcopy(base)
+    _, ref_loss, ref_grads = _forward_counts(base, lambda layer: layer.mlp)
+    cfg = RecomputeConfig("selective", modules=("core_attn", "mlp"))
+    wrapped = apply_activation_checkpointing(model, cfg)
+    assert wrapped == [f"layers.{i}.mlp" for i in range(3)] + \
+        [f"layers.{i}.self_attention.core_attention" for i in range(3)]
+    inner = copy.deepcopy(model)
+    counts, loss, grads = _forward_counts(inner, lambda layer: layer.mlp._checkpoint_wrapped_module)
+    assert counts == [2, 2, 2]
+    assert loss == ref_loss and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    attention_only = copy.deepcopy(base)
+    apply_activation_checkpointing(attention_only, RecomputeConfig("selective"))
+    assert _saved_bytes(model) < _saved_bytes(attention_only) < _saved_bytes(base)
+
+
+def test_recompute_modules_without_core_attn_leave_attention_alone():
+    model = _model()
+    assert apply_activation_checkpointing(model, RecomputeConfig("selective", modules=("mlp",))) == \
+        [f"layers.{i}.mlp" for i in range(3)]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("layernorm", "--recompute-modules layernorm: not supported \\(the norm's output"),
+    ("moe_act", "--recompute-modules moe_act: not supported"),
+    ("mla_up_proj", "--recompute-modules mla_up_proj: not supported"),
+    ("mhc", "--recompute-modules mhc: not a module megatrain recomputes"),
+])
+def test_recompute_modules_that_would_save_nothing_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        RecomputeConfig("selective", modules=("core_attn", name))
+
+
+def test_recompute_modules_flag_reaches_the_config_and_turns_the_fusion_off():
+    from megatrain.parallel.parallelize import ParallelizeConfig, grad_accumulation_fusion_applies
+    from megatrain.parallel.dims import ParallelDims
+    from megatrain.training.arguments import parse_args
+    from megatrain.training.run_config import RunConfig
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--device", "cpu",
+            "--bf16"]
+    a = parse_args([*base, "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe"])
+    cfg = RunConfig.from_args(a).parallelize
+    assert cfg.recompute.modules == ("mlp", "moe") and cfg.recompute.moe_layer
+    assert not grad_accumulation_fusion_applies(cfg, ParallelDims(1), fsdp=False)
+    attention = RunConfig.from_args(parse_args([*base, "--recompute-granularity", "selective"])).parallelize
+    assert attention.recompute.modules == ("core_attn",)
+    assert grad_accumulation_fusion_applies(attention, ParallelDims(1), fsdp=False)
+    ignored = parse_args([*base, "--recompute-modules", "mlp"])
+    assert any("--recompute-modules chooses what" in n for n in ignored.legacy_notes)
+    assert isinstance(cfg, ParallelizeConfig)
