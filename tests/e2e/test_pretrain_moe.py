@@ -47,3 +47,22 @@ def test_moe_pretrain_loss_falls_logs_balancing_loss_and_resumes_exactly(tmp_pat
     for a, b in zip(lines[8:], second):
         assert (a["lm loss"], a["load_balancing_loss"], a["grad norm"]) == \
             (b["lm loss"], b["load_balancing_loss"], b["grad norm"]), (a, b)
+
+
+def test_bf16_moe_layer_recompute_with_shared_experts_runs_on_one_process():
+    """Recomputing MoE layers whose shared experts are linear layers: on one process in bf16 the
+    gradient-accumulation fusion used to be on, its recomputed forward saw no staged gradient and the
+    checkpoint refused the backward (a different number of saved tensors). Recomputing linear layers now
+    turns the fusion off (`--recompute-modules moe` is the same setting: tests/unit/test_recompute.py)."""
+    run = [sys.executable, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+           "4", "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "4", "--num-experts", "4", "--moe-router-topk", "2",
+           "--moe-shared-expert-intermediate-size", "32", "--moe-ffn-hidden-size", "32", "--disable-bias-linear",
+           "--train-iters", "3", "--lr", "1e-2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+           "64", "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--bf16", "--hidden-dropout", "0",
+           "--attention-dropout", "0"]
+    logs = []
+    for extra in (["--moe-layer-recompute"], ["--moe-layer-recompute", "--no-gradient-accumulation-fusion"]):
+        out = run_cmd([*run, *extra], env=cpu_env()).stdout
+        logs.append([parse_train_log_line(line)["lm loss"] for line in out.splitlines() if "] iteration " in line])
+    assert len(logs[0]) == 3 and logs[0] == logs[1]
