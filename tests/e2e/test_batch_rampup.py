@@ -37,10 +37,15 @@ def test_rampup_schedule_data_parallel_and_resume(tmp_path):
         assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)
         assert c["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)  # one pipeline schedule per batch size
         assert b["global batch size"] == c["global batch size"] == a["global batch size"]
-    save = tmp_path / "ckpt"
-    first = _lines(run_cmd([sys.executable, *RUN, "--save", str(save), "--exit-interval", "6"], env=cpu_env()).stdout)
-    second = _lines(run_cmd([sys.executable, *RUN, "--load", str(save)], env=cpu_env()).stdout)
-    assert [d["iteration"] for d in first + second] == list(range(1, 13))
+    _assert_resumes_exactly(RUN, full, tmp_path / "ckpt", stop_at=6)
+
+
+def _assert_resumes_exactly(run: list[str], full: list[dict], save, stop_at: int) -> None:
+    """``run`` stopped after ``stop_at`` iterations and resumed logs what the uninterrupted run logged."""
+    first = _lines(run_cmd([sys.executable, *run, "--save", str(save), "--exit-interval", str(stop_at)],
+                           env=cpu_env()).stdout)
+    second = _lines(run_cmd([sys.executable, *run, "--load", str(save)], env=cpu_env()).stdout)
+    assert [d["iteration"] for d in first + second] == list(range(1, len(full) + 1))
     for a, b in zip(full, first + second):
         assert (a["lm loss"], a["learning rate"], a["global batch size"]) == \
                (b["lm loss"], b["learning rate"], b["global batch size"]), (a, b)
@@ -56,10 +61,4 @@ def test_step_batch_size_schedule_of_megatrons_gpt3_example_runs_and_resumes_acr
     full = _lines(run_cmd([sys.executable, *run], env=cpu_env()).stdout)
     # thresholds 0, 8, 16 samples (tokens // --seq-length 32): 4, 4 (8 consumed), 8 (16), then 16
     assert [d["global batch size"] for d in full] == [4, 4, 8, 16, 16, 16]
-    save = tmp_path / "ckpt"
-    first = _lines(run_cmd([sys.executable, *run, "--save", str(save), "--exit-interval", "2"], env=cpu_env()).stdout)
-    second = _lines(run_cmd([sys.executable, *run, "--load", str(save)], env=cpu_env()).stdout)
-    assert [d["iteration"] for d in first + second] == list(range(1, 7))
-    for a, b in zip(full, first + second):
-        assert (a["lm loss"], a["learning rate"], a["global batch size"]) == \
-               (b["lm loss"], b["learning rate"], b["global batch size"]), (a, b)
+    _assert_resumes_exactly(run, full, tmp_path / "ckpt", stop_at=2)
