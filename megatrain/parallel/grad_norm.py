@@ -1,12 +1,13 @@
 """Gradient norms and clipping over plain tensors and DTensors, and across process groups.
 
-:func:`get_grad_norm` measures the global norm of all gradients (:func:`get_total_norm` that of any tensors,
-e.g. the parameters; :func:`count_zeros` counts the gradients' zeros) (DTensor gradients through
+:func:`get_grad_norm` measures the global norm of all gradients (DTensor gradients through
 DTensor, so sharded and replicated parameters count once; ``reduce_group`` combines the norms of
-ranks that hold different parameters, e.g. pipeline stages); :func:`clip_grads_with_norm_` scales
-them by Megatron's coefficient; :func:`clip_grad_norm_` does both. Nothing here syncs with the
-host. They live in ``parallel/`` because the pipeline's norm over stages needs them and
-``parallel/`` imports nothing from ``training/``; ``megatrain.optimizer`` re-exports them.
+ranks that hold different parameters, e.g. pipeline stages), :func:`get_total_norm` that of any
+tensors (the parameters: ``--log-params-norm``), :func:`count_zeros` the gradients' zeros;
+:func:`clip_grads_with_norm_` scales them by Megatron's coefficient; :func:`clip_grad_norm_` does
+both. Nothing here syncs with the host. They live in ``parallel/`` because the pipeline's norm over
+stages needs them and ``parallel/`` imports nothing from ``training/``; ``megatrain.optimizer``
+re-exports them.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["get_grad_norm", "get_total_norm", "count_zeros", "scale_grads_", "clip_coefficient", "clip_divisor", "clip_grads_with_norm_",
-           "clip_grad_norm_"]
+__all__ = ["get_grad_norm", "get_total_norm", "count_zeros", "scale_grads_", "clip_coefficient", "clip_divisor",
+           "clip_grads_with_norm_", "clip_grad_norm_"]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

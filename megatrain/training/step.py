@@ -304,7 +304,7 @@ class StepMixin:
         # found_inf is set (torch's fused Adam/SGD take it, as under GradScaler), so the device runs
         # the update while the host goes on; otherwise the host reads the flags and decides.
         norm_value = grad_norm_t.detach().float().reshape(()) if grad_norm_t is not None else found_inf.new_zeros(())
-        zeros = self._count_zeros(params) if a.log_num_zeros_in_grad else found_inf.new_zeros(())
+        zeros = self._count_zeros(params) if getattr(a, "log_num_zeros_in_grad", False) else found_inf.new_zeros(())
         # float64: the zero count is exact far beyond float32's 2^24
         flags = torch.cat([torch.stack([found_inf.double().reshape(()), torch.isfinite(mean_loss).double(),
                                         norm_value.double().to(found_inf.device),
@@ -345,11 +345,11 @@ class StepMixin:
             self.scheduler.step(p.global_batch_size)
         names = self.objective.loss_names if not self.per_token_loss else self.objective.loss_names[:1]
         # the weights after this iteration's step: the next iteration's step is not queued yet
-        params_norm = float(self._params_norm()) if self.args.log_params_norm else None
+        params_norm = float(self._params_norm()) if getattr(self.args, "log_params_norm", False) else None
         result = StepResult(sum(loss_values) if len(loss_values) > 1 else loss_values[0],
                             norm if p.has_norm and not bad else None, bad,
                             loss_nan or (bad and self.scaler is None), dict(zip(names, loss_values)),
-                            num_zeros=int(zeros) if self.args.log_num_zeros_in_grad else None,
+                            num_zeros=int(zeros) if getattr(self.args, "log_num_zeros_in_grad", False) else None,
                             params_norm=params_norm)
         self._count(p.iteration, result)
         return result

@@ -75,7 +75,8 @@ class Trainer(StepMixin, EvaluationMixin):
         self.housekeeping = Housekeeping(args, self.device, int(os.environ.get("RANK", "0")))
         self.per_token_loss = args.calculate_per_token_loss
         self.batch_schedule: BatchRampup | StepBatchSchedule | None = None  # a changing global batch, or None
-        self.num_micro_batches = args.num_micro_batches  # of the current iteration (a changing global batch: --rampup-batch-size, --step-batch-size-schedule)
+        # of the current iteration (a changing global batch: --rampup-batch-size, --step-batch-size-schedule)
+        self.num_micro_batches = args.num_micro_batches
         hf_start.prepare_start(args)  # a Hugging Face folder to start from: rank 0 converts it, the others wait
         prepare_megatron_start(args)  # a Megatron-LM checkpoint in --load: rank 0 converts it, the others wait
         self.world_size = init_distributed(self.device, args.distributed_timeout_minutes).world_size

@@ -73,7 +73,8 @@ def test_memory_history_on_a_cpu_run_is_a_note_and_writes_nothing(tmp_path):
             "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--device", "cpu",
             "--record-memory-history", "--memory-snapshot-path", str(tmp_path / "mem.pickle")]
     args = parse_args(argv, validate=True)
-    assert any(n.startswith("note: --record-memory-history records the CUDA caching allocator") for n in args.legacy_notes)
+    assert any(n.startswith("note: --record-memory-history records the CUDA caching allocator")
+               for n in args.legacy_notes)
     hk = Housekeeping(args, torch.device("cpu"), 0)
     hk.after_log()
     hk.close()

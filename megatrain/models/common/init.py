@@ -22,7 +22,8 @@ import torch
 
 from megatrain.models.common.config import TransformerConfig
 
-__all__ = ["canonical_parameter_name", "drawing_on", "seeded_normal", "megatron_initial_value", "RESIDUAL_PROJECTIONS"]
+__all__ = ["canonical_parameter_name", "drawing_on", "seeded_normal", "megatron_initial_value",
+           "RESIDUAL_PROJECTIONS"]
 
 # Path parts that wrappers insert (torch.compile, activation checkpointing, DDP/FSDP1); dropping
 # them gives every parameter the same canonical name whatever wraps it.
