@@ -36,6 +36,7 @@ def test_profile_step_writes_kernel_table_and_summary(tmp_path):
     assert summary and (tmp_path / "kernels.txt").read_text(encoding="utf-8").strip()
 
 
+@pytest.mark.long  # ~12 s: a benchmark's tool; the one-process kernel table above stays in the default run
 def test_profile_step_under_torchrun_reports_from_rank_0(tmp_path):
     run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              "benchmarks/profile_step.py", "--shape", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1",

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = ("import torch\n"
           "def double_sin(x):\n"
@@ -25,6 +27,7 @@ def _run(tmp_path: Path, report: Path | None) -> None:
     subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=tmp_path, check=True, timeout=300)
 
 
+@pytest.mark.long  # ~20 s (two compiling processes): a benchmark's tool, used by the device rounds
 def test_each_compiled_frame_is_a_line_with_its_times(tmp_path):
     report = tmp_path / "report.txt"
     _run(tmp_path, report)

@@ -20,7 +20,8 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", pytest.param("pretrain", marks=pytest.mark.long)])
+@pytest.mark.long  # ~17 s: a benchmark's tool (its device runs use it), like the throughput table's test
+@pytest.mark.parametrize("stage", ["sft", "pretrain"])
 def test_tiny_cpu_run_prints_both_rows(tmp_path, stage):
     pytest.importorskip("transformers")
     pytest.importorskip("PIL")
