@@ -38,6 +38,8 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--ckpt-format": "checkpoints are PyTorch DCP shards in Megatron's directory layout (like torch_dist), "
                      "whatever the value; tools/checkpoint/convert.py --saver mcore (or megatron) writes one as "
                      "Megatron-LM's torch_dist (or torch) format, and --load reads Megatron-LM's",
+    "--auto-detect-ckpt-format": "is always on here: --load reads megatrain's checkpoints and Megatron-LM's "
+                                 "torch_dist and legacy torch ones, whatever --ckpt-format says",
     "--fp8-param-gather": "weights are gathered in bf16 (FSDP2 mixed precision) and cast to fp8 at each matmul: "
                           "the same matmuls, twice the bytes gathered",
     "--no-rope-fusion": "RoPE is fused by torch.compile with the rest of the layer",
@@ -165,6 +167,7 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", default=None, choices=["native", "te"])
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true")
     g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true")
     g.add_argument("--no-rope-fusion", action="store_true")
     g.add_argument("--use-contiguous-parameters-in-local-ddp", action="store_true")
     g.add_argument("--keep_fp8_weight_transpose_cache", "--keep-fp8-weight-transpose-cache", action="store_true",

@@ -329,3 +329,8 @@ def test_use_checkpoint_args_without_a_checkpoint_yet_trains_with_the_flags(tmp_
     assert a.num_layers == 2 and any("no checkpoint in --load" in n for n in a.legacy_notes)
     message = fails(capsys, "--use-checkpoint-args", "--load", str(tmp_path), "--exit-on-missing-checkpoint")
     assert "--exit-on-missing-checkpoint: no checkpoint found in --load" in message
+
+
+def test_auto_detect_ckpt_format_is_accepted_with_a_note():
+    a = parse("--auto-detect-ckpt-format")
+    assert any(n.startswith("note: --auto-detect-ckpt-format is always on here: --load reads") for n in a.legacy_notes)
