@@ -30,6 +30,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _default_device() -> torch.device:
+    """Where a rank with nothing to measure puts its 0 (the collectives after it need the run's device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _plain_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Norm over plain tensors, accumulated in fp32, on the first tensor's device."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
@@ -89,8 +94,7 @@ def count_zeros(params: Iterable[torch.Tensor], *, reduce_group: Any = None) -> 
         device = counts[0].device
         total = torch.stack([c.to(device=device, dtype=torch.int64) for c in counts]).sum()
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        total = torch.zeros((), dtype=torch.int64, device=device)
+        total = torch.zeros((), dtype=torch.int64, device=_default_device())
     dist = torch.distributed
     if reduce_group is not None and dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=reduce_group)
@@ -113,8 +117,7 @@ def get_total_norm(tensors: Iterable[torch.Tensor], norm_type: float = 2.0, *, r
     if parts:
         total = _combine(parts, norm_type).float()
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float32, device=_default_device())
     dist = torch.distributed
     if reduce_group is not None and dist.is_available() and dist.is_initialized():
         if math.isinf(norm_type):

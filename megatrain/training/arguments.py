@@ -17,7 +17,7 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Any, Callable, NoReturn, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeVar
 
 from megatrain.checkpoint.flags import add_checkpoint_flags
 from megatrain.data.config import add_data_flags
@@ -29,6 +29,9 @@ from megatrain.runtime.flags import add_runtime_flags
 from megatrain.training.compat_flags import COMPAT_SECTION, LEGACY_FLAG_NOTES, UNSUPPORTED_FLAGS, add_compat_flags
 from megatrain.training.flags import (add_housekeeping_flags, add_logging_flags, add_loop_flags, add_lr_flags,
                                       add_optimizer_flags, add_precision_flags, add_validation_flags)
+
+if TYPE_CHECKING:
+    from megatrain.training.batch_rampup import StepBatchSchedule
 
 __all__ = ["LEGACY_FLAG_NOTES", "UNSUPPORTED_FLAGS", "MegatronArgumentParser", "build_parser", "parse_args",
            "validate_args", "world_size_from_env"]
@@ -353,7 +356,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
     _checked(require_fp8)
 
 
-def _step_schedule(args: argparse.Namespace) -> None:
+def _step_schedule(args: argparse.Namespace) -> StepBatchSchedule:
     """``--step-batch-size-schedule``: valid entries; ``--global-batch-size`` is its last batch (given, it must
     be; Megatron-LM's example passes both); not with ``--rampup-batch-size``; under pipeline parallelism each
     batch fills whole pipeline schedules."""
@@ -374,6 +377,7 @@ def _step_schedule(args: argparse.Namespace) -> None:
         _fail(f"--step-batch-size-schedule with --pipeline-model-parallel-size {pp}: every batch size must be a "
               f"whole multiple of {pp} micro-batches ({pp * per_micro} samples), so that it fills the pipeline "
               "schedule")
+    return schedule
 
 
 def _validate_pipeline(args: argparse.Namespace) -> None:
@@ -582,8 +586,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
             args.tp_comm_overlap = False
             args.legacy_notes.append("note: --tp-comm-overlap needs CUDA and --use-torch-compile (async TP is an "
                                      "inductor pass); this run communicates without overlap")
-    if args.step_batch_size_schedule is not None:
-        _step_schedule(args)
+    step_schedule = _step_schedule(args) if args.step_batch_size_schedule is not None else None
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
@@ -605,11 +608,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         rampup = _checked(BatchRampup, *args.rampup_batch_size, args.global_batch_size,
                           args.micro_batch_size * args.data_parallel_size)
         args.train_iters_derived = rampup.iterations_for(args.train_samples)
-    elif args.step_batch_size_schedule is not None:
-        from megatrain.training.batch_rampup import batch_schedule_from_args
-
+    elif step_schedule is not None:
         args.train_iters_derived = (args.train_iters if args.train_samples is None else
-                                    _checked(batch_schedule_from_args, args).iterations_for(args.train_samples))
+                                    step_schedule.iterations_for(args.train_samples))
     elif args.train_samples is not None:
         args.train_iters_derived = args.train_samples // args.global_batch_size
     else:

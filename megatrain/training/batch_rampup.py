@@ -99,7 +99,6 @@ class StepBatchSchedule:
 
     entries: tuple[tuple[int, int], ...]  # (threshold in samples, global batch), ascending
     micro_batch_times_dp: int
-    text: str = ""
 
     FLAG = "--step-batch-size-schedule"
 
@@ -125,7 +124,7 @@ class StepBatchSchedule:
             if batch <= 0 or batch % micro_batch_times_dp:
                 raise ValueError(f'{flag}: "{entry}": the batch size must be a positive multiple of '
                                  f"--micro-batch-size x data-parallel size ({micro_batch_times_dp})")
-        return cls(tuple((t, b) for t, b, _ in pairs), micro_batch_times_dp, text)
+        return cls(tuple((t, b) for t, b, _ in pairs), micro_batch_times_dp)
 
     @property
     def global_batch_size(self) -> int:
@@ -159,13 +158,12 @@ class StepBatchSchedule:
 
 
 def batch_schedule_from_args(args: argparse.Namespace) -> BatchRampup | StepBatchSchedule | None:
-    """The run's changing global batch (validated flags: ``--rampup-batch-size`` or
+    """The run's changing global batch (validated flags, the schedule one string: ``--rampup-batch-size`` or
     ``--step-batch-size-schedule``), or None for a constant one."""
     per_step = args.micro_batch_size * args.data_parallel_size
     schedule = getattr(args, "step_batch_size_schedule", None)
     if schedule is not None:
-        text = schedule if isinstance(schedule, str) else " ".join(schedule)
-        return StepBatchSchedule.parse(text, args.seq_length, per_step)
+        return StepBatchSchedule.parse(schedule, args.seq_length, per_step)
     if args.rampup_batch_size:
         return BatchRampup(*args.rampup_batch_size, args.global_batch_size, per_step)
     return None
