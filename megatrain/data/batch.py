@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Optional, TypeVar
 import torch
 
 __all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "block_causal_mask", "make_batch", "packed_attention",
-           "to_device"]
+           "to_device", "MTP_FIELDS", "mtp_fields"]
 
 B = TypeVar("B", bound="Batch")
 
@@ -95,15 +95,24 @@ class Batch:
 @dataclass
 class CausalLMBatch(Batch):
     """Next-token prediction: tokens/labels [b, s], loss_mask float [b, s], position_ids int64 [b, s],
-    attention_mask None (causal) or bool [b, 1, s, s] (True = may attend)."""
+    attention_mask None (causal) or bool [b, 1, s, s] (True = may attend). With multi-token prediction
+    (``--mtp-num-layers``) the :func:`mtp_fields` too, else None."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: Optional[torch.Tensor] = None
     attention_mask: Optional[torch.Tensor] = None
+    mtp_tokens: Optional[torch.Tensor] = None  # int64 [b, s, D]
+    mtp_labels: Optional[torch.Tensor] = None  # int64 [b, s, D]
+    mtp_loss_mask: Optional[torch.Tensor] = None  # float [b, s, D]
+    mtp_counts: Optional[torch.Tensor] = None  # float [b, D + 1]
 
     sequence_fields: ClassVar[tuple[str, ...]] = ("tokens", "labels", "loss_mask", "position_ids")
+
+    def mtp_targets(self) -> dict[str, torch.Tensor]:
+        """The multi-token prediction fields by name ({} without them)."""
+        return {name: getattr(self, name) for name in MTP_FIELDS if getattr(self, name) is not None}
 
     @classmethod
     def cat(cls, batches: list["CausalLMBatch"]) -> "CausalLMBatch":
@@ -122,8 +131,11 @@ class CausalLMBatch(Batch):
         positions = self.position_ids
         if positions is None:
             positions = torch.arange(self.tokens.shape[1], device=self.tokens.device).unsqueeze(0)
+        shifted = {name: getattr(self, name).index_select(1, index) for name in MTP_FIELDS[:3]
+                   if getattr(self, name) is not None}  # computed from the whole sequence; mtp_counts too
         return replace(self, tokens=self.tokens.index_select(1, index), labels=self.labels.index_select(1, index),
-                       loss_mask=self.loss_mask.index_select(1, index), position_ids=positions.index_select(1, index))
+                       loss_mask=self.loss_mask.index_select(1, index), position_ids=positions.index_select(1, index),
+                       **shifted)
 
 
 @dataclass
@@ -188,10 +200,37 @@ def _segment_starts(is_eod: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+MTP_FIELDS = ("mtp_tokens", "mtp_labels", "mtp_loss_mask", "mtp_counts")
+
+
+def _shift_left(values: torch.Tensor, steps: int) -> torch.Tensor:
+    """``values`` [b, s] moved ``steps`` positions left along the sequence, the last ``steps`` set to 0."""
+    out = torch.zeros_like(values)
+    if steps < values.shape[1]:
+        out[:, : values.shape[1] - steps] = values[:, steps:]
+    return out
+
+
+def mtp_fields(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+               depths: int) -> dict[str, torch.Tensor]:
+    """Multi-token prediction's batch fields for ``depths`` depths from [b, s] tokens, labels and loss mask
+    (Megatron's ``roll_tensor``, once per depth): ``mtp_tokens``, ``mtp_labels`` and ``mtp_loss_mask``
+    [b, s, depths], column k shifted left by k + 1 with the vacated positions 0; ``mtp_counts`` float
+    [b, depths + 1], each sample's loss tokens (unshifted, then per depth). Computed from the whole
+    sequence, so a context-parallel rank's part (:meth:`CausalLMBatch.context_parallel_part`) keeps the
+    tokens from beyond its own positions and the counts of the whole sequence."""
+    shifted = {"mtp_tokens": tokens, "mtp_labels": labels, "mtp_loss_mask": loss_mask}
+    out = {name: torch.stack([_shift_left(v, k + 1) for k in range(depths)], dim=-1) for name, v in shifted.items()}
+    out["mtp_counts"] = torch.cat([loss_mask.float().sum(dim=1, keepdim=True),
+                                   out["mtp_loss_mask"].float().sum(dim=1)], dim=1)
+    return out
+
+
 def make_batch(samples: torch.Tensor, eod_token: Optional[int], reset_position_ids: bool = False,
-               reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> CausalLMBatch:
+               reset_attention_mask: bool = False, eod_mask_loss: bool = False, mtp_depths: int = 0) -> CausalLMBatch:
     """``samples`` int64 [b, s+1] -> tokens/labels [b, s], loss_mask float [b, s], position_ids
-    int64 [b, s], attention_mask ``None`` or bool [b, 1, s, s] (True = may attend)."""
+    int64 [b, s], attention_mask ``None`` or bool [b, 1, s, s] (True = may attend); with ``mtp_depths``
+    the :func:`mtp_fields` of that many multi-token prediction depths."""
     if samples.dim() != 2 or samples.shape[1] < 2:
         raise ValueError(f"samples must be [batch, seq_length+1], got shape {tuple(samples.shape)}")
     samples = samples.long()
@@ -218,4 +257,5 @@ def make_batch(samples: torch.Tensor, eod_token: Optional[int], reset_position_i
     attention_mask = None
     if reset_attention_mask:  # a segment is known by its start
         attention_mask = block_causal_mask(starts).unsqueeze(1)
-    return CausalLMBatch(tokens, labels, loss_mask, position_ids, attention_mask)
+    extra = mtp_fields(tokens, labels, loss_mask, mtp_depths) if mtp_depths else {}
+    return CausalLMBatch(tokens, labels, loss_mask, position_ids, attention_mask, **extra)

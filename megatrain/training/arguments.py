@@ -60,6 +60,7 @@ class MegatronArgumentParser(OneLineArgumentParser):
 
 # The sections of --help, in order; each concern adds its flags to its sections (megatrain/flags.py).
 SECTIONS = ("network size", "regularization", "training", "initialization", "mixture of experts",
+            "multi-token prediction",
             "multi-latent attention", "learning rate",
             "checkpointing", "mixed precision", "distributed", "logging", "validation", "data and dataloader",
             "tokenizer", COMPAT_SECTION)

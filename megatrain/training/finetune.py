@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatrain.data.batch import CausalLMBatch
+from megatrain.data.batch import CausalLMBatch, mtp_fields
 from megatrain.data.sft_conversations import build_conversation_datasets
 from megatrain.data.sft_dataset import SFTConfig, build_sft_datasets, sft_batch
 from megatrain.data.tokenizers.sft import IGNORE_INDEX, SFTTokenizer
@@ -51,7 +51,10 @@ class SFTObjective(CausalLMObjective):
     sparse_labels = True  # the prompts' labels are ignored (forward)
 
     def make_batch(self, samples: Any) -> CausalLMBatch:
-        return sft_batch(samples)
+        batch = sft_batch(samples)
+        if self.mtp_depths:  # --mtp-num-layers: the response tokens' further targets
+            batch = replace(batch, **mtp_fields(batch.tokens, batch.labels, batch.loss_mask, self.mtp_depths))
+        return batch
 
     def forward(self, model: Any, batch: CausalLMBatch) -> torch.Tensor:
         # The prompts' labels ignored (their loss is masked out anyway), so that the chunked loss head runs
@@ -64,7 +67,7 @@ class SFTTrainer(Trainer):
     """The pre-training loop with jsonl examples whose batches carry their own (response-only) loss mask."""
 
     def build_objective(self) -> SFTObjective:
-        return SFTObjective()
+        return SFTObjective(mtp_depths=getattr(self.args, "mtp_num_layers", None) or 0)
 
     def build_datasets(self, num_samples: list[int]) -> tuple[Any, Any, Any]:
         a = self.args

@@ -247,8 +247,11 @@ class StepMixin:
         fusion = self._grad_fusion()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         moe = getattr(self, "moe_metrics", None)
+        mtp = getattr(self, "mtp_metrics", None)
         if moe is not None:  # the balancing losses' gradients get the main loss's factor (constant in an iteration)
             moe.set_loss_scale(self._micro_batch_weight(scale))
+        if mtp is not None:  # so do the multi-token prediction depths' (the same factor, set once more)
+            mtp.set_loss_scale(self._micro_batch_weight(scale))
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))
@@ -265,6 +268,8 @@ class StepMixin:
             graphs.end_iteration()
         if moe is not None:  # expert biases, global_aux_loss counts, logged values: before the step
             moe.after_backward(self.num_micro_batches)
+        if mtp is not None:
+            mtp.after_backward(self.num_micro_batches)
         self.housekeeping.after_forward_backward()
         params = [p for p in self._module_parameters() if p.grad is not None]
         per_token_mean = None

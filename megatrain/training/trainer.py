@@ -25,6 +25,7 @@ from megatrain.data.gpt_dataset import build_train_valid_test_datasets, num_samp
 from megatrain.data.loader import build_pretraining_data_loader
 from megatrain.data.tokenizers import build_tokenizer
 from megatrain.models.common.moe.metrics import MoEMetrics, MoEReport
+from megatrain.models.gpt.mtp import MtpMetrics
 from megatrain.models.common.objective import Objective
 from megatrain.models.registry import DEFAULT_FAMILY, ModelFamily, get_family
 from megatrain.parallel.distributed import (destroy_distributed, get_rank, init_distributed,
@@ -147,6 +148,9 @@ class Trainer(StepMixin, EvaluationMixin):
                                               self.dims.replicas, lambda: self.dims.replica_mesh().get_group())
         # MoE models: balancing-loss scale, expert-bias updates and logged values (None: dense, nothing to do)
         self.moe_metrics = MoEMetrics.for_model(self.module, self.model_config, device=self.device,
+                                                per_token_loss=self.per_token_loss)
+        # multi-token prediction: the depths' loss scale and logged losses (None without depths)
+        self.mtp_metrics = MtpMetrics.for_model(self.module, self.model_config, device=self.device,
                                                 per_token_loss=self.per_token_loss)
         self.optimizer = self._build_optimizer()
         if self.grad_fusion is not None and isinstance(self.optimizer, KernelAdamW):
@@ -465,6 +469,10 @@ class Trainer(StepMixin, EvaluationMixin):
             moe_reports = self._read_moe(it, log) if self.moe_metrics is not None else {}
             if "last" in moe_reports:
                 self._write_moe_tensorboard(it, moe_reports["last"])
+            mtp_losses = self._read_mtp() if log and self.mtp_metrics is not None else {}
+            if self.writer.active:
+                for name, value in mtp_losses.items():
+                    self.writer.add_scalar(name, value, it)
             if tensorboard:
                 assert self.last_result is not None and self.last_result[0] == it
                 result = self.last_result[1]
@@ -479,7 +487,7 @@ class Trainer(StepMixin, EvaluationMixin):
                 # is counted in the next interval).
                 now = time.time()
                 self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters,
-                          moe=moe_reports.get("interval"))
+                          moe=moe_reports.get("interval"), mtp=mtp_losses)
                 self.housekeeping.after_log()
                 if self.device.type == "cuda" and self.state.iteration == a.log_interval:
                     peak = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -524,6 +532,19 @@ class Trainer(StepMixin, EvaluationMixin):
         dp_group = self.dims.submesh("dp").get_group() if self.dp_size > 1 else None
         return self.moe_metrics.read(last=last, interval=log, pp_group=pp_group, dp_group=dp_group)
 
+    def _read_mtp(self) -> dict[str, float]:
+        """The log interval's multi-token prediction losses, reduced over the ranks (every rank reads):
+        the context-parallel parts and pipeline stages summed, the data-parallel ranks averaged."""
+        assert self.mtp_metrics is not None
+
+        def reduce(values: torch.Tensor) -> torch.Tensor:
+            values = self._dp_mean(self._cp_sum(values))
+            if self.pipeline is not None and self.pipeline.pp_group is not None:
+                torch.distributed.all_reduce(values, group=self.pipeline.pp_group)  # the last stage's
+            return values
+
+        return self.mtp_metrics.read(reduce)
+
     def _write_moe_tensorboard(self, iteration: int, report: MoEReport) -> None:
         """Megatron's MoE scalars: each value by its name, and with --moe-per-layer-logging
         ``moe/<name>_layer_<i>`` for every layer."""
@@ -549,7 +570,7 @@ class Trainer(StepMixin, EvaluationMixin):
         return flops / max(stats.iterations, 1)
 
     def _log(self, stats: IntervalStats, seconds_per_iter: float, train_iters: int,
-             moe: MoEReport | None = None) -> None:
+             moe: MoEReport | None = None, mtp: dict[str, float] | None = None) -> None:
         a = self.args
         batch = self.current_global_batch_size
         tflops = self._iteration_flops(stats) / (seconds_per_iter * 1e12 * self.world_size)
@@ -559,6 +580,8 @@ class Trainer(StepMixin, EvaluationMixin):
         losses = stats.mean_losses(self.objective.loss_names[:1] if self.per_token_loss else self.objective.loss_names)
         if moe is not None:  # after the objective's losses, as Megatron's total_loss_dict
             losses = {**losses, **moe.averages}
+        if mtp:  # then multi-token prediction's
+            losses = {**losses, **mtp}
         line = format_train_log_line(
             iteration=self.state.iteration, train_iters=train_iters,
             consumed_samples=self.state.consumed_train_samples, elapsed_ms=seconds_per_iter * 1000.0,

@@ -114,6 +114,12 @@ class TransformerConfig:
     yarn_original_max_position_embeddings: int = 4096
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    # ---- multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers, --mtp-loss-scaling-factor) ----
+    # mtp_num_layers extra depths after the decoder, each predicting one token further
+    # (megatrain.models.gpt.mtp); their layer takes the decoder's last layer's kind (dense or MoE), so
+    # is_moe_layer(i) for i >= num_layers is the last layer's. 0: none.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
     # Self-attention sees earlier positions only (decoders); False: every position of the sequence
     # (encoders), unless an explicit mask says otherwise. A property of the family, not a field.
     causal_attention: ClassVar[bool] = True
@@ -121,6 +127,8 @@ class TransformerConfig:
     position_embedding_types: ClassVar[tuple[str, ...]] = ("learned_absolute", "rope")
     # Whether the family's model builds multi-latent attention (GPT does; BERT, T5 and LLaVA do not).
     supports_mla: ClassVar[bool] = False
+    # Whether the family's model builds multi-token prediction layers (GPT does).
+    supports_mtp: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
@@ -185,10 +193,24 @@ class TransformerConfig:
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
         self._check_moe()
+        self._check_mtp()
         if self.multi_latent_attention:
             from megatrain.models.common.mla_config import check_mla_config
 
             check_mla_config(self)
+
+    def _check_mtp(self) -> None:
+        if not self.mtp_num_layers:
+            return
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"--mtp-num-layers must be at least 0, got {self.mtp_num_layers}")
+        if not type(self).supports_mtp:
+            raise ValueError("--mtp-num-layers: multi-token prediction is built for the GPT family's decoder only")
+        if self.position_embedding_type not in ("rope", "none"):
+            raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none (as in Megatron-LM: the "
+                             f"next tokens' embeddings carry no positions), got {self.position_embedding_type}")
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"--mtp-loss-scaling-factor must be at least 0, got {self.mtp_loss_scaling_factor}")
 
     def _check_rope_scaling(self) -> None:
         if not self.use_rope_scaling:
@@ -325,16 +347,23 @@ class TransformerConfig:
         return float(coeffs[types.index(balancing_type)]) if balancing_type in types else 0.0  # type: ignore[index]
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether layer ``i`` (0-based) has a mixture-of-experts MLP."""
+        """Whether layer ``i`` (0-based) has a mixture-of-experts MLP; ``i >= num_layers``: multi-token
+        prediction's layer ``i - num_layers``, of the last layer's kind (Megatron's)."""
         if self.num_moe_experts is None:
             return False
+        i = min(i, self.num_layers - 1)
         freq = self.moe_layer_freq
         return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
 
     @property
     def num_moe_layers(self) -> int:
-        """The model's number of MoE layers (all pipeline stages together)."""
+        """The decoder's number of MoE layers (all pipeline stages together)."""
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def mtp_moe_layers(self) -> int:
+        """Multi-token prediction's MoE layers (each depth's layer is of the last layer's kind)."""
+        return self.mtp_num_layers if self.mtp_num_layers and self.is_moe_layer(self.num_layers - 1) else 0
 
     @property
     def moe_ffn(self) -> int:
@@ -518,6 +547,8 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,
+        mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
         **moe_fields_from_args(args),
         **mla_fields_from_args(args),
     )

@@ -27,6 +27,10 @@ C = --kv-lora-rank, Q = --q-lora-rank, replaces the attention terms per layer by
 
 with q = h*n*(P+R) without --q-lora-rank, else Q*(h + n*(P+R) + 1) (the "+ 1"s are Megatron's count of
 the latent norms, counted with or without --qk-layernorm as Megatron does).
+
+Multi-token prediction (``--mtp-num-layers D``; Megatron's count): each depth's layer counts as one more
+layer of the last layer's kind (L -> L + D in every term), each depth adds its norms and projection,
+6*B*s*(3*h + 2*h^2), and its logits, 6*B*s*h*V.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ def transformer_flops(cfg: TransformerConfig, batch_size: int, seq_length: int) 
     """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens."""
     assert cfg.ffn_hidden_size is not None and cfg.kv_channels is not None and cfg.num_query_groups is not None
     B, s = batch_size, seq_length
-    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    D = getattr(cfg, "mtp_num_layers", 0)  # multi-token prediction depths: one layer each
+    h, L, V = cfg.hidden_size, cfg.num_layers + D, cfg.vocab_size
     n, g, d, F = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
     E = 3 if cfg.swiglu else 2
-    moe_layers = cfg.num_moe_layers if getattr(cfg, "num_moe_experts", None) is not None else 0
+    moe_layers = cfg.num_moe_layers + cfg.mtp_moe_layers if getattr(cfg, "num_moe_experts", None) is not None else 0
     mlp_width = F * (L - moe_layers)  # summed over the layers
     if moe_layers:
         shared = cfg.moe_shared_expert_intermediate_size or 0
@@ -52,7 +57,7 @@ def transformer_flops(cfg: TransformerConfig, batch_size: int, seq_length: int) 
         attn_linear, attn_core2 = _mla_terms(cfg)
     else:
         attn_linear, attn_core2 = h * d * (n + 2 * g) + d * n * h, 2 * n * d
-    per_token = 6 * h * E * mlp_width + 6 * L * attn_linear + 6 * h * V
+    per_token = 6 * h * E * mlp_width + 6 * L * attn_linear + 6 * h * V * (1 + D) + 6 * D * (3 * h + 2 * h * h)
     attention = 3 * B * s * s * L * attn_core2  # 6 * B * s^2 * L * (core / 2): exact in integers
     return float(B * s * per_token + attention)
 

@@ -62,6 +62,10 @@ def seeded_normal(canonical: str, shape: Sequence[int], std: float, seed: int) -
     return torch.empty(tuple(shape), device=device).normal_(mean=0.0, std=std, generator=generator)
 
 
+# Norms not named ``*layernorm``: multi-token prediction's embedding and hidden-state norms (Megatron's names).
+_OTHER_NORMS = frozenset({"enorm", "hnorm"})
+
+
 def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerConfig, seed: int, *,
                            std_weights: Collection[str],
                            scaled_weights: Collection[str] = RESIDUAL_PROJECTIONS) -> torch.Tensor:
@@ -71,7 +75,7 @@ def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerC
     Megatron's scheme: weights of the modules in ``std_weights`` ~ N(0, std); those in
     ``scaled_weights`` (the projections that add into the residual stream) ~ N(0, std / sqrt(2 L));
     a parameter whose own name (not ``weight``) is in ``std_weights`` ~ N(0, std);
-    biases 0; norm weights (modules whose name ends in ``layernorm``) 1, or 0 with
+    biases 0; norm weights (modules whose name ends in ``layernorm``, and ``enorm``/``hnorm``) 1, or 0 with
     ``--apply-layernorm-1p``, and their biases 0. Any other parameter is refused (ValueError), so
     a new module cannot silently start from garbage.
     """
@@ -82,7 +86,7 @@ def megatron_initial_value(name: str, shape: Sequence[int], config: TransformerC
     module, leaf = parts[-2], parts[-1]
     shape = tuple(shape)
 
-    if module.endswith("layernorm"):
+    if module.endswith("layernorm") or module in _OTHER_NORMS:
         if leaf == "weight" and not config.apply_layernorm_1p:  # 1p: the zero weight means a scale of 1
             return torch.ones(shape, device=_DRAW_DEVICE[0])
         return torch.zeros(shape, device=_DRAW_DEVICE[0])

@@ -22,5 +22,8 @@ def layer_stacks(model: nn.Module) -> dict[str, nn.ModuleDict]:
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
-    """Every transformer layer of the model, in forward order."""
-    return [layer for stack in layer_stacks(model).values() for layer in stack.values()]
+    """Every transformer layer of the model, in forward order: its stacks', then those a model runs
+    after them outside a stack (``extra_transformer_layers()``: GPT's multi-token prediction depths)."""
+    layers = [layer for stack in layer_stacks(model).values() for layer in stack.values()]
+    extra = getattr(model, "extra_transformer_layers", None)
+    return layers + (list(extra()) if callable(extra) else [])

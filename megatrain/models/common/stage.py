@@ -3,7 +3,8 @@ two copies of the word embeddings, and which copy the gradient norm leaves out.
 
 A family's stage class mixes in :class:`TiedEmbeddingStage` and calls :meth:`keep_stage_parts`
 after building the whole model: the stage keeps its own layers; the first stage keeps the whole
-embedding, the last stage (when the output weight is tied) a copy of the word embeddings only, and
+embedding, the last stage (when the output weight is tied, or multi-token prediction embeds the next
+tokens there) a copy of the word embeddings only, and
 the other stages none. The class then drops the head parts on stages other than the last. The pipeline sums the two copies' gradients after every backward pass, as Megatron
 does (``tied_parameters``), and counts the copy once in the gradient norm (``norm_duplicates``).
 """
@@ -56,8 +57,9 @@ class TiedEmbeddingStage:
 
     @staticmethod
     def ties_first_and_last(config: Any) -> bool:
-        """Whether the first and last stages hold copies of one weight (the same on every rank)."""
-        return not config.untie_embeddings_and_output_weights
+        """Whether the first and last stages hold copies of one weight (the same on every rank): the
+        tied output layer's, or the word embeddings multi-token prediction embeds with on the last stage."""
+        return not config.untie_embeddings_and_output_weights or bool(getattr(config, "mtp_num_layers", 0))
 
     def tied_parameters(self) -> list[torch.Tensor]:
         """This stage's copies of weights tied across the first and last stage (gradients summed)."""

@@ -18,6 +18,7 @@ class GPTConfig(TransformerConfig):
     head (tied to the word embeddings unless ``untie_embeddings_and_output_weights``)."""
 
     supports_mla: ClassVar[bool] = True
+    supports_mtp: ClassVar[bool] = True
 
 
 def gpt_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConfig:

@@ -12,7 +12,7 @@ import argparse
 from megatrain.flags import flag_section
 from megatrain.models.common.config import parse_moe_layer_freq
 
-__all__ = ["add_gpt_flags", "add_moe_flags", "add_mla_flags"]
+__all__ = ["add_gpt_flags", "add_moe_flags", "add_mla_flags", "add_mtp_flags"]
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -132,6 +132,17 @@ def add_mla_flags(parser: argparse.ArgumentParser) -> None:
                    help="YaRN's beta_slow: dim pairs turning fewer times are slowed by the factor (default 1)")
 
 
+def add_mtp_flags(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's multi-token prediction flags (DeepSeek-V3), with its names and defaults."""
+    g = flag_section(parser, "multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction depths after the decoder, each a layer of the last layer's kind "
+                        "that predicts one token further (DeepSeek-V3); their loss trains the model, the logged "
+                        "lm loss stays the next token's (see docs/models/gpt.md)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the depths' losses, averaged over the depths, enter the gradient times this factor")
+
+
 def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     """Add the model-shape, dropout and initialisation flags of the GPT family to ``parser``."""
     g = flag_section(parser, "network size")
@@ -202,3 +213,4 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=float, default=0.02)
     add_moe_flags(parser)
     add_mla_flags(parser)
+    add_mtp_flags(parser)

@@ -9,6 +9,8 @@ Module paths are a contract shared with the parallelism, checkpoint and conversi
                     (--num-experts, --moe-layer-freq) mlp.{router, experts.{linear_fc1, linear_fc2},
                     shared_experts.{linear_fc1, linear_fc2, gate_weight}} (models/common/moe/layer.py)
     final_layernorm, output_layer (only with untie_embeddings_and_output_weights)
+    mtp.layers["0"...]: enorm, hnorm, eh_proj, transformer_layer, final_layernorm (--mtp-num-layers;
+                    megatrain/models/gpt/mtp.py)
 
 Activations are batch-first: hidden states are [b, s, h].
 
@@ -33,6 +35,7 @@ from megatrain.models.common.norms import build_norm
 from megatrain.models.common.rope import rotary_tables
 from megatrain.models.common.transformer_layer import TransformerLayer
 from megatrain.models.gpt.config import GPTConfig
+from megatrain.models.gpt.mtp import MultiTokenPrediction
 
 __all__ = ["GPTModel", "TransformerLayer", "Embedding", "KVCache", "initial_value", "canonical_parameter_name"]
 
@@ -65,6 +68,7 @@ class GPTModel(nn.Module):
             if config.untie_embeddings_and_output_weights
             else None
         )
+        self.mtp = MultiTokenPrediction(config) if config.mtp_num_layers else None
         self.loss_head: LossHead = LogitsCrossEntropy()
         if not next(self.parameters()).is_meta:
             self.init_weights(seed=0)
@@ -105,6 +109,24 @@ class GPTModel(nn.Module):
             return self.logits(hidden)
         return self.loss_head.per_token_loss(self, hidden, labels)
 
+    def head_with_mtp(self, hidden: torch.Tensor, labels: torch.Tensor, mtp_targets: dict[str, torch.Tensor] | None,
+                      position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                      rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """As :meth:`head` with ``labels``; in training with multi-token prediction and its batch fields
+        (``mtp_targets``), the per-token loss also carries the prediction depths' loss into the backward."""
+        if self.mtp is None or mtp_targets is None or not self.training:
+            return self.head(hidden, labels)
+        assert self.final_layernorm is not None
+        normed = self.final_layernorm(hidden)
+        loss = self.loss_head.per_token_loss(self, normed, labels)
+        return self.mtp.attach_loss(loss, normed, mtp_targets, embed=self.embed,
+                                    per_token_loss=lambda h, y: self.loss_head.per_token_loss(self, h, y),
+                                    position_ids=position_ids, attention_mask=attention_mask, rotary=rotary)
+
+    def extra_transformer_layers(self) -> list[nn.Module]:
+        """The multi-token prediction depths' transformer layers (run after ``layers``)."""
+        return [layer.transformer_layer for layer in self.mtp.layers.values()] if self.mtp is not None else []
+
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight [V, h]: its own, or the word embeddings' when tied."""
         if self.output_layer is not None:
@@ -130,6 +152,7 @@ class GPTModel(nn.Module):
         *,
         decoder_input: torch.Tensor | None = None,
         logit_positions: torch.Tensor | None = None,
+        mtp_targets: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, V], or with ``labels`` the per-token loss [b, s] in float32.
 
@@ -140,6 +163,8 @@ class GPTModel(nn.Module):
         model's text embeddings with image features in place (``megatrain.models.llava``).
         logit_positions: int64 [n] indices into the sequence: only those positions' logits are
         computed, [b, n, V] (an inference prefill reads each prompt's last one, not all s x V).
+        mtp_targets: the batch's multi-token prediction fields (:func:`megatrain.data.batch.mtp_fields`),
+        with ``labels`` in training.
         """
         first = input_ids if decoder_input is None else decoder_input
         seq_length = first.shape[1]
@@ -167,7 +192,9 @@ class GPTModel(nn.Module):
         if logit_positions is not None:
             assert labels is None, "logit_positions is for logits, not a loss"
             hidden = hidden.index_select(1, logit_positions)
-        return self.head(hidden, labels)
+        if labels is not None:
+            return self.head_with_mtp(hidden, labels, mtp_targets, position_ids, attention_mask, rotary)
+        return self.head(hidden)
 
     # ---- parameters -----------------------------------------------------------------------------
 
@@ -197,7 +224,7 @@ class GPTModel(nn.Module):
 # linear_fc2 [E, h, F] is a residual projection) and the shared experts' gate_weight [1, h], as Megatron's
 # init_method; each seeded by its full name, so the whole [E, ...] tensor is the same for any expert layout.
 # Multi-latent attention's query and key/value projections are init_method weights too (Megatron's).
-_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer",
+_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer", "eh_proj",
                           "router", "gate_weight", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
                           "linear_kv_down_proj", "linear_kv_up_proj"})
 

@@ -21,21 +21,24 @@ class CausalLMObjective(Objective):
     loss_names = ("lm loss",)
 
     def __init__(self, eod: int | None = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 eod_mask_loss: bool = False) -> None:
+                 eod_mask_loss: bool = False, mtp_depths: int = 0) -> None:
         self.eod = eod
         self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         self.eod_mask_loss = eod_mask_loss
+        self.mtp_depths = mtp_depths  # --mtp-num-layers: the batches carry the shifted targets
 
     @classmethod
     def from_args(cls, args: Any, tokenizer: Any) -> "CausalLMObjective":
-        return cls(tokenizer.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+        return cls(tokenizer.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss,
+                   getattr(args, "mtp_num_layers", None) or 0)
 
     def make_batch(self, samples: torch.Tensor) -> CausalLMBatch:
-        return make_batch(samples, self.eod, self.reset_position_ids, self.reset_attention_mask, self.eod_mask_loss)
+        return make_batch(samples, self.eod, self.reset_position_ids, self.reset_attention_mask, self.eod_mask_loss,
+                          self.mtp_depths)
 
     def forward(self, model: Any, batch: CausalLMBatch) -> torch.Tensor:
         return model(batch.tokens, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
-                     labels=batch.labels)
+                     labels=batch.labels, **({"mtp_targets": batch.mtp_targets()} if self.mtp_depths else {}))
 
     def loss_target(self, batch: CausalLMBatch) -> torch.Tensor:
         return batch.loss_mask
@@ -46,5 +49,8 @@ class CausalLMObjective(Objective):
 
     def stage_inputs(self, batch: CausalLMBatch, *, first: bool, last: bool) -> tuple[tuple, dict[str, Any]]:
         args = (batch.tokens,) if first else ()
-        return args, {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask,
-                      "labels": batch.labels if last else None}
+        kwargs = {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask,
+                  "labels": batch.labels if last else None}
+        if last and self.mtp_depths:  # each field a keyword of its own (the schedule splits them)
+            kwargs.update(batch.mtp_targets())
+        return args, kwargs

@@ -39,9 +39,12 @@ class GPTStage(TiedEmbeddingStage, GPTModel):
         if not self.is_last:
             self.final_layernorm = None
             self.output_layer = None
+            self.mtp = None  # the prediction depths run on the last stage (with a copy of the word embeddings)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,  # type: ignore[override]
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                **mtp_targets: torch.Tensor) -> torch.Tensor:
+        """``mtp_targets``: on the last stage, the multi-token prediction batch fields, one keyword each."""
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         hidden = self.embed(x, position_ids) if self.is_first else x
@@ -50,4 +53,6 @@ class GPTStage(TiedEmbeddingStage, GPTModel):
             hidden = layer(hidden, position_ids, attention_mask, rotary=rotary)
         if not self.is_last:
             return hidden
-        return self.head(hidden, labels)
+        if labels is None:
+            return self.head(hidden)
+        return self.head_with_mtp(hidden, labels, mtp_targets or None, position_ids, attention_mask, rotary)

@@ -156,6 +156,9 @@ class LlavaConfig:
     def __post_init__(self) -> None:
         self.language = _as_config(self.language, GPTConfig)
         self.vision = _as_config(self.vision, VisionConfig)
+        if self.language.mtp_num_layers:
+            raise ValueError("--mtp-num-layers: multi-token prediction is built for the GPT family's decoder only, "
+                             "not for a vision-language model's")
         if self.projector_type not in PROJECTOR_TYPES:
             raise ValueError(f"projector type must be {' or '.join(PROJECTOR_TYPES)}, got {self.projector_type!r}")
         if self.projector_ffn_hidden_size is None:

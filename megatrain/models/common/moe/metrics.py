@@ -99,8 +99,8 @@ class MoEMetrics:
         for r in self.routers:
             r.calculate_per_token_loss = per_token_loss
         self.names = logged_names(config)
-        self.num_layers = config.num_layers
-        self.num_moe_layers = config.num_moe_layers
+        self.num_layers = config.num_layers + getattr(config, "mtp_num_layers", 0)  # multi-token prediction's after
+        self.num_moe_layers = config.num_moe_layers + getattr(config, "mtp_moe_layers", 0)  # Megatron counts both
         self.device = torch.device(device)
         self._bias = any(r.expert_bias is not None for r in self.routers)
         self._zero = torch.zeros((), device=self.device)
