@@ -14,9 +14,10 @@
 * ``--recompute-granularity selective --recompute-modules M ...`` (Megatron's list; default ``core_attn``):
   ``core_attn`` as above; ``mlp`` the dense layers' MLP (fc1, activation, fc2: only its input is kept);
   ``moe`` the mixture-of-experts layers' whole ``mlp`` (below); ``shared_experts`` a MoE layer's shared
-  experts. Megatron's ``layernorm``, ``moe_act`` and ``mla_up_proj`` are refused: they drop an output that
-  the next operation here keeps anyway (a norm's output is the following matmul's saved input), so they
-  would save nothing; ``mlp`` or ``moe`` recompute the whole block instead.
+  experts. Megatron's ``layernorm``, ``moe_act`` and ``mla_up_proj`` are accepted and change nothing (a
+  note says so at start-up): each drops an output that the next operation here saves anyway (a norm's
+  output is the following matmul's saved input), so recomputing it would save no memory; ``mlp`` or
+  ``moe`` recompute the whole block instead. The numbers are the same either way.
 * ``--moe-layer-recompute``: the mixture-of-experts layers' ``mlp`` (router, token dispatch, experts,
   shared experts) is recomputed, Megatron's ``moe_layer_recompute`` (its ``--recompute-modules moe``);
   it combines with ``selective`` (not with ``full``, which already recomputes whole layers). Under
@@ -39,11 +40,14 @@ from megatrain.parallel.expert_parallel import moe_layers
 
 
 SELECTIVE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
-_REFUSED_MODULES = {
-    "layernorm": "the norm's output is the next matmul's saved input here, so dropping it saves nothing",
-    "moe_act": "the experts' activation output is fc2's saved input here, so dropping it saves nothing; use moe",
-    "mla_up_proj": "the up-projections' outputs are the attention's saved inputs here, so dropping them saves "
-                   "nothing",
+# Megatron's modules whose recomputation would save nothing here: accepted, with the reason as a note
+NO_OP_MODULES = {
+    "layernorm": "the norm's output is the next matmul's saved input here, so dropping it would save nothing "
+                 "(mlp or moe recompute whole blocks)",
+    "moe_act": "the experts' activation output is fc2's saved input here, so dropping it would save nothing "
+               "(moe recomputes the whole MoE block)",
+    "mla_up_proj": "the up-projections' outputs are the attention's saved inputs here, so dropping them would "
+                   "save nothing",
 }
 
 
@@ -61,11 +65,9 @@ class RecomputeConfig:
         if self.granularity == "selective":
             self.modules = tuple(self.modules) if self.modules is not None else ("core_attn",)
             for name in self.modules:
-                if name in _REFUSED_MODULES:
-                    raise ValueError(f"--recompute-modules {name}: not supported ({_REFUSED_MODULES[name]})")
-                if name not in SELECTIVE_MODULES:
+                if name not in SELECTIVE_MODULES and name not in NO_OP_MODULES:
                     raise ValueError(f"--recompute-modules {name}: not a module megatrain recomputes (choose from "
-                                     f"{', '.join(SELECTIVE_MODULES)})")
+                                     f"{', '.join((*SELECTIVE_MODULES, *NO_OP_MODULES))})")
             if "moe" in self.modules:
                 self.moe_layer = True
         else:

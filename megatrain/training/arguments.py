@@ -437,6 +437,12 @@ def _apply_old_megatron_names(args: argparse.Namespace) -> None:
     if getattr(args, "recompute_modules", None) is not None and args.recompute_granularity != "selective":
         args.legacy_notes.append("note: --recompute-modules chooses what --recompute-granularity selective "
                                  "recomputes; without it the flag has no effect (as in Megatron-LM)")
+    elif getattr(args, "recompute_modules", None) is not None:
+        from megatrain.parallel.recompute import NO_OP_MODULES
+
+        for name in dict.fromkeys(args.recompute_modules):
+            if name in NO_OP_MODULES:
+                args.legacy_notes.append(f"note: --recompute-modules {name} changes nothing here: {NO_OP_MODULES[name]}")
     warmup = getattr(args, "warmup", None)
     if warmup is not None:
         given = [f for f, v in (("--lr-warmup-fraction", args.lr_warmup_fraction),

@@ -107,15 +107,25 @@ def test_recompute_modules_without_core_attn_leave_attention_alone():
         [f"layers.{i}.mlp" for i in range(3)]
 
 
-@pytest.mark.parametrize("name, message", [
-    ("layernorm", "--recompute-modules layernorm: not supported \\(the norm's output"),
-    ("moe_act", "--recompute-modules moe_act: not supported"),
-    ("mla_up_proj", "--recompute-modules mla_up_proj: not supported"),
-    ("mhc", "--recompute-modules mhc: not a module megatrain recomputes"),
-])
-def test_recompute_modules_that_would_save_nothing_are_refused(name, message):
-    with pytest.raises(ValueError, match=message):
-        RecomputeConfig("selective", modules=("core_attn", name))
+def test_recompute_modules_megatrain_does_not_know_are_refused():
+    with pytest.raises(ValueError, match="--recompute-modules mhc: not a module megatrain recomputes"):
+        RecomputeConfig("selective", modules=("core_attn", "mhc"))
+
+
+def test_recompute_modules_that_would_save_nothing_are_accepted_with_a_note():
+    """Megatron's DeepSeek-V3 example asks for ``mlp moe mla_up_proj layernorm``: the last two (and moe_act)
+    drop outputs the next matmul saves anyway here; they wrap nothing and say so at start-up."""
+    from megatrain.training.arguments import parse_args
+
+    model = _model()
+    assert apply_activation_checkpointing(model, RecomputeConfig("selective", modules=("layernorm", "moe_act",
+                                                                                      "mla_up_proj"))) == []
+    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                       "--max-position-embeddings", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--recompute-granularity",
+                       "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm", "--mock-data",
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"])
+    notes = [n for n in args.legacy_notes if "--recompute-modules" in n]
+    assert len(notes) == 2 and "mla_up_proj changes nothing here" in notes[0] and "layernorm" in notes[1]
 
 
 def test_recompute_modules_flag_reaches_the_config_and_turns_the_fusion_off():
