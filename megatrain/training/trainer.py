@@ -449,6 +449,7 @@ class Trainer(StepMixin, EvaluationMixin):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.housekeeping.start()
+        deferred_log = False  # the last iteration's log line waits for the next one's work to be queued
         while self.state.iteration < train_iters:
             self.housekeeping.before_iteration(self.state.iteration)
             if self.batch_schedule is not None:
@@ -456,6 +457,10 @@ class Trainer(StepMixin, EvaluationMixin):
                 if self.pipeline is not None:
                     self.pipeline.set_num_micro_batches(self.num_micro_batches)
             self.queue_step()  # settles the previous iteration; this one may stay pending
+            if deferred_log:  # the previous iteration is settled, this one's forward and backward are queued
+                self._log_line(t_last, train_iters, estimate, {}, {})
+                t_last, deferred_log = time.time(), False
+                self._stop_on_nan_iterations()
             self.state.iteration += 1
             self.housekeeping.after_optimizer_step(self.state.iteration)
             self.state.consumed_train_samples += self.current_global_batch_size
@@ -464,7 +469,12 @@ class Trainer(StepMixin, EvaluationMixin):
             log = it % a.log_interval == 0
             evaluate = bool(a.eval_interval and it % a.eval_interval == 0 and self.valid_iter is not None)
             save = bool(a.save and a.save_interval and it % a.save_interval == 0)
-            if tensorboard or log or evaluate or save or it == train_iters:
+            # A log line alone does not make the host wait for this iteration: it is printed once the next
+            # iteration's forward and backward are queued (the device never idles for it), unless MoE or
+            # multi-token prediction values (summed on the device per iteration) are to be read with it.
+            defer = (log and not (tensorboard or evaluate or save or it == train_iters) and self._pending is not None
+                     and self.moe_metrics is None and self.mtp_metrics is None)
+            if (tensorboard or log or evaluate or save or it == train_iters) and not defer:
                 self.settle()  # what follows reads this iteration's result or the schedule after it
             moe_reports = self._read_moe(it, log) if self.moe_metrics is not None else {}
             if "last" in moe_reports:
@@ -481,20 +491,10 @@ class Trainer(StepMixin, EvaluationMixin):
                                       batch_size=self.current_global_batch_size, grad_norm=result.grad_norm,
                                       num_zeros=result.num_zeros, params_norm=result.params_norm,
                                       loss_scale=float(self.scaler.scale) if self.scaler is not None else None)
-            if log:
-                # The host waited for this iteration's flags just above, so the time between two log
-                # lines is the iterations' time (the last optimizer step, still running on the GPU,
-                # is counted in the next interval).
-                now = time.time()
-                self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters,
-                          moe=moe_reports.get("interval"), mtp=mtp_losses)
-                self.housekeeping.after_log()
-                if self.device.type == "cuda" and self.state.iteration == a.log_interval:
-                    peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-                    theory = f" (theoretical {estimate.total / 2**30:.2f} GiB)" if estimate is not None else ""
-                    print(f" [rank {get_rank()}] measured peak memory after {self.state.iteration} iterations: "
-                          f"{peak:.2f} GiB{theory}", flush=True)
-                self.interval = IntervalStats()
+            if defer:
+                deferred_log = True
+            elif log:
+                self._log_line(t_last, train_iters, estimate, moe_reports, mtp_losses)
                 t_last = time.time()
             self._stop_on_nan_iterations()
             if evaluate:
@@ -506,12 +506,30 @@ class Trainer(StepMixin, EvaluationMixin):
             reason = exits.reason(it)
             if reason:
                 self.settle()
+                if deferred_log:
+                    self._log_line(t_last, train_iters, estimate, {}, {})
                 print_rank_last(f" {reason}")
                 if a.save and not save:
                     self.save()
                 self.close()
                 sys.exit(0)
         return self.state
+
+    def _log_line(self, t_last: float, train_iters: int, estimate: Any, moe_reports: dict[str, MoEReport],
+                  mtp_losses: dict[str, float]) -> None:
+        """Print the log interval's line (its iterations settled), then start the next interval. The
+        host waited for the interval's last flags, so the time between two log lines is the iterations'
+        time (an optimizer step still running on the GPU is counted in the next interval)."""
+        now = time.time()
+        self._log(self.interval, (now - t_last) / self.interval.iterations, train_iters,
+                  moe=moe_reports.get("interval"), mtp=mtp_losses)
+        self.housekeeping.after_log()
+        if self.device.type == "cuda" and self.state.iteration == self.args.log_interval:
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            theory = f" (theoretical {estimate.total / 2**30:.2f} GiB)" if estimate is not None else ""
+            print(f" [rank {get_rank()}] measured peak memory after {self.state.iteration} iterations: "
+                  f"{peak:.2f} GiB{theory}", flush=True)
+        self.interval = IntervalStats()
 
     @property
     def current_global_batch_size(self) -> int:

@@ -68,3 +68,27 @@ def test_deferred_settling_trains_like_settling_every_iteration(capsys):
     finally:
         lagging.close()
         eager.close()
+
+
+def test_a_log_line_waits_for_the_next_iterations_work_to_be_queued(capsys):
+    """With nothing but the log line due, the host does not wait for the iteration: its line is printed
+    once the next iteration's forward and backward are queued (the device does not idle for the host's
+    logging), with the same values."""
+    t = _trainer()
+    printed: list[tuple[int, int | None]] = []
+    log_line = t._log_line
+
+    def spy(*args, **kwargs):
+        printed.append((t.state.iteration, t._pending.iteration if t._pending is not None else None))
+        return log_line(*args, **kwargs)
+
+    t._log_line = spy
+    try:
+        t.args.log_interval = 2  # lines at 2, 4 and 6, each printed after the next iteration is queued
+        t.args.train_iters = 7
+        t.train()
+        assert printed == [(2, 3), (4, 5), (6, 7)]
+        logged = [line for line in capsys.readouterr().out.splitlines() if "] iteration " in line]
+        assert [int(line.split("iteration")[1].split("/")[0]) for line in logged] == [2, 4, 6]
+    finally:
+        t.close()
