@@ -17,7 +17,8 @@ only through ``megatrain.models.registry``):
 * `state`: `TrainState` and the RNG states; `meta`: ``meta.json``, the format versions and the
   reader of older ones; `layout`: paths, the tracker, completeness, `find_checkpoint`;
 * `save`: `Checkpointer` (async, retention), `save_checkpoint`; `load`: `load_checkpoint`,
-  `restore_rng`, `resume_vocab_size`; `compat`: the family and config comparison;
+  `restore_rng`, `resume_vocab_size`; `compat`: the family and config comparison; `strictness`:
+  ``--dist-ckpt-strictness``, the tensors only the model or only the checkpoint has;
 * `integrity` (markers, checksums, NaN/Inf), `safe_pickle` and `dcp_reader` (the only readers
   of pickles), `save_lock` (the ``--save`` lock), `errors`; `info`: ``tools/checkpoint_info.py``.
 
@@ -34,10 +35,11 @@ from megatrain.checkpoint.safe_pickle import read_dcp_metadata
 from megatrain.checkpoint.compat import config_differences, config_warnings, family_problem
 from megatrain.checkpoint.save import Checkpointer, SaveReport, save_checkpoint
 from megatrain.checkpoint.load import compare_model, load_checkpoint, model_shapes, restore_rng, resume_vocab_size
+from megatrain.checkpoint.strictness import DEFAULT_STRICTNESS, STRICTNESS_MODES
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "OPTIM_OPTIONS", "TrainState", "rng_state", "set_rng_state",
            "FORMAT_VERSION", "META", "build_meta", "checkpoint_family", "checkpoint_model_config", "read_meta",
            "DCP_METADATA", "TRACKER", "checkpoint_dir", "checkpoint_problem", "find_checkpoint", "is_complete",
            "iterations_in", "read_dcp_metadata", "config_differences", "config_warnings", "family_problem",
            "Checkpointer", "SaveReport", "save_checkpoint", "compare_model", "load_checkpoint", "model_shapes",
-           "restore_rng", "resume_vocab_size"]
+           "restore_rng", "resume_vocab_size", "DEFAULT_STRICTNESS", "STRICTNESS_MODES"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatrain.checkpoint.strictness import DEFAULT_STRICTNESS, STRICTNESS_MODES
 from megatrain.flags import flag_section
 
 __all__ = ["add_checkpoint_flags"]
@@ -53,6 +54,14 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
                    help="megatrain extension: on --load, check the files' sizes only, not their checksums "
                         "(verifying reads the whole checkpoint once)")
+    g.add_argument("--dist-ckpt-strictness", default=DEFAULT_STRICTNESS, choices=STRICTNESS_MODES,
+                   help="on --load, the model's tensors the checkpoint lacks (Megatron's \"unexpected\" keys) and the "
+                        "checkpoint's tensors the model lacks (\"missing\"): raise_* refuses, log_* names them in "
+                        "one line per kind and loads the rest (the model's keep their initial values), ignore_all "
+                        "loads the rest silently, return_* logs as log_*; *_unexpected reads past the checkpoint's "
+                        "extra tensors. The default assume_ok_unexpected refuses both kinds (Megatron's loader "
+                        "reads past the extra ones: raise_unexpected), --finetune loads around both with a warning "
+                        "(docs/checkpoints.md)")
     g.add_argument("--allow-non-finite-checkpoint", action="store_true",
                    help="megatrain extension: load a checkpoint whose model or optimizer state holds NaN/Inf "
                         "(refused by default)")

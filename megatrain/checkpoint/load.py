@@ -3,8 +3,9 @@
 `load_checkpoint` first holds the checkpoint to the model: the same model family
 (`megatrain.checkpoint.compat`), the config values the family's table compares, and the tensor
 shapes; it refuses a mismatch with a list of the differences (``finetune=True`` loads the
-tensors both have, same shape). Nothing is unpickled beyond plain data: DCP's ``.metadata`` is
-read with an exact allowlist (`megatrain.checkpoint.safe_pickle`) and handed to DCP
+tensors both have, same shape); Megatron's ``--dist-ckpt-strictness`` decides what becomes of the
+tensors only one side has (`megatrain.checkpoint.strictness`). Nothing is unpickled beyond plain
+data: DCP's ``.metadata`` is read with an exact allowlist (`megatrain.checkpoint.safe_pickle`) and handed to DCP
 (`megatrain.checkpoint.dcp_reader`); tensors and RNG files load with ``weights_only=True``. A
 loaded state holding NaN/Inf is refused unless told otherwise.
 """
@@ -27,6 +28,7 @@ from megatrain.checkpoint.meta import read_meta
 from megatrain.checkpoint.ranks import dist_on, rank, single_process_quiet, warn, world
 from megatrain.checkpoint.safe_pickle import load_tensors_file, read_dcp_metadata
 from megatrain.checkpoint.state import OPTIM_OPTIONS, rng_name, set_rng_state
+from megatrain.checkpoint.strictness import DEFAULT_STRICTNESS, mismatch_over_ranks, report_mismatch
 from megatrain.models.common.config_checks import ConfigCheck
 
 __all__ = ["load_checkpoint", "restore_rng", "resume_vocab_size", "compare_model", "model_shapes"]
@@ -79,7 +81,8 @@ def _mismatch(ckpt: str, lines: list[str], finetune: bool) -> CheckpointError:
 def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                     load_optim: bool = True, load_rng: bool = True, model_config: Any = None,
                     config_checks: Mapping[str, ConfigCheck] | None = None, finetune: bool = False,
-                    allow_non_finite: bool = False, partial: bool = False) -> dict[str, Any]:
+                    allow_non_finite: bool = False, partial: bool = False,
+                    strictness: str = DEFAULT_STRICTNESS) -> dict[str, Any]:
     """Load model (and optimizer, RNG) state in place; returns the checkpoint's meta data (`read_meta`).
 
     With ``model_config`` (the flags' config) a checkpoint of another model family is refused,
@@ -90,7 +93,11 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     checkpoint's own config) no config is compared. Differing tensor shapes are always refused,
     as is a loaded tensor holding NaN/Inf (on every rank alike) unless ``allow_non_finite``.
     ``partial``: ``model`` holds only some of the checkpoint's tensors (one pipeline rank's stages),
-    so the others are not "unexpected".
+    so the others are not "unexpected" (the ranks agree on which tensors none of them has).
+    ``strictness`` (``--dist-ckpt-strictness``): model tensors the checkpoint lacks and checkpoint tensors
+    the model lacks are refused by default (under ``finetune`` loaded around, with a warning); the other
+    modes refuse, name or ignore each kind (`megatrain.checkpoint.strictness`). Model tensors loaded around
+    keep their values and start with a fresh optimizer state.
     """
     meta = read_meta(ckpt)
     if model_config is not None:
@@ -99,16 +106,16 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
             raise CheckpointError(problem)
     metadata = read_dcp_metadata(ckpt)
     model_sd = get_state_dict(model, [])[0]
-    diff = compare_model(model_shapes(metadata), model_sd)
-    if partial:
-        diff["unexpected"] = []  # the other pipeline stages' tensors
+    ckpt_shapes = model_shapes(metadata)
+    # the same differences on every rank (a pipeline rank holds its stages' tensors only), so all refuse alike
+    diff = mismatch_over_ranks(compare_model(ckpt_shapes, model_sd), ckpt_shapes, model_sd, partial)
     saved_cfg = meta.get("model_config", {})
     cfg_diff: list[str] = []
     if model_config is not None:
         cfg_diff = config_differences(saved_cfg, model_config, config_checks)
         for line in config_warnings(ckpt, saved_cfg, model_config, config_checks):
             warn(line)
-    fatal = diff["shape"] or (not finetune and (diff["missing"] or diff["unexpected"] or cfg_diff))
+    fatal = diff["shape"] or (not finetune and cfg_diff)
     if fatal:
         lines = cfg_diff + [f"shape differs: {s}" for s in diff["shape"]]
         if not finetune:
@@ -117,9 +124,12 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         raise _mismatch(ckpt, lines, finetune)
     if finetune and cfg_diff:  # as Megatron-LM, --finetune does not hold the model to the checkpoint's
         warn(f"--finetune: the model differs from checkpoint {ckpt}'s: " + "; ".join(cfg_diff))
-    if finetune and (diff["missing"] or diff["unexpected"]):
-        warn(f"--finetune: {len(diff['missing'])} tensors keep their initial values (not in the checkpoint: "
-             f"{', '.join(diff['missing'][:8])}); {len(diff['unexpected'])} checkpoint tensors are not used")
+    if finetune and strictness == DEFAULT_STRICTNESS:
+        if diff["missing"] or diff["unexpected"]:
+            warn(f"--finetune: {len(diff['missing'])} tensors keep their initial values (not in the checkpoint: "
+                 f"{', '.join(diff['missing'][:8])}); {len(diff['unexpected'])} checkpoint tensors are not used")
+    else:
+        report_mismatch(ckpt, strictness, diff["missing"], diff["unexpected"])
     has_optim = bool(meta.get("has_optimizer", False))
     if load_optim and optimizer is not None and not has_optim:
         why = (f"converted from the Megatron-LM checkpoint {meta['converted_from_megatron']}, whose optimizer state "
@@ -132,26 +142,37 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         sd: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     else:
         sd = {"model": model_sd}
-    partial = finetune and bool(diff["missing"])
-    if partial:
-        sd = {"model": {k: v for k, v in model_sd.items() if k not in set(diff["missing"])}}
+    absent = set(diff["missing"])  # allowed to keep their values: not read, nor their optimizer state
+    wanted = {part: {k: v for k, v in entries.items() if _owner(k, part) not in absent}
+              for part, entries in sd.items()} if absent else sd
     with single_process_quiet():
-        load_dcp(sd, ckpt, metadata, allow_partial_load=partial)
-    _refuse_non_finite(ckpt, sd, allow_non_finite)
-    if partial:
-        full = dict(model_sd)
-        full.update(sd["model"])
-        set_state_dict(model, [], model_state_dict=full, optim_state_dict={},
-                       options=StateDictOptions(strict=False))
-    elif load_optim:
+        load_dcp(wanted, ckpt, metadata)
+    _refuse_non_finite(ckpt, wanted, allow_non_finite)
+    if absent:
+        for part, entries in wanted.items():  # values DCP replaced rather than filled in place
+            sd[part].update(entries)
+    if load_optim:
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                        options=OPTIM_OPTIONS)
+        params = dict(model.named_parameters())
+        for name in absent:  # a fresh start (the state get_state_dict set up is one step old)
+            if name in params:
+                optimizer.state.pop(params[name], None)
     else:
         set_state_dict(model, [], model_state_dict=sd["model"], optim_state_dict={},
                        options=StateDictOptions(strict=True))
     if load_rng:
         restore_rng(ckpt, meta)
     return meta
+
+
+def _owner(key: str, part: str) -> str:
+    """The model tensor an entry of the state dict belongs to: a model key itself; an optimizer key
+    (flattened: ``state.<name>.exp_avg``, ``param_groups.<name>.lr``) its parameter's name."""
+    if part != "optimizer":
+        return key
+    head, _, rest = key.partition(".")
+    return rest.rpartition(".")[0] if head in ("state", "param_groups") else key
 
 
 def _refuse_non_finite(ckpt: str, sd: dict[str, Any], allow: bool) -> None:

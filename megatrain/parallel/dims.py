@@ -36,7 +36,8 @@ class ParallelDims:
     ``ep`` (``--expert-model-parallel-size``) splits each mixture-of-experts layer's experts over that
     many ranks of a pipeline stage; ``etp`` (``--expert-tensor-parallel-size``; None: Megatron's default,
     the tensor-parallel size) may only be 1 here: experts are never tensor-split, which gives the same
-    numbers. ``moe_dispatcher`` is ``--moe-token-dispatcher-type``.
+    numbers. ``moe_dispatcher`` is ``--moe-token-dispatcher-type`` (Megatron's flex arrives as alltoall: the
+    same tokens moved, by PyTorch's all-to-all instead of DeepEP / HybridEP kernels).
     """
 
     world_size: int
@@ -98,9 +99,6 @@ class ParallelDims:
                 f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {self.tp} needs "
                 "--sequence-parallel (as in Megatron-LM: each rank routes its own part of the sequence)")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
-            if self.moe_dispatcher == "flex":
-                raise ValueError("--moe-token-dispatcher-type flex (DeepEP / HybridEP kernels) is not supported; "
-                                 "use alltoall or allgather")
             raise ValueError(f"--moe-token-dispatcher-type must be allgather or alltoall, got "
                              f"{self.moe_dispatcher!r}")
 

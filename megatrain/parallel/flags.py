@@ -53,7 +53,8 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
                         "ranks (Megatron's default, the tensor-parallel size, gives the same numbers)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"],
                    help="how tokens reach their experts' ranks: all-gather then reduce-scatter over the expert "
-                        "ranks, or all-to-all of the routed tokens (flex is refused)")
+                        "ranks, or all-to-all of the routed tokens; flex (Megatron's DeepEP / HybridEP dispatcher, "
+                        "which moves the same tokens) runs as alltoall, with a note")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="overlap the sequence-parallel all-gathers and reduce-scatters with the GEMMs through "
                         "torch's async tensor parallelism (inductor's micro-pipeline TP over symmetric memory); "

@@ -457,6 +457,23 @@ def _apply_old_megatron_names(args: argparse.Namespace) -> None:
         args.lr_warmup_fraction = warmup
 
 
+def _note_megatron_kernels(args: argparse.Namespace) -> None:
+    """Megatron settings that choose among its kernels or loaders where megatrain has one way: the flex MoE
+    dispatcher (runs as alltoall) and --dist-ckpt-strictness's return_* modes (no Python caller to return to)."""
+    backend = getattr(args, "moe_flex_dispatcher_backend", None)
+    if getattr(args, "moe_token_dispatcher_type", None) == "flex":
+        args.legacy_notes.append("note: --moe-token-dispatcher-type flex runs as alltoall: Megatron's flex dispatcher "
+                                 "moves the same tokens with DeepEP / HybridEP kernels, megatrain's all-to-all "
+                                 "dispatcher with PyTorch collectives (the same numbers)")
+    elif backend == "ncclep":
+        _fail("--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex (as in Megatron-LM)")
+    strictness = getattr(args, "dist_ckpt_strictness", None)
+    if strictness in ("return_unexpected", "return_all"):
+        args.legacy_notes.append(f"note: --dist-ckpt-strictness {strictness}: Megatron's loader hands the mismatched "
+                                 "keys back to its Python caller; a megatrain run has none and logs them, as "
+                                 f"log_{strictness.split('_', 1)[1]} does")
+
+
 _FSDP_STRATEGY_ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
@@ -640,6 +657,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None, *,
         args.legacy_notes.append(f"note: --expert-tensor-parallel-size defaults to 1 here (Megatron-LM's default is "
                                  f"the tensor-parallel size, {tp}): experts are not split over tensor-parallel "
                                  "ranks; the numbers are the same")
+
+    _note_megatron_kernels(args)
 
     # A distributed mixture-of-experts run shards its data parallelism with FSDP2 (the experts' own groups).
     whole_model_ok = whole_model_compile_allowed(tp=tp, pp=pp, cp=cp,

@@ -110,6 +110,12 @@ LEGACY_FLAG_NOTES: dict[str, str] = {
     "--moe-router-padding-for-fp8": "expert inputs are not padded for fp8 (experts stay out of fp8 conversion)",
     "--moe-router-padding-for-quantization": "expert inputs are not padded for fp8 (experts stay out of fp8 "
                                              "conversion)",
+    "--moe-flex-dispatcher-backend": "is not used: the flex dispatcher runs as alltoall here (PyTorch all-to-all "
+                                     "collectives move the same tokens, the same numbers), not on DeepEP, HybridEP "
+                                     "or NCCL EP kernels; without --moe-token-dispatcher-type flex it has no effect, "
+                                     "as in Megatron-LM",
+    "--enable-experimental": "changes nothing: megatrain has no experimental switch, each feature is on or off by "
+                             "its own flags",
 }
 
 # Megatron flags that megatrain knows but does not implement; they are refused with this reason.
@@ -201,4 +207,6 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
                  "--moe-use-legacy-grouped-gemm", "--moe-router-padding-for-fp8",
                  "--moe-router-padding-for-quantization"):
         g.add_argument(flag, action="store_true", dest="compat_" + flag.lstrip("-").replace("-", "_"))
+    g.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep", "ncclep"])
+    g.add_argument("--enable-experimental", action="store_true")
     g.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])

@@ -61,7 +61,14 @@ def parallel_dims_from_args(args: argparse.Namespace) -> ParallelDims:
     return ParallelDims(world_size=args.world_size_actual, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
                         sequence_parallel=args.sequence_parallel, ep=args.expert_model_parallel_size,
-                        etp=args.expert_tensor_parallel_size, moe_dispatcher=args.moe_token_dispatcher_type)
+                        etp=args.expert_tensor_parallel_size, moe_dispatcher=moe_dispatcher(args))
+
+
+def moe_dispatcher(args: argparse.Namespace) -> str:
+    """``--moe-token-dispatcher-type``'s dispatcher: Megatron's flex (DeepEP / HybridEP kernels moving the same
+    tokens as its all-to-all) runs as alltoall."""
+    kind = args.moe_token_dispatcher_type
+    return "alltoall" if kind == "flex" else kind
 
 
 def pipeline_config_from_args(args: argparse.Namespace) -> PipelineConfig:

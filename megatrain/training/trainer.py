@@ -321,7 +321,9 @@ class Trainer(StepMixin, EvaluationMixin):
                                                  load_rng=False,
                                                  model_config=self.model_config, finetune=a.finetune,
                                                  allow_non_finite=a.allow_non_finite_checkpoint,
-                                                 partial=self.pipeline is not None)
+                                                 partial=self.pipeline is not None,
+                                                 strictness=getattr(a, "dist_ckpt_strictness",
+                                                                    checkpointing.DEFAULT_STRICTNESS))
         except checkpointing.CheckpointError as e:
             raise SystemExit(f"error: --load {load}: {e}") from None
         if not (a.finetune or a.no_load_rng):

@@ -4,7 +4,8 @@ The real trainer (``Trainer.train``, 5 iterations of 4 micro-batches, active gra
 AdamW) on gloo CPU processes with the tiny MoE model of :mod:`moe_harness` (4 experts, top-2,
 dropless), against the same run in one plain process: per-step losses, gradient norms and the final
 gathered parameters within 1e-5 relative error; with --moe-aux-loss-coeff the logged
-load_balancing_loss too. Layouts: EP=2 with either dispatcher, EP=2 x TP=2 (sequence parallel, with
+load_balancing_loss too. Layouts: EP=2 with each dispatcher (Megatron's flex, with its HybridEP backend
+named, runs as alltoall: the same losses bit for bit), EP=2 x TP=2 (sequence parallel, with
 and without the balancing loss), EP=1 x TP=2 (sequence parallel), EP=2 with GELU experts with biases
 and --moe-layer-recompute, EP=2 x TP=2 (SP) with expert-bias balancing and the global balancing loss
 (the biases equal one process's too), EP=2 x TP=2 (SP) with gated shared experts, EP=2 with ZeRO-3, EP=2 x CP=2 with the balancing loss; on 4 processes EP=4, EP=2 x DP=2 with ZeRO-1 (two expert-data-parallel
@@ -26,6 +27,7 @@ from megatrain.training.logging import parse_train_log_line
 TOLERANCE = 1e-5
 EP2 = "--expert-model-parallel-size 2"
 A2A = "--moe-token-dispatcher-type alltoall"
+FLEX = "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep"
 TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel"
 AUX = "--moe-aux-loss-coeff 1e-2"
 # aux-loss-free balancing (biases moved by the token counts of all ranks) with the global balancing loss
@@ -37,6 +39,7 @@ HALF = 2
 WORLD2 = {
     "ep2_alltoall": ("llama", f"{EP2} {A2A}", "", {}),
     "ep2_allgather": ("llama", EP2, "", {}),
+    "ep2_flex": ("llama", f"{EP2} {FLEX}", "", {}),
     "ep2_tp2_sp_alltoall": ("llama", f"{EP2} {TP2_SP} {A2A}", "", {}),
     "ep2_tp2_sp_aux_loss": ("llama", f"{EP2} {TP2_SP}", AUX, {}),
     "ep2_tp2_sp_expert_bias_global_aux": ("llama", f"{EP2} {TP2_SP} {A2A}", BIAS_GLOBAL, {}),
@@ -117,8 +120,11 @@ def test_world2_moe_layout_matches_one_process(world2, name):
         flags = WORLD2[name][1]
         ep = 2 if EP2 in flags else 1
         assert run.info["dispatcher"] == {1: "ScaledGradDispatcher" if "--sequence-parallel" in flags else
-                                          "LocalDispatcher", 2: "AllToAllDispatcher" if A2A in flags else
-                                          "AllGatherDispatcher"}[ep]
+                                          "LocalDispatcher", 2: "AllToAllDispatcher" if A2A in flags or FLEX in flags
+                                          else "AllGatherDispatcher"}[ep]
+        if name == "ep2_flex":  # runs as alltoall: the same numbers exactly
+            alltoall = per_rank["ep2_alltoall"]
+            assert (run.losses, run.grad_norms) == (alltoall.losses, alltoall.grad_norms)
         # FSDP2 over edp shards the ep rank's experts: 4 / (ep x edp) = 2 on 2 ranks
         assert run.info["expert_mesh"] == (("edp", "ep") if ep > 1 else ("edp",)) and run.info["local_experts"] == 2
         if WORLD2[name][2] == AUX and rank == len(results) - 1:  # the last rank prints the log lines

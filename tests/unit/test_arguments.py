@@ -331,6 +331,24 @@ def test_use_checkpoint_args_without_a_checkpoint_yet_trains_with_the_flags(tmp_
     assert "--exit-on-missing-checkpoint: no checkpoint found in --load" in message
 
 
+def test_dist_ckpt_strictness_takes_megatrons_modes():
+    assert parse().dist_ckpt_strictness == "assume_ok_unexpected"  # Megatron's default
+    for mode in ("log_unexpected", "log_all", "raise_unexpected", "raise_all", "ignore_all"):
+        a = parse("--dist-ckpt-strictness", mode)
+        assert a.dist_ckpt_strictness == mode and a.legacy_notes == []
+    a = parse("--dist-ckpt-strictness", "return_all")  # Megatron's Python callers' mode: logged here
+    assert a.legacy_notes == ["note: --dist-ckpt-strictness return_all: Megatron's loader hands the mismatched keys "
+                              "back to its Python caller; a megatrain run has none and logs them, as log_all does"]
+    with pytest.raises(SystemExit):
+        parse("--dist-ckpt-strictness", "strict")
+
+
+def test_enable_experimental_is_accepted_with_a_note():
+    assert parse("--enable-experimental").legacy_notes == [
+        "note: --enable-experimental changes nothing: megatrain has no experimental switch, each feature is on or "
+        "off by its own flags"]
+
+
 def test_auto_detect_ckpt_format_is_accepted_with_a_note():
     a = parse("--auto-detect-ckpt-format")
     assert any(n.startswith("note: --auto-detect-ckpt-format is always on here: --load reads") for n in a.legacy_notes)

@@ -1,4 +1,5 @@
-"""--ckpt-step, --finetune, --no-load-optim, --no-load-rng with the real trainer (one process, mock data)."""
+"""--ckpt-step, --finetune, --no-load-optim, --no-load-rng, --dist-ckpt-strictness with the real trainer (one
+process, mock data)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,24 @@ def test_no_load_rng_keeps_the_seeded_generators(saved):
     rng = torch.load(os.path.join(save, "iter_0000004", "rng_rank00000.pt"), weights_only=True)
     t = _trainer("--load", save, "--no-load-rng")
     assert t.state.iteration == 4 and not torch.equal(torch.get_rng_state(), rng["torch"])
+
+
+def test_dist_ckpt_strictness_reaches_the_load(saved, capsys):
+    """--finetune of the tied checkpoint into an untied model: the output layer is not in the checkpoint.
+    raise_unexpected stops the run in one line naming the flag and the key; log_all names it and trains
+    on with the output layer's initial values."""
+    save, weights, _ = saved
+    untied = ["--load", save, "--finetune", "--untie-embeddings-and-output-weights"]
+    with pytest.raises(SystemExit) as e:
+        _trainer(*untied, "--dist-ckpt-strictness", "raise_unexpected")
+    message = str(e.value)
+    assert message.startswith(f"error: --load {save}: --dist-ckpt-strictness raise_unexpected: checkpoint ")
+    assert "\n" not in message and "lacks 1 tensor the model has (Megatron's \"unexpected\" keys): output_layer.weight" \
+        in message
+    capsys.readouterr()
+    t = _trainer(*untied, "--dist-ckpt-strictness", "log_all")
+    out = capsys.readouterr().out
+    assert "WARNING: --dist-ckpt-strictness log_all: checkpoint " in out
+    assert "(Megatron's \"unexpected\" keys): output_layer.weight; they keep their initial values" in out
+    assert torch.equal(t.module.embedding.word_embeddings.weight, weights["embedding.word_embeddings.weight"])
+    t.close()

@@ -1,6 +1,7 @@
 """Expert-parallel flags: --expert-model-parallel-size, --expert-tensor-parallel-size,
---moe-token-dispatcher-type and --moe-layer-recompute reach the typed configs, and every size that
-cannot work is refused with a message naming the flags (as Megatron-LM's checks)."""
+--moe-token-dispatcher-type (Megatron's flex running as alltoall, --moe-flex-dispatcher-backend with it)
+and --moe-layer-recompute reach the typed configs, and every size that cannot work is refused with a
+message naming the flags (as Megatron-LM's checks)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,26 @@ def test_flags_reach_the_parallel_dims():
     assert a.moe_token_dispatcher_type == "allgather"  # Megatron's default
 
 
+def test_flex_dispatcher_runs_as_alltoall_with_a_note():
+    """Megatron's flex dispatcher (DeepEP / HybridEP kernels) moves the same tokens as its all-to-all one:
+    megatrain runs it as alltoall (the same typed layout), saying so once; its backend is noted too."""
+    flex = parse("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+                 "--moe-flex-dispatcher-backend", "hybridep")
+    alltoall = parse("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")
+    assert flex.moe_token_dispatcher_type == "flex" and flex.moe_flex_dispatcher_backend == "hybridep"
+    assert RunConfig.from_args(flex).dims == RunConfig.from_args(alltoall).dims
+    assert RunConfig.from_args(flex).dims.moe_dispatcher == "alltoall"
+    assert [n.split(" ", 2)[1] for n in flex.legacy_notes] == ["--moe-flex-dispatcher-backend",
+                                                               "--moe-token-dispatcher-type"]
+    assert "note: --moe-token-dispatcher-type flex runs as alltoall: Megatron's flex dispatcher moves the same " \
+           "tokens with DeepEP / HybridEP kernels" in flex.legacy_notes[1]
+    assert alltoall.legacy_notes == [] and alltoall.moe_flex_dispatcher_backend == "deepep"  # Megatron's default
+    assert parse("--moe-token-dispatcher-type", "flex").legacy_notes[0].startswith(
+        "note: --moe-token-dispatcher-type flex runs as alltoall")
+    with pytest.raises(SystemExit):
+        parse("--moe-flex-dispatcher-backend", "nvshmem")  # Megatron's choices only
+
+
 def test_expert_tensor_parallel_default_is_noted_under_tensor_parallelism():
     a = parse("--tensor-model-parallel-size", "2", "--sequence-parallel")
     assert any("--expert-tensor-parallel-size defaults to 1" in n for n in a.legacy_notes)
@@ -50,7 +71,8 @@ def test_expert_tensor_parallel_default_is_noted_under_tensor_parallelism():
      "--expert-tensor-parallel-size 2: splitting experts"),
     (["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 4,
      "--expert-model-parallel-size 2 with --tensor-model-parallel-size 2 needs --sequence-parallel"),
-    (["--moe-token-dispatcher-type", "flex"], 4, "--moe-token-dispatcher-type flex"),
+    (["--moe-flex-dispatcher-backend", "ncclep"], 4,
+     "--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex"),
     (["--moe-layer-recompute", "--recompute-granularity", "full"], 4, "--moe-layer-recompute with"),
 ])
 def test_sizes_that_cannot_work_are_refused(extra, world, message):
