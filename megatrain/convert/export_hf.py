@@ -210,6 +210,9 @@ def export_checkpoint(checkpoint_path: str, output_path: str, *, dtype: str = "f
 
     print(f" exporting {ckpt} ({architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) to {output_path}",
           flush=True)
+    if getattr(cfg, "mtp_num_layers", 0):
+        print(f" note: the {cfg.mtp_num_layers} multi-token prediction depths (mtp.*) are left out: they train the "
+              f"model, and {architecture} has no place for them (the next-token model is exported whole)", flush=True)
     # Streamed: each layer is read, mapped and copied into the shard being written in turn. The adapter
     # may still refuse the weights themselves (T5's non-zero tied output bias): that is seen here, and
     # the output directory is made only once there is something to write into it.

@@ -31,6 +31,7 @@ MOE = f"{MTP} --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe
 
 # name -> (model flags (the reference's too), layout flags)
 WORLD2 = {
+    "mtp_dp2": (MTP, ""),
     "mtp_dp2_zero3_per_token": (f"{MTP} --calculate-per-token-loss", "--zero-stage 3"),
     "mtp_cp2": (MTP, "--context-parallel-size 2"),
     "mtp_pp2_untied": (MTP, "--pipeline-model-parallel-size 2"),
