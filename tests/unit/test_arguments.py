@@ -69,8 +69,8 @@ def test_unknown_flag_is_rejected_with_a_suggestion(capsys):
 
 def test_known_unsupported_flag_says_why(capsys):
     with pytest.raises(SystemExit):
-        parse_args([*BASE, "--mtp-num-layers", "1"], validate=False)
-    assert "multi-token prediction" in capsys.readouterr().err
+        parse_args([*BASE, "--retro-project-dir", "x"], validate=False)
+    assert "RETRO is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra,expected", [

@@ -130,4 +130,7 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
                                                          when=_MLA),
     "yarn_beta_fast": ConfigCheck("compare", "--yarn-beta-fast", when=_MLA),
     "yarn_beta_slow": ConfigCheck("compare", "--yarn-beta-slow", when=_MLA),
+    # multi-token prediction: the depths are tensors of the checkpoint; their loss's weight is a training choice
+    "mtp_num_layers": ConfigCheck("compare", "--mtp-num-layers"),
+    "mtp_loss_scaling_factor": ConfigCheck("no", "--mtp-loss-scaling-factor"),
 }
