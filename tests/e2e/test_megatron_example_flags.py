@@ -151,3 +151,60 @@ def test_the_repository_mixtral_example_passes_megatrons_flags():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert args.num_experts == 8 and args.moe_router_topk == 2 and args.moe_grouped_gemm
     assert args.expert_model_parallel_size == 8 and args.pipeline_model_parallel_size == 4
+
+
+# Megatron-LM's examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh: its PRETRAIN_ARGS and Megatron-FSDP
+# arguments as it passes them (TP=1, EP becomes 1: one CPU process), the sizes shrunk (61 layers of 7168 with
+# 256 experts become 3 of 64 with 8; the first dense, as its [0]*3+[1]*58), its Hugging Face tokenizer and data
+# files --mock-data with the null tokenizer, wandb off.
+DEEPSEEK_V3 = ("--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 1 "
+               "--expert-tensor-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer "
+               "--overlap-grad-reduce --overlap-param-gather --use-mcore-models --sequence-parallel --use-flash-attn "
+               "--disable-bias-linear --micro-batch-size 2 --global-batch-size 4 --train-samples 24 "
+               "--exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad --manual-gc --manual-gc-interval 10 "
+               "--recompute-granularity selective --recompute-modules mlp moe mla_up_proj layernorm "
+               "--transformer-impl transformer_engine --seq-length 32 --split 99,1,0 --no-mmap-bin-files "
+               "--no-create-attention-mask-in-dataloader --num-workers 1 --num-layers 3 --hidden-size 64 "
+               "--ffn-hidden-size 96 --num-attention-heads 4 --kv-channels 16 --max-position-embeddings 32 "
+               "--position-embedding-type rope --rotary-base 10000 --make-vocab-size-divisible-by 32 "
+               "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
+               "--multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 "
+               "--weight-decay 0.1 --qk-layernorm --lr-decay-samples 20 --lr-warmup-samples 4 --lr-warmup-init 3.9e-7 "
+               "--lr 3e-3 --min-lr 3.9e-5 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --num-experts 8 "
+               "--moe-layer-freq [0]*1+[1]*2 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 "
+               "--moe-router-load-balancing-type seq_aux_loss --moe-router-topk 2 --moe-token-dispatcher-type flex "
+               "--moe-flex-dispatcher-backend hybridep --moe-router-pre-softmax --moe-grouped-gemm "
+               "--moe-aux-loss-coeff 1e-4 --moe-router-group-topk 2 --moe-router-num-groups 4 "
+               "--moe-router-topk-scaling-factor 2.5 --moe-router-score-function sigmoid "
+               "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 "
+               "--moe-permute-fusion --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+               "--v-head-dim 16 --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 "
+               "--mtp-loss-scaling-factor 0.1 --eval-iters 2 --eval-interval 3 --auto-detect-ckpt-format "
+               "--save-interval 3 --dist-ckpt-strictness log_all --init-method-std 0.02 --log-timers-to-tensorboard "
+               "--log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm "
+               "--log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40 --bf16 "
+               "--enable-experimental "
+               "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+               "--no-gradient-accumulation-fusion --use-distributed-optimizer --calculate-per-token-loss "
+               "--init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer --use-nccl-ub "
+               "--megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16 "
+               "--mock-data --tokenizer-type NullTokenizer --vocab-size 500 --device cpu").split()
+
+
+@pytest.mark.slow
+def test_megatron_deepseek_v3_fsdp_example_flags_run_with_multi_token_prediction(tmp_path):
+    from megatrain.training.logging import parse_train_log_line
+
+    out = tmp_path / "run"
+    paths = ["--save", str(out / "ckpt"), "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb"),
+             "--data-cache-path", str(out / "cache")]
+    proc = run_cmd([sys.executable, "pretrain_gpt.py", *DEEPSEEK_V3, *paths], env=cpu_env(), timeout=600)
+    log = proc.stdout + proc.stderr
+    lines = [parse_train_log_line(l) for l in proc.stdout.splitlines() if "] iteration " in l]
+    assert [d["iteration"] for d in lines] == list(range(1, 7))
+    assert all(0.0 < d["mtp_1 loss"] < 10.0 for d in lines), lines  # the depth's own loss, beside lm loss
+    assert "seq_load_balancing_loss" in lines[0] and "params norm" in lines[0] and "num zeros" in lines[0]
+    for note in ("--moe-token-dispatcher-type flex", "--enable-experimental", "--recompute-modules layernorm"):
+        assert f"note: {note}" in log, note
+    assert "validation loss at iteration 6" in proc.stdout
+    assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
