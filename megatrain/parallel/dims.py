@@ -108,10 +108,6 @@ class ParallelDims:
                        make_vocab_size_divisible_by: int | None = None, seq_length: int | None = None) -> None:
         """Raise ValueError naming the flags when the model cannot be split ``tp`` ways."""
         tp = self.tp
-        if tp > 1 and getattr(config, "mtp_num_layers", 0):
-            raise ValueError(f"--mtp-num-layers with --tensor-model-parallel-size {tp}: multi-token prediction runs "
-                             "with data, context, pipeline and expert parallelism and sharded data parallelism, not "
-                             "tensor parallelism yet")
         n, g = config.num_attention_heads, config.num_query_groups
         if n % tp:
             raise ValueError(f"--num-attention-heads ({n}) must be divisible by "

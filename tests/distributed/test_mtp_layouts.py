@@ -5,7 +5,8 @@ re-weighted by the micro-batch's token counts), context parallelism (the shifted
 masks come from the whole sequence, so a rank's part predicts tokens held by the other rank), pipeline
 parallelism (the depths on the last stage, which keeps a copy of the word embeddings also when the
 output layer is untied; the copies' gradients are summed) and expert parallelism (a MoE model's depth
-is a MoE layer, like its last layer).
+is a MoE layer, like its last layer), tensor parallelism with and without sequence parallelism (the
+depths' layers split like the decoder's, their norms and projection on the rank's part of the sequence).
 
 The real trainer (3 iterations of 4 micro-batches with ``--eod-mask-loss``, active gradient clipping,
 AdamW) of :mod:`dist_harness` on gloo CPU processes, against the same model in one process: per-step
@@ -36,6 +37,8 @@ WORLD2 = {
     "mtp_cp2": (MTP, "--context-parallel-size 2"),
     "mtp_pp2_untied": (MTP, "--pipeline-model-parallel-size 2"),
     "mtp_moe_ep2": (MOE, "--expert-model-parallel-size 2"),
+    "mtp_tp2": (MTP, "--tensor-model-parallel-size 2"),
+    "mtp_tp2_sp": (MTP, "--tensor-model-parallel-size 2 --sequence-parallel"),
 }
 
 
@@ -47,6 +50,12 @@ def _train(model: str, layout: str) -> Run:
     try:
         results = [trainer.train_step() for _ in range(STEPS)]
         assert trainer.mtp_metrics is not None
+        if "--tensor-model-parallel-size" in layout:  # the depths' layers are split like the decoder's
+            from torch.distributed.tensor import DTensor
+
+            depth = trainer.module.mtp.layers["1"]
+            assert isinstance(depth.transformer_layer.self_attention.linear_qkv.weight, DTensor)
+            assert isinstance(depth.eh_proj.weight, DTensor) == ("--sequence-parallel" in layout)
         return Run([r.loss for r in results], [r.grad_norm for r in results], full_parameters(trainer.module), {})
     finally:
         trainer.close()

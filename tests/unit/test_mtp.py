@@ -1,6 +1,7 @@
 """Multi-token prediction (``--mtp-num-layers``): the shifted batch fields (Megatron's ``roll_tensor``), the
 gradient of the model's loss against the objective written out by hand, the per-token-loss weighting,
-parameter names and initial values, evaluation without the depths, the FLOPs count and the refusals."""
+parameter names and initial values, evaluation without the depths, the FLOPs count and the refusals (tests/distributed/test_mtp_layouts.py: the
+parallel layouts)."""
 
 from __future__ import annotations
 
@@ -167,15 +168,14 @@ def test_bad_settings_are_refused(kw, message):
         _config(**kw)
 
 
-def test_other_families_and_tensor_parallelism_refuse_it():
+def test_other_families_refuse_it():
     from megatrain.models.common.config import TransformerConfig
-    from megatrain.parallel.dims import ParallelDims
+    from megatrain.models.llava.config import LlavaConfig
 
     with pytest.raises(ValueError, match="built for the GPT family's decoder only"):
         TransformerConfig(position_embedding_type="rope", mtp_num_layers=1)
-    dims = ParallelDims(world_size=2, tp=2)
-    with pytest.raises(ValueError, match="not tensor parallelism yet"):
-        dims.validate_model(_config())
+    with pytest.raises(ValueError, match="not for a vision-language model's"):
+        LlavaConfig(language=_config())
 
 
 def test_mtp_fields_of_a_fully_masked_sample_count_zero():
