@@ -26,7 +26,7 @@ The names below are the package's interface; callers import them from here.
 """
 
 from megatrain.checkpoint.errors import CheckpointError, CheckpointSaveError
-from megatrain.checkpoint.state import OPTIM_OPTIONS, TrainState, rng_state, set_rng_state
+from megatrain.checkpoint.state import TrainState, optim_options, rng_state, set_rng_state
 from megatrain.checkpoint.meta import (FORMAT_VERSION, META, build_meta, checkpoint_family, checkpoint_model_config,
                                        read_meta)
 from megatrain.checkpoint.layout import (DCP_METADATA, TRACKER, checkpoint_dir, checkpoint_problem, find_checkpoint,
@@ -37,7 +37,7 @@ from megatrain.checkpoint.save import Checkpointer, SaveReport, save_checkpoint
 from megatrain.checkpoint.load import compare_model, load_checkpoint, model_shapes, restore_rng, resume_vocab_size
 from megatrain.checkpoint.strictness import DEFAULT_STRICTNESS, STRICTNESS_MODES
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "OPTIM_OPTIONS", "TrainState", "rng_state", "set_rng_state",
+__all__ = ["CheckpointError", "CheckpointSaveError", "TrainState", "optim_options", "rng_state", "set_rng_state",
            "FORMAT_VERSION", "META", "build_meta", "checkpoint_family", "checkpoint_model_config", "read_meta",
            "DCP_METADATA", "TRACKER", "checkpoint_dir", "checkpoint_problem", "find_checkpoint", "is_complete",
            "iterations_in", "read_dcp_metadata", "config_differences", "config_warnings", "family_problem",

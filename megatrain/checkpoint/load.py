@@ -18,16 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from megatrain.checkpoint import integrity
 from megatrain.checkpoint.compat import config_differences, config_warnings, family_problem
-from megatrain.checkpoint.dcp_reader import load_dcp
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.meta import read_meta
 from megatrain.checkpoint.ranks import dist_on, rank, single_process_quiet, warn, world
 from megatrain.checkpoint.safe_pickle import load_tensors_file, read_dcp_metadata
-from megatrain.checkpoint.state import OPTIM_OPTIONS, rng_name, set_rng_state
+from megatrain.checkpoint.state import optim_options, rng_name, set_rng_state
 from megatrain.checkpoint.strictness import DEFAULT_STRICTNESS, mismatch_over_ranks, report_mismatch
 from megatrain.models.common.config_checks import ConfigCheck
 
@@ -99,6 +97,10 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
     modes refuse, name or ignore each kind (`megatrain.checkpoint.strictness`). Model tensors loaded around
     keep their values and start with a fresh optimizer state.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from megatrain.checkpoint.dcp_reader import load_dcp  # DCP is imported on use, not at start-up
+
     meta = read_meta(ckpt)
     if model_config is not None:
         problem = family_problem(ckpt, meta, model_config)
@@ -138,7 +140,7 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
         warn(f"checkpoint {ckpt} holds no optimizer state ({why}); the optimizer starts fresh")
     load_optim = load_optim and optimizer is not None and has_optim
     if load_optim:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=optim_options())
         sd: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     else:
         sd = {"model": model_sd}
@@ -153,7 +155,7 @@ def load_checkpoint(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Op
             sd[part].update(entries)
     if load_optim:
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
-                       options=OPTIM_OPTIONS)
+                       options=optim_options())
         params = dict(model.named_parameters())
         for name in absent:  # a fresh start (the state get_state_dict set up is one step old)
             if name in params:

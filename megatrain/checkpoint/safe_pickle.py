@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import pathlib
 import pickle
@@ -29,8 +30,6 @@ import sys
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint import filesystem as _dcp_filesystem
-from torch.distributed.checkpoint import metadata as _dcp_metadata
 
 from megatrain.checkpoint.errors import CheckpointError
 
@@ -58,7 +57,12 @@ def _layout_from_name(name: Any) -> torch.layout:
     return torch.strided
 
 
+@functools.cache
 def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """`ALLOWED_GLOBALS`, built on first use (importing DCP costs every process's start-up)."""
+    from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+    from torch.distributed.checkpoint import metadata as _dcp_metadata
+
     table: dict[tuple[str, str], Any] = {
         (_MD, "Metadata"): _dcp_metadata.Metadata,
         (_MD, "MetadataIndex"): _dcp_metadata.MetadataIndex,
@@ -92,18 +96,23 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     return table
 
 
-#: every global a DCP ``.metadata`` may name, mapped to the object it stands for
-ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed_globals()
+def __getattr__(name: str) -> Any:
+    """``ALLOWED_GLOBALS``: every global a DCP ``.metadata`` may name, mapped to the object it stands for."""
+    if name == "ALLOWED_GLOBALS":
+        return _allowed_globals()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _RefusedGlobal(pickle.UnpicklingError):
     pass
 
 
-# The classes whose instances a pickle may fill with state (BUILD), and how.
-_STATEFUL = {cls for cls in ALLOWED_GLOBALS.values()
-             if isinstance(cls, type) and dataclasses.is_dataclass(cls)}
-_OWN_SETSTATE = {cls for cls in _STATEFUL if "__setstate__" in vars(cls)}  # TensorProperties
+@functools.cache
+def _stateful() -> tuple[set[type], set[type]]:
+    """The classes whose instances a pickle may fill with state (BUILD), and those of them with their
+    own ``__setstate__`` (TensorProperties)."""
+    stateful = {cls for cls in _allowed_globals().values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)}
+    return stateful, {cls for cls in stateful if "__setstate__" in vars(cls)}
 
 
 def _load_build(self: DcpMetadataUnpickler) -> None:
@@ -112,9 +121,10 @@ def _load_build(self: DcpMetadataUnpickler) -> None:
     state = self.stack.pop()
     inst = self.stack[-1]
     cls = type(inst)
-    if cls not in _STATEFUL:
+    stateful, own_setstate = _stateful()
+    if cls not in stateful:
         raise _RefusedGlobal(f"refusing to set the state of a {cls.__name__} object")
-    if cls in _OWN_SETSTATE:
+    if cls in own_setstate:
         cls.__setstate__(inst, state)
         return
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -132,7 +142,7 @@ class DcpMetadataUnpickler(pickle._Unpickler):  # the Python implementation, who
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return ALLOWED_GLOBALS[(module, name)]
+            return _allowed_globals()[(module, name)]
         except (KeyError, TypeError):
             raise _RefusedGlobal(f"refusing to unpickle the global {module}.{name}") from None
 
@@ -158,6 +168,8 @@ def _check_size(v: Any, where: str, ndim: int | None = None) -> None:
 
 
 def _check_tensor(key: str, item: Any) -> None:
+    from torch.distributed.checkpoint import metadata as _dcp_metadata
+
     where = f"the entry {key!r}"
     _fields_only(item, where)
     props = item.properties
@@ -182,6 +194,9 @@ def _check_tensor(key: str, item: Any) -> None:
 
 
 def _check_storage(index: Any, info: Any, keys: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+    from torch.distributed.checkpoint import metadata as _dcp_metadata
+
     if type(index) is not _dcp_metadata.MetadataIndex or type(index.fqn) is not str:
         raise ValueError("a storage entry is not keyed by a MetadataIndex")
     where = f"the storage of {index.fqn!r}"
@@ -207,6 +222,8 @@ def _check_storage(index: Any, info: Any, keys: dict[str, Any]) -> None:
 
 def _check_metadata(md: Any) -> None:
     """Raises ValueError naming what is wrong unless ``md`` is a plain DCP Metadata."""
+    from torch.distributed.checkpoint import metadata as _dcp_metadata
+
     if type(md) is not _dcp_metadata.Metadata:
         raise ValueError(f"it holds a {type(md).__name__}, not a Metadata")
     _fields_only(md, "the Metadata")
@@ -233,7 +250,7 @@ def _check_metadata(md: Any) -> None:
         raise ValueError("its planner data is not a mapping of names to key paths")
     sm = getattr(md, "storage_meta", None)
     if sm is not None:
-        if type(sm) is not ALLOWED_GLOBALS.get((_MD, "StorageMeta")):
+        if type(sm) is not _allowed_globals().get((_MD, "StorageMeta")):
             raise ValueError("its storage_meta is not a StorageMeta")
         _fields_only(sm, "the storage_meta")
         if (not (sm.checkpoint_id is None or isinstance(sm.checkpoint_id, (str, pathlib.PurePath)))

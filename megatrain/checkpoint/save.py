@@ -25,8 +25,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from megatrain.atomic_io import atomic_write_bytes, atomic_write_text
 from megatrain.checkpoint import integrity
@@ -34,7 +32,7 @@ from megatrain.checkpoint.errors import CheckpointSaveError
 from megatrain.checkpoint.layout import DCP_METADATA, TRACKER, checkpoint_dir, checkpoint_problem, iterations_in
 from megatrain.checkpoint.meta import META, build_meta
 from megatrain.checkpoint.ranks import dist_on, fsync_dir, rank, single_process_quiet, world
-from megatrain.checkpoint.state import OPTIM_OPTIONS, TrainState, rng_name, rng_state
+from megatrain.checkpoint.state import TrainState, optim_options, rng_name, rng_state
 from megatrain.errors import underlying
 
 __all__ = ["Checkpointer", "SaveReport", "save_checkpoint"]
@@ -222,9 +220,6 @@ def _leaves(obj: Any) -> Iterator[Any]:
         yield obj
 
 
-_ASYNC_HAS_STAGER = "async_stager" in inspect.signature(dcp.async_save).parameters
-
-
 @dataclass
 class SaveReport:
     path: str
@@ -266,6 +261,9 @@ class Checkpointer:
         """``model_state`` / ``planner`` (synchronous saves without an optimizer only): the model's
         state dict as given (meta tensors, say) and a DCP SavePlanner whose ``resolve_data`` makes each
         tensor as it is written, so a converter never holds the whole model (the HF import)."""
+        import torch.distributed.checkpoint as dcp  # here, not at import: DCP costs start-up time
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         t0 = time.perf_counter()
         if (model_state is not None or planner is not None) and (self.async_save or (save_optim and optimizer)):
             raise ValueError("model_state / planner: synchronous saves without optimizer state only")
@@ -288,7 +286,7 @@ class Checkpointer:
             raise CheckpointSaveError(str(e)) from None
         with_optim = bool(save_optim and optimizer is not None)
         if with_optim:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=optim_options())
             to_save = {"model": model_sd, "optimizer": optim_sd}
         else:
             to_save = {"model": get_state_dict(model, [])[0] if model_state is None else model_state}
@@ -318,9 +316,11 @@ class Checkpointer:
         return SaveReport(final, time.perf_counter() - t0, True)
 
     def _start_async(self, to_save: dict[str, Any], tmp: str, group: Any) -> Any:
+        import torch.distributed.checkpoint as dcp
+
         on_cuda = torch.cuda.is_available() and any(
             isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in _leaves(to_save))
-        if _ASYNC_HAS_STAGER:
+        if "async_stager" in inspect.signature(dcp.async_save).parameters:
             kwargs: dict[str, Any] = {}
             if on_cuda:  # pinned host buffers, kept between saves: the copy is the only blocking part
                 from torch.distributed.checkpoint.staging import BlockingAsyncStager

@@ -10,14 +10,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-__all__ = ["TrainState", "OPTIM_OPTIONS", "rng_name", "rng_state", "set_rng_state"]
+__all__ = ["TrainState", "optim_options", "rng_name", "rng_state", "set_rng_state"]
 
-# Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"), so
-# every rank's entries are distinct (pipeline stages hold different parameters) and a checkpoint
-# reshards across any layout.
-OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+def optim_options() -> Any:
+    """DCP's ``StateDictOptions`` for the optimizer state: keyed by parameter name, hyper-parameters
+    included ("param_groups.<name>.lr"), so every rank's entries are distinct (pipeline stages hold
+    different parameters) and a checkpoint reshards across any layout. (DCP is imported on first use,
+    not at start-up.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass

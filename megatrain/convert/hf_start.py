@@ -42,7 +42,6 @@ from typing import IO, Any, Sequence
 
 import megatrain
 from megatrain import checkpoint as checkpointing
-from megatrain.convert.import_hf import import_hf_model, pretrain_flags, read_hf_config
 from megatrain.convert.tokenizer_files import import_hf_tokenizer
 from megatrain.locking import LockHeld, acquire
 from megatrain.models.common.config_checks import ConfigCheck
@@ -101,6 +100,8 @@ def _source(args: argparse.Namespace) -> tuple[str, str] | None:
 
 
 def _read_config(hf_dir: str, flag: str) -> dict[str, Any]:
+    from megatrain.convert.import_hf import read_hf_config  # the import's DCP modules: on use, not at start-up
+
     try:
         return read_hf_config(hf_dir)
     except ValueError as e:
@@ -172,6 +173,8 @@ def apply_model_flags(args: argparse.Namespace, argv: Sequence[str], parser: arg
     padded = padded_vocab_size(int(hf_config.get("vocab_size") or 1), args.make_vocab_size_divisible_by,
                                args.tensor_model_parallel_size)
     family, cfg, architecture = _family_and_config(hf_config, padded, flag, hf_dir)
+    from megatrain.convert.import_hf import pretrain_flags
+
     flags = pretrain_flags(cfg, {}, args.make_vocab_size_divisible_by, family.hf.family_flags(cfg))
     values, unknown = _given(parser, flags)
     if unknown:
@@ -349,6 +352,8 @@ def converted_checkpoint(hf_dir: str, *, make_vocab_size_divisible_by: int = 128
 
 
 def _convert(hf_dir: str, final: str, divisible_by: int, tp: int) -> None:
+    from megatrain.convert.import_hf import import_hf_model
+
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # an interrupted conversion's (the lock is ours)
     if os.path.exists(final):  # incomplete under the final name: not written by this module, so not ours to delete

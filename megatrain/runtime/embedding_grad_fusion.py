@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatrain.compiler_disable import compiler_disable
 from megatrain.runtime.grad_accumulation_fusion import take_unwritten
 
 __all__ = ["FusedGradEmbedding", "convert_tied_embeddings", "embedding_rows_"]
@@ -73,12 +74,12 @@ class _RowsIntoStagedFn(torch.autograd.Function):
         return None, None, None
 
 
-@torch.compiler.disable  # a whole-model compile runs the lookup eagerly (its context holds a plain tensor)
+@compiler_disable  # a whole-model compile runs the lookup eagerly (its context holds a plain tensor)
 def _rows_into_staged(ids: torch.Tensor, weight: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
     return _RowsIntoStagedFn.apply(ids, weight, staged)
 
 
-@torch.compiler.disable  # the same compiled regions as _rows_into_staged's (see FusedGradEmbedding.forward)
+@compiler_disable  # the same compiled regions as _rows_into_staged's (see FusedGradEmbedding.forward)
 def _lookup_outside_compile(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatrain.compiler_disable import compiler_disable
 from megatrain.runtime.grad_accumulation_fusion import wgrad_float32
 
 __all__ = ["ChunkedCrossEntropy", "backward_once", "chunk_kernel", "chunked_cross_entropy", "compute_dtype",
@@ -279,7 +280,7 @@ class ChunkedCrossEntropy:
         ``model.output_bias()``."""
         return self(hidden, model.output_weight(), labels, model.output_bias())
 
-    @torch.compiler.disable  # a whole-model compile stops here: the chunks run their own kernels
+    @compiler_disable  # a whole-model compile stops here: the chunks run their own kernels
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         fp8 = self.fp8_weights

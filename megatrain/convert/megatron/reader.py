@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from megatrain.checkpoint.dcp_reader import load_dcp
 from megatrain.checkpoint.errors import CheckpointError
 from megatrain.checkpoint.ranks import single_process_quiet
 from megatrain.convert.megatron.legacy_optim import LegacyOptimizerRefused, grad_scaler_state, rank_optimizer_state
@@ -44,7 +43,6 @@ from megatrain.convert.megatron.names import (UnsupportedMegatronModel, canonica
                                              is_legacy_model, layer_of, legacy_name, legacy_qkv_fix, merge_tp,
                                              with_layer)
 from megatrain.convert.megatron.optim import MegatronOptimizerState, read_optimizer_state
-from megatrain.convert.megatron.pickles import load_megatron_dcp_metadata, load_megatron_pt
 
 __all__ = ["MegatronCheckpoint", "TRACKER", "find_megatron_iteration", "is_megatron_checkpoint",
            "read_megatron_checkpoint"]
@@ -130,6 +128,9 @@ def _iteration(d: str, common: dict[str, Any]) -> int:
 
 
 def _read_torch_dist(d: str, progress: bool) -> MegatronCheckpoint:
+    # DCP's modules load on use: every run's parse_args asks is_megatron_checkpoint
+    from megatrain.convert.megatron.pickles import load_megatron_dcp_metadata, load_megatron_pt
+
     meta_path = os.path.join(d, "metadata.json")
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -162,6 +163,8 @@ def read_sharded_key(d: str, md: Any, stored: str, key: str) -> dict[str, torch.
     """The canonical tensors of one torch_dist tensor ``stored`` whose model key is ``key`` (itself, or
     the parameter an optimizer-state tensor ``optimizer.state.exp_avg.KEY`` belongs to): the stacked
     layer tensors ([L, ...], routed experts [L, E, ...]) cut into one tensor per layer (and expert)."""
+    from megatrain.checkpoint.dcp_reader import load_dcp
+
     item = md.state_dict_metadata[stored]
     t = torch.empty(tuple(item.size), dtype=item.properties.dtype)
     with single_process_quiet():
@@ -268,6 +271,8 @@ def _rank_layout(d: str, loaded: dict[str, Any]) -> tuple[dict[tuple[int, int, i
     names them ``mp_rank_{tp:02d}``, ``_{pp:03d}`` with pipeline parallelism, then ``_{ep:03d}`` with expert
     parallelism; ``mp_rank_TT_XXX`` is told apart (PP or EP) by the run's args (the file read for them is
     kept in ``loaded``, by path)."""
+    from megatrain.convert.megatron.pickles import load_megatron_pt
+
     found: dict[tuple[int, int | None, int | None], str] = {}
     for n in os.listdir(d):
         m = _RANK_DIR.match(n)
@@ -324,6 +329,8 @@ def _transformer_engine(args: Any) -> bool:
 
 
 def _read_legacy(d: str, progress: bool) -> MegatronCheckpoint:
+    from megatrain.convert.megatron.pickles import load_megatron_pt
+
     loaded: dict[str, Any] = {}
     ranks, pp, ep, tp = _rank_layout(d, loaded)
     ck: MegatronCheckpoint | None = None

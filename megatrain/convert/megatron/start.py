@@ -25,10 +25,7 @@ import shutil
 import time
 
 from megatrain.convert.hf_start import _given, cache_root
-from megatrain.convert.import_hf import pretrain_flags
 from megatrain.convert.megatron.args import config_from_megatron_args
-from megatrain.convert.megatron.bridge import TOKENIZER_ARGS, import_megatron
-from megatrain.convert.megatron.pickles import load_megatron_pt
 from megatrain.convert.megatron.reader import find_megatron_iteration, is_megatron_checkpoint
 from megatrain.locking import LockHeld, acquire
 
@@ -40,6 +37,8 @@ FORMAT = "3"  # of the cached conversion: "2" carries Adam's state, "3" a legacy
 
 def read_megatron_args(d: str) -> argparse.Namespace:
     """The ``args`` stored in the Megatron iteration directory ``d``."""
+    from megatrain.convert.megatron.pickles import load_megatron_pt  # DCP's modules: on use, not at start-up
+
     common = os.path.join(d, "common.pt")
     if not os.path.isfile(common):
         ranks = sorted(n for n in os.listdir(d) if n.startswith("mp_rank_"))
@@ -61,6 +60,9 @@ def apply_megatron_load(args: argparse.Namespace, parser: argparse.ArgumentParse
     args.megatron_start = os.path.abspath(args.load)
     if not getattr(args, "use_checkpoint_args", False):
         return
+    from megatrain.convert.import_hf import pretrain_flags
+    from megatrain.convert.megatron.bridge import TOKENIZER_ARGS
+
     margs = read_megatron_args(d)
     cfg = config_from_megatron_args(margs, d)
     saved = vars(margs)
@@ -129,6 +131,8 @@ def prepare_megatron_start(args: argparse.Namespace) -> None:
     except LockHeld:
         _wait_for(final, minutes)
         return
+    from megatrain.convert.megatron.bridge import import_megatron
+
     try:
         if not _complete(final):
             tmp = final + ".tmp"

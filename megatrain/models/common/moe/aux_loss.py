@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatrain.compiler_disable import compiler_disable
+
 __all__ = ["set_aux_loss_scale", "aux_loss_scale", "attach_aux_loss", "weighted_sum", "switch_load_balancing_loss",
            "sequence_load_balancing_loss", "z_loss", "routing_scores_for_aux_loss", "group_size",
            "tokens_per_expert"]
@@ -71,7 +73,7 @@ class _AuxLossScaler(torch.autograd.Function):
         return grad, aux_loss_scale(device).to(dtype).expand(shape).clone()
 
 
-@torch.compiler.disable  # eager: the backward must read the scale set after the forward
+@compiler_disable  # eager: the backward must read the scale set after the forward
 def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """``activation`` whose backward also back-propagates ``loss`` (times the current aux-loss scale)."""
     return _AuxLossScaler.apply(activation, loss)

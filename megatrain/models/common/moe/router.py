@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatrain.compiler_disable import compiler_disable
 from megatrain.models.common.config import TransformerConfig
 from megatrain.models.common.moe import aux_loss as losses
 
@@ -207,7 +208,7 @@ class TopKRouter(nn.Module):
         gradient by the global batch's loss tokens): the tokens of the sequences' parts."""
         return float(num_tokens * losses.group_size(self.reduce_group)) if self.calculate_per_token_loss else 1.0
 
-    @torch.compiler.disable
+    @compiler_disable
     def _record(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().float()
         acc = self.logged.get(name)
@@ -216,7 +217,7 @@ class TopKRouter(nn.Module):
         else:
             acc.add_(value)
 
-    @torch.compiler.disable
+    @compiler_disable
     def _attach_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         # Each rank's z-loss is the mean over its own tokens: Megatron divides the coefficient by the
         # reduce group's size (the ranks' losses average rather than add up).
@@ -227,7 +228,7 @@ class TopKRouter(nn.Module):
             self._record("z_loss", raw)
         return losses.attach_aux_loss(logits, loss)
 
-    @torch.compiler.disable
+    @compiler_disable
     def _attach_balancing_losses(self, logits: torch.Tensor, probs: torch.Tensor, b: int) -> torch.Tensor:
         cfg = self.config
         recomputing = in_recomputation()
@@ -261,7 +262,7 @@ class TopKRouter(nn.Module):
                 self._record(name, raw)
         return probs
 
-    @torch.compiler.disable
+    @compiler_disable
     def _count_tokens(self, routing_map: torch.Tensor) -> None:
         if in_recomputation():
             return
