@@ -134,7 +134,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     # rank), so that the experts' gradients are reduced over the ranks holding the same experts.
     expert_fsdp = distributed and any(True for _ in moe_layers(model))
     fsdp = fsdp or expert_fsdp
-    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp)
+    # Multi-token prediction uses the output weight (and the word embeddings) once per depth more in a
+    # forward: the fusion adds each use's weight gradient into one staged buffer that every use saved, so
+    # the first backward would change what the others saved. Off then (plain autograd accumulation).
+    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp) and not getattr(config, "mtp_num_layers", 0)
     fp8_fused = cfg.fp8_format is not None and fusion_applies  # fp8 on the fusion's protocol
     fp8_report = None
     if fp8_fused:

@@ -183,3 +183,28 @@ def test_mtp_fields_of_a_fully_masked_sample_count_zero():
     fields = mtp_fields(tokens, tokens + 1, torch.zeros(1, 6), 2)
     assert fields["mtp_counts"].tolist() == [[0.0, 0.0, 0.0]]
     assert math.isclose(fields["mtp_tokens"][0, :, 1].tolist()[-1], 0)
+
+
+@pytest.mark.parametrize("untie", [True, False])
+def test_bf16_chunked_loss_run_trains_the_depths(untie):
+    """In bf16 with the chunked loss head the output weight (and the word embeddings) serve every depth:
+    the gradient-accumulation fusion, whose staged buffer each use would save, is off for such models
+    (it failed the second use's backward: a GPU run of 2026-12-08)."""
+    from megatrain.training.arguments import parse_args
+    from megatrain.training.trainer import Trainer
+
+    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--position-embedding-type", "rope", "--mtp-num-layers", "2", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--lr", "1e-3", "--train-iters", "2", "--bf16",
+            "--cross-entropy-chunk-size", "8", "--num-workers", "0", "--eval-iters", "0", "--device", "cpu",
+            "--no-torch-compile", *(["--untie-embeddings-and-output-weights"] if untie else [])]
+    trainer = Trainer(parse_args(args))
+    try:
+        assert trainer.grad_fusion is None
+        before = trainer.module.mtp.layers["1"].eh_proj.weight.detach().clone()
+        results = [trainer.train_step() for _ in range(2)]
+        assert all(math.isfinite(r.loss) for r in results)
+        assert not torch.equal(before, trainer.module.mtp.layers["1"].eh_proj.weight.detach())
+    finally:
+        trainer.close()
