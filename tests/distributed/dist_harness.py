@@ -376,3 +376,58 @@ def compare(run: Run, reference: Run) -> dict[str, float]:
     """Max relative errors of the per-step losses and the final full parameters against the reference."""
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses, strict=True)),
             "params": max_relative_error(run.params, reference.params)}
+
+
+# ---- layouts of one model family given by extra flags: (model flags, layout flags) per name ----------------
+
+def train_flags(style: str, model: str, layout: str, steps: int = STEPS,
+                check: Callable[[HarnessTrainer], None] | None = None) -> Run:
+    """``steps`` iterations of :class:`HarnessTrainer` on :func:`model_flags` ``style`` with the extra model
+    flags ``model`` and the layout flags ``layout``; ``check(trainer)`` first (what it built)."""
+    from megatrain.training.arguments import parse_args
+
+    args = parse_args([*model_flags(style), *shlex.split(model), *run_flags(steps), *shlex.split(layout)])
+    trainer = HarnessTrainer(args)
+    try:
+        if check is not None:
+            check(trainer)
+        results = [trainer.train_step() for _ in range(steps)]
+        return Run([r.loss for r in results], [r.grad_norm for r in results], full_parameters(trainer.module), {})
+    finally:
+        trainer.close()
+
+
+def _flag_references(train: Callable[[str, str], Run], layouts: dict[str, tuple[str, str]]) -> dict[str, Run]:
+    done: dict[str, Run] = {}
+    for model, _ in layouts.values():
+        if model not in done:  # one process per model, shared by its layouts
+            done[model] = train(model, "")
+    return {name: done[model] for name, (model, _) in layouts.items()}
+
+
+def _flag_layouts(rank: int, world_size: int, layouts: dict[str, tuple[str, str]],
+                  train: Callable[[str, str], Run]) -> dict[str, Run]:
+    return {name: train(model, layout) for name, (model, layout) in layouts.items()}
+
+
+def run_flag_layouts(train: Callable[[str, str], Run], layouts: dict[str, tuple[str, str]],
+                     world_size: int) -> tuple[dict[str, Run], list[dict[str, Run]]]:
+    """``train(model, layout)`` (a module-level function or partial) for every named layout on
+    ``world_size`` processes, and ``train(model, "")`` once per model in one process:
+    (references by layout name, the layouts' runs of every rank)."""
+    return run_alone_then_workers(functools.partial(_flag_references, train, layouts),
+                                  functools.partial(_flag_layouts, train=train), world_size, layouts)
+
+
+def assert_equals_reference(run: Run, reference: Run, rank: int, tolerance: float = 1e-5) -> None:
+    """Per-step losses, gradient norms and the final parameters within ``tolerance`` relative error of the
+    one-process reference (a pipeline rank's: its stage's parameters only), with clipping active."""
+    if len(run.params) < len(reference.params):  # a pipeline stage
+        assert run.params, f"rank {rank}: no parameters"
+        reference = Run(reference.losses, reference.grad_norms,
+                        {k: v for k, v in reference.params.items() if k in run.params}, {})
+    errors: dict[str, Any] = compare(run, reference)
+    errors["grad_norm"] = max(abs(a - b) / abs(b) for a, b in zip(run.grad_norms, reference.grad_norms, strict=True))
+    for what, error in errors.items():
+        assert error < tolerance, f"rank {rank}: {what} differs from one process by {error:.2e}"
+    assert max(run.grad_norms) > CLIP, "gradient clipping was not active; the check would be weaker"

@@ -18,15 +18,11 @@ error.
 from __future__ import annotations
 
 import functools
-import shlex
-from typing import Any
 
 import pytest
 
-from dist_harness import CLIP, HarnessTrainer, Run, compare, full_parameters, model_flags, run_alone_then_workers, \
-    run_flags
+from dist_harness import assert_equals_reference, run_flag_layouts, train_flags
 
-TOLERANCE = 1e-5
 STEPS = 3
 MLA = ("--multi-latent-attention --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 6 "
        "--qk-layernorm --rotary-scaling-factor 4 --mscale 0.8 --mscale-all-dim 0.707 "
@@ -45,33 +41,12 @@ WORLD2 = {
 }
 
 
-def _train(model: str, layout: str) -> Run:
-    from megatrain.training.arguments import parse_args
-
-    args = parse_args([*model_flags("gpt2"), *shlex.split(model), *run_flags(STEPS), *shlex.split(layout)])
-    trainer = HarnessTrainer(args)
-    try:
-        results = [trainer.train_step() for _ in range(STEPS)]
-        return Run([r.loss for r in results], [r.grad_norm for r in results], full_parameters(trainer.module), {})
-    finally:
-        trainer.close()
-
-
-def _references(layouts: dict[str, tuple[str, str]]) -> dict[str, Run]:
-    done: dict[str, Run] = {}
-    for model, _ in layouts.values():
-        if model not in done:
-            done[model] = _train(model, "")
-    return {name: done[model] for name, (model, _) in layouts.items()}
-
-
-def _layouts(rank: int, world_size: int, layouts: dict[str, tuple[str, str]]) -> dict[str, Run]:
-    return {name: _train(model, layout) for name, (model, layout) in layouts.items()}
+_train = functools.partial(train_flags, "gpt2", steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_alone_then_workers(functools.partial(_references, WORLD2), _layouts, 2, WORLD2)
+    return run_flag_layouts(_train, WORLD2, 2)
 
 
 @pytest.mark.slow
@@ -79,14 +54,4 @@ def world2():
 def test_mla_layout_on_two_processes_equals_one_process(world2, name):
     references, results = world2
     for rank, per_rank in enumerate(results):
-        run, reference = per_rank[name], references[name]
-        if "pp2" in name:  # a pipeline rank holds its stage's parameters only
-            assert 0 < len(run.params) < len(reference.params)
-            reference = Run(reference.losses, reference.grad_norms,
-                            {k: v for k, v in reference.params.items() if k in run.params}, {})
-        errors: dict[str, Any] = compare(run, reference)
-        errors["grad_norm"] = max(abs(a - b) / abs(b) for a, b in zip(run.grad_norms, reference.grad_norms,
-                                                                        strict=True))
-        for what, error in errors.items():
-            assert error < TOLERANCE, f"rank {rank}: {what} differs from one process by {error:.2e}"
-        assert max(run.grad_norms) > CLIP, "gradient clipping was not active; the check would be weaker"
+        assert_equals_reference(per_rank[name], references[name], rank)

@@ -16,16 +16,10 @@ relative error.
 
 from __future__ import annotations
 
-import functools
-import shlex
-from typing import Any
-
 import pytest
 
-from dist_harness import CLIP, HarnessTrainer, Run, compare, full_parameters, model_flags, run_alone_then_workers, \
-    run_flags
+from dist_harness import HarnessTrainer, Run, assert_equals_reference, run_flag_layouts, train_flags
 
-TOLERANCE = 1e-5
 STEPS = 3
 MTP = "--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3"
 MOE = f"{MTP} --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-aux-loss-coeff 1e-2"
@@ -42,40 +36,23 @@ WORLD2 = {
 }
 
 
+def _built(layout: str, trainer: HarnessTrainer) -> None:
+    assert trainer.mtp_metrics is not None
+    if "--tensor-model-parallel-size" in layout:  # the depths' layers are split like the decoder's
+        from torch.distributed.tensor import DTensor
+
+        depth = trainer.module.mtp.layers["1"]
+        assert isinstance(depth.transformer_layer.self_attention.linear_qkv.weight, DTensor)
+        assert isinstance(depth.eh_proj.weight, DTensor) == ("--sequence-parallel" in layout)
+
+
 def _train(model: str, layout: str) -> Run:
-    from megatrain.training.arguments import parse_args
-
-    args = parse_args([*model_flags("llama"), *shlex.split(model), *run_flags(STEPS), *shlex.split(layout)])
-    trainer = HarnessTrainer(args)
-    try:
-        results = [trainer.train_step() for _ in range(STEPS)]
-        assert trainer.mtp_metrics is not None
-        if "--tensor-model-parallel-size" in layout:  # the depths' layers are split like the decoder's
-            from torch.distributed.tensor import DTensor
-
-            depth = trainer.module.mtp.layers["1"]
-            assert isinstance(depth.transformer_layer.self_attention.linear_qkv.weight, DTensor)
-            assert isinstance(depth.eh_proj.weight, DTensor) == ("--sequence-parallel" in layout)
-        return Run([r.loss for r in results], [r.grad_norm for r in results], full_parameters(trainer.module), {})
-    finally:
-        trainer.close()
-
-
-def _references(layouts: dict[str, tuple[str, str]]) -> dict[str, Run]:
-    done: dict[str, Run] = {}
-    for model, _ in layouts.values():
-        if model not in done:
-            done[model] = _train(model, "")
-    return {name: done[model] for name, (model, _) in layouts.items()}
-
-
-def _layouts(rank: int, world_size: int, layouts: dict[str, tuple[str, str]]) -> dict[str, Run]:
-    return {name: _train(model, layout) for name, (model, layout) in layouts.items()}
+    return train_flags("llama", model, layout, STEPS, check=lambda trainer: _built(layout, trainer))
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_alone_then_workers(functools.partial(_references, WORLD2), _layouts, 2, WORLD2)
+    return run_flag_layouts(_train, WORLD2, 2)
 
 
 @pytest.mark.slow
@@ -83,17 +60,8 @@ def world2():
 def test_mtp_layout_on_two_processes_equals_one_process(world2, name):
     references, results = world2
     for rank, per_rank in enumerate(results):
-        run, reference = per_rank[name], references[name]
-        if "pp2" in name:  # a pipeline rank holds its stage's parameters only
-            assert 0 < len(run.params) < len(reference.params)
-            reference = Run(reference.losses, reference.grad_norms,
-                            {k: v for k, v in reference.params.items() if k in run.params}, {})
-            if rank == 1:  # the last stage: the depths and its copy of the word embeddings
-                assert any(k.startswith("mtp.layers.1.") for k in run.params)
-                assert "embedding.word_embeddings.weight" in run.params
-        errors: dict[str, Any] = compare(run, reference)
-        errors["grad_norm"] = max(abs(a - b) / abs(b) for a, b in zip(run.grad_norms, reference.grad_norms,
-                                                                        strict=True))
-        for what, error in errors.items():
-            assert error < TOLERANCE, f"rank {rank}: {what} differs from one process by {error:.2e}"
-        assert max(run.grad_norms) > CLIP, "gradient clipping was not active; the check would be weaker"
+        run = per_rank[name]
+        if "pp2" in name and rank == 1:  # the last stage: the depths and its copy of the word embeddings
+            assert any(k.startswith("mtp.layers.1.") for k in run.params)
+            assert "embedding.word_embeddings.weight" in run.params
+        assert_equals_reference(run, references[name], rank)
