@@ -18,6 +18,9 @@
   note says so at start-up): each drops an output that the next operation here saves anyway (a norm's
   output is the following matmul's saved input), so recomputing it would save no memory; ``mlp`` or
   ``moe`` recompute the whole block instead. The numbers are the same either way.
+* Transformer layers a model keeps outside its stacks (GPT's multi-token prediction depths) are recomputed
+  as the stacks' are; under ``full`` all of them whatever the method (Megatron's MTP layers check the
+  granularity only).
 * ``--moe-layer-recompute``: the mixture-of-experts layers' ``mlp`` (router, token dispatch, experts,
   shared experts) is recomputed, Megatron's ``moe_layer_recompute`` (its ``--recompute-modules moe``);
   it combines with ``selective`` (not with ``full``, which already recomputes whole layers). Under
@@ -98,21 +101,49 @@ def apply_activation_checkpointing(model: nn.Module, cfg: RecomputeConfig) -> li
     ``--recompute-method block`` the first N layers of each stack, as Megatron's blocks do."""
     wrapped: list[str] = []
     modules = cfg.modules or ()
-    for prefix, layers in layer_stacks(model).items():
-        for key, layer in layers.items():
-            mlp = getattr(layer, "mlp", None)
-            is_moe = mlp is not None and any(m is mlp for m in moe_layers(layer))
-            if is_moe and cfg.moe_layer:
-                layer.mlp = _wrap(mlp)
-                wrapped.append(f"{prefix}.{key}.mlp")
-            elif is_moe and "shared_experts" in modules and getattr(mlp, "shared_experts", None) is not None:
-                mlp.shared_experts = _wrap(mlp.shared_experts)
-                wrapped.append(f"{prefix}.{key}.mlp.shared_experts")
-            elif mlp is not None and not is_moe and "mlp" in modules:
-                layer.mlp = _wrap(mlp)
-                wrapped.append(f"{prefix}.{key}.mlp")
+    stacks = layer_stacks(model)
+    extra = _extra_layer_slots(model)
+    every = [(f"{prefix}.{key}", layer) for prefix, layers in stacks.items() for key, layer in layers.items()]
+    every += [(path, getattr(parent, attr)) for path, parent, attr in extra]
+    for path, layer in every:
+        mlp = getattr(layer, "mlp", None)
+        is_moe = mlp is not None and any(m is mlp for m in moe_layers(layer))
+        if is_moe and cfg.moe_layer:
+            layer.mlp = _wrap(mlp)
+            wrapped.append(f"{path}.mlp")
+        elif is_moe and "shared_experts" in modules and getattr(mlp, "shared_experts", None) is not None:
+            mlp.shared_experts = _wrap(mlp.shared_experts)
+            wrapped.append(f"{path}.mlp.shared_experts")
+        elif mlp is not None and not is_moe and "mlp" in modules:
+            layer.mlp = _wrap(mlp)
+            wrapped.append(f"{path}.mlp")
     if cfg.granularity is None:
         return wrapped
+    if cfg.granularity == "full":
+        assert cfg.num_layers is not None
+        for prefix, layers in stacks.items():
+            keys = list(layers.keys())
+            for key in keys[: cfg.num_layers] if cfg.method == "block" else keys:
+                layers[key] = _wrap(layers[key])
+                wrapped.append(f"{prefix}.{key}")
+        for path, parent, attr in extra:  # as Megatron: whatever the method, full recomputation takes them all
+            setattr(parent, attr, _wrap(getattr(parent, attr)))
+            wrapped.append(path)
+        return wrapped
+    for path, layer in every if "core_attn" in modules else ():
+        for name in ("self_attention", "cross_attention"):  # core attention of each attention module
+            attention = getattr(layer, name, None)
+            if attention is not None:
+                attention.core_attention = _wrap(attention.core_attention)
+                wrapped.append(f"{path}.{name}.core_attention")
+    return wrapped
+
+
+def _extra_layer_slots(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(path, parent module, attribute) of the transformer layers a model keeps outside its stacks (GPT's
+    multi-token prediction depths: ``extra_transformer_layer_slots()``)."""
+    slots = getattr(model, "extra_transformer_layer_slots", None)
+    return list(slots()) if callable(slots) else []
     for prefix, layers in layer_stacks(model).items():
         keys = list(layers.keys())
         if cfg.granularity == "full":

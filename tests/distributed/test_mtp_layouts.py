@@ -6,7 +6,8 @@ masks come from the whole sequence, so a rank's part predicts tokens held by the
 parallelism (the depths on the last stage, which keeps a copy of the word embeddings also when the
 output layer is untied; the copies' gradients are summed) and expert parallelism (a MoE model's depth
 is a MoE layer, like its last layer), tensor parallelism with and without sequence parallelism (the
-depths' layers split like the decoder's, their norms and projection on the rank's part of the sequence).
+depths' layers split like the decoder's, their norms and projection on the rank's part of the sequence), and
+full recomputation (the depths' layers recomputed too).
 
 The real trainer (3 iterations of 4 micro-batches with ``--eod-mask-loss``, active gradient clipping,
 AdamW) of :mod:`dist_harness` on gloo CPU processes, against the same model in one process: per-step
@@ -33,6 +34,7 @@ WORLD2 = {
     "mtp_moe_ep2": (MOE, "--expert-model-parallel-size 2"),
     "mtp_tp2": (MTP, "--tensor-model-parallel-size 2"),
     "mtp_tp2_sp": (MTP, "--tensor-model-parallel-size 2 --sequence-parallel"),
+    "mtp_dp2_full_recompute": (MTP, "--recompute-granularity full --recompute-method uniform"),
 }
 
 

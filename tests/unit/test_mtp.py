@@ -208,3 +208,16 @@ def test_bf16_chunked_loss_run_trains_the_depths(untie):
         assert not torch.equal(before, trainer.module.mtp.layers["1"].eh_proj.weight.detach())
     finally:
         trainer.close()
+
+
+def test_recomputation_wraps_the_depths_layers_too():
+    from megatrain.parallel.recompute import RecomputeConfig, apply_activation_checkpointing
+
+    full = apply_activation_checkpointing(GPTModel(_config()), RecomputeConfig("full", "block", 1))
+    assert full == ["layers.0", "mtp.layers.0.transformer_layer", "mtp.layers.1.transformer_layer"]
+    model = GPTModel(_config())
+    selective = apply_activation_checkpointing(model, RecomputeConfig("selective", modules=("core_attn", "mlp")))
+    assert "mtp.layers.1.transformer_layer.mlp" in selective
+    assert "mtp.layers.1.transformer_layer.self_attention.core_attention" in selective
+    names = {n for n, _ in model.named_parameters()}
+    assert "mtp.layers.1.transformer_layer.mlp._checkpoint_wrapped_module.linear_fc1.weight" in names

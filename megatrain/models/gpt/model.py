@@ -125,7 +125,13 @@ class GPTModel(nn.Module):
 
     def extra_transformer_layers(self) -> list[nn.Module]:
         """The multi-token prediction depths' transformer layers (run after ``layers``)."""
-        return [layer.transformer_layer for layer in self.mtp.layers.values()] if self.mtp is not None else []
+        return [getattr(parent, attr) for _, parent, attr in self.extra_transformer_layer_slots()]
+
+    def extra_transformer_layer_slots(self) -> list[tuple[str, nn.Module, str]]:
+        """Where those layers sit: (path, the depth holding it, its attribute), for code that replaces them."""
+        if self.mtp is None:
+            return []
+        return [(f"mtp.layers.{k}.transformer_layer", depth, "transformer_layer") for k, depth in self.mtp.layers.items()]
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight [V, h]: its own, or the word embeddings' when tied."""
