@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 
-__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "block_causal_mask", "make_batch", "packed_attention",
-           "to_device", "MTP_FIELDS", "mtp_fields"]
+__all__ = ["Batch", "CausalLMBatch", "MaskedLMBatch", "Seq2SeqBatch", "block_causal_mask", "make_batch",
+           "packed_attention", "to_device", "MTP_FIELDS", "mtp_fields"]
 
 B = TypeVar("B", bound="Batch")
 

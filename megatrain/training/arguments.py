@@ -442,7 +442,8 @@ def _apply_old_megatron_names(args: argparse.Namespace) -> None:
 
         for name in dict.fromkeys(args.recompute_modules):
             if name in NO_OP_MODULES:
-                args.legacy_notes.append(f"note: --recompute-modules {name} changes nothing here: {NO_OP_MODULES[name]}")
+                args.legacy_notes.append(f"note: --recompute-modules {name} changes nothing here: "
+                                         f"{NO_OP_MODULES[name]}")
     warmup = getattr(args, "warmup", None)
     if warmup is not None:
         given = [f for f, v in (("--lr-warmup-fraction", args.lr_warmup_fraction),

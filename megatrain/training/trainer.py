@@ -472,7 +472,7 @@ class Trainer(StepMixin, EvaluationMixin):
             evaluate = bool(a.eval_interval and it % a.eval_interval == 0 and self.valid_iter is not None)
             save = bool(a.save and a.save_interval and it % a.save_interval == 0)
             # A log line alone does not make the host wait for this iteration: it is printed once the next
-            # iteration's forward and backward are queued (the device never idles for it), unless MoE or
+            # iteration's forward and backward are queued (the host's logging overlaps them), unless MoE or
             # multi-token prediction values (summed on the device per iteration) are to be read with it.
             defer = (log and not (tensorboard or evaluate or save or it == train_iters) and self._pending is not None
                      and self.moe_metrics is None and self.mtp_metrics is None)

@@ -131,7 +131,8 @@ class GPTModel(nn.Module):
         """Where those layers sit: (path, the depth holding it, its attribute), for code that replaces them."""
         if self.mtp is None:
             return []
-        return [(f"mtp.layers.{k}.transformer_layer", depth, "transformer_layer") for k, depth in self.mtp.layers.items()]
+        return [(f"mtp.layers.{k}.transformer_layer", depth, "transformer_layer")
+                for k, depth in self.mtp.layers.items()]
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight [V, h]: its own, or the word embeddings' when tied."""
@@ -230,8 +231,8 @@ class GPTModel(nn.Module):
 # linear_fc2 [E, h, F] is a residual projection) and the shared experts' gate_weight [1, h], as Megatron's
 # init_method; each seeded by its full name, so the whole [E, ...] tensor is the same for any expert layout.
 # Multi-latent attention's query and key/value projections are init_method weights too (Megatron's).
-_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer", "eh_proj",
-                          "router", "gate_weight", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+_STD_WEIGHTS = frozenset({"linear_qkv", "linear_fc1", "word_embeddings", "position_embeddings", "output_layer",
+                          "eh_proj", "router", "gate_weight", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
                           "linear_kv_down_proj", "linear_kv_up_proj"})
 
 

@@ -11,9 +11,8 @@ output layer turns that into logits for the labels shifted by ``k + 1`` more. Mo
 Shifting is Megatron's ``roll_tensor``: left by one per depth, the vacated last positions filled with
 0 (token 0, loss mask 0). The shifted tokens, labels and loss masks are batch fields
 (:func:`megatrain.data.batch.mtp_fields`, computed from the whole sequence before a context-parallel
-split), with each
-sample's loss-token counts (the unshifted mask's, then every depth's), so a depth's loss is normalised
-by its micro-batch's count whatever the layout.
+split), with each sample's loss-token counts (the unshifted mask's, then every depth's), so a depth's
+loss is normalised by its micro-batch's count whatever the layout.
 
 The depths' losses do not change the logged ``lm loss``. They enter the backward as Megatron's
 ``MTPLossAutoScaler`` does: the main per-token loss carries ``factor / D * sum_k L_k``

@@ -62,5 +62,6 @@ def _mtp_depth_plan(path: str, sequence_parallel: bool) -> list[tuple[str, Any]]
         (f"{path}.hnorm", PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(residual,),
                                              use_local_output=True))]
     if sequence_parallel:
-        styles += [(f"{path}.{name}", SequenceParallel(use_local_output=True)) for name in ("hnorm", "enorm", "eh_proj")]
+        styles += [(f"{path}.{name}", SequenceParallel(use_local_output=True))
+                   for name in ("hnorm", "enorm", "eh_proj")]
     return styles + lm_head_plan(f"{path}.final_layernorm", None, sequence_parallel)
