@@ -134,10 +134,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     # rank), so that the experts' gradients are reduced over the ranks holding the same experts.
     expert_fsdp = distributed and any(True for _ in moe_layers(model))
     fsdp = fsdp or expert_fsdp
-    # Multi-token prediction uses the output weight (and the word embeddings) once per depth more in a
-    # forward: the fusion adds each use's weight gradient into one staged buffer that every use saved, so
-    # the first backward would change what the others saved. Off then (plain autograd accumulation).
-    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp) and not getattr(config, "mtp_num_layers", 0)
+    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp)
     fp8_fused = cfg.fp8_format is not None and fusion_applies  # fp8 on the fusion's protocol
     fp8_report = None
     if fp8_fused:
@@ -197,8 +194,12 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
                                               recipe=cfg.fp8_recipe)
         linears = convert_linears(m for layer in transformer_layers(model) for m in layer.modules())
         head = model.loss_head if has_lm_head else None  # the output weight's matmuls, in the chunked loss
-        # (the fusion applies without pipeline stages only, so the model is whole and holds its head)
-        extra = [(head, model.output_weight())] if isinstance(head, ChunkedCrossEntropy) else []
+        # (the fusion applies without pipeline stages only, so the model is whole and holds its head).
+        # Multi-token prediction runs the head (and the word embeddings) once per depth more in a forward:
+        # each use would save the one staged buffer the first use's backward adds into, so there the output
+        # weight and the embeddings keep autograd's accumulation (the layers' linears, each used once, fuse).
+        reused_head = bool(getattr(config, "mtp_num_layers", 0))
+        extra = [(head, model.output_weight())] if isinstance(head, ChunkedCrossEntropy) and not reused_head else []
         if fp8_fused and cfg.fp8_output_layer and extra and model.output_bias() is None \
                 and fits_fp8_matmuls(*extra[0][1].shape):
             head.fp8_weights = Fp8HeadWeights(grad_dtype_of(cfg.fp8_format), compile_cast=cfg.compile_layers)

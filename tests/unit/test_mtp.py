@@ -188,8 +188,8 @@ def test_mtp_fields_of_a_fully_masked_sample_count_zero():
 @pytest.mark.parametrize("untie", [True, False])
 def test_bf16_chunked_loss_run_trains_the_depths(untie):
     """In bf16 with the chunked loss head the output weight (and the word embeddings) serve every depth:
-    the gradient-accumulation fusion, whose staged buffer each use would save, is off for such models
-    (it failed the second use's backward: a GPU run of 2026-12-08)."""
+    they keep autograd's accumulation (the fused head's staged buffer, saved by each use, failed the second
+    use's backward: a GPU run of 2026-12-08), while the layers' linears, the depths' too, fuse."""
     from megatrain.training.arguments import parse_args
     from megatrain.training.trainer import Trainer
 
@@ -201,7 +201,9 @@ def test_bf16_chunked_loss_run_trains_the_depths(untie):
             "--no-torch-compile", *(["--untie-embeddings-and-output-weights"] if untie else [])]
     trainer = Trainer(parse_args(args))
     try:
-        assert trainer.grad_fusion is None
+        fusion = trainer.grad_fusion
+        assert fusion is not None and len(fusion.linears) == 4 * 4  # two decoder layers and two depths
+        assert all(holder is not trainer.parallelized.loss_head for holder, _ in fusion.slots)
         before = trainer.module.mtp.layers["1"].eh_proj.weight.detach().clone()
         results = [trainer.train_step() for _ in range(2)]
         assert all(math.isfinite(r.loss) for r in results)
@@ -221,3 +223,35 @@ def test_recomputation_wraps_the_depths_layers_too():
     assert "mtp.layers.1.transformer_layer.self_attention.core_attention" in selective
     names = {n for n, _ in model.named_parameters()}
     assert "mtp.layers.1.transformer_layer.mlp._checkpoint_wrapped_module.linear_fc1.weight" in names
+
+
+def test_fused_linears_give_the_plain_models_gradients():
+    """The gradient-accumulation fusion on the layers' linears (the depths' included; the chunked head and the
+    word embeddings unfused) over three micro-batches: the plain model's gradients (float32)."""
+    import copy
+
+    from megatrain.runtime.fused_loss import ChunkedCrossEntropy
+    from megatrain.runtime.grad_accumulation_fusion import GradAccumulationFusion, convert_linears
+
+    torch.manual_seed(3)
+    ref = GPTModel(_config()).train()
+    fused = copy.deepcopy(ref)
+    for m in (ref, fused):
+        m.loss_head = ChunkedCrossEntropy(8)
+    from megatrain.models.common.layer_stacks import transformer_layers
+
+    linears = convert_linears(m for layer in transformer_layers(fused) for m in layer.modules())
+    assert len(linears) == 16
+    fusion = GradAccumulationFusion(linears, torch.float32, others=fused.parameters())
+    batches = [make_batch(torch.randint(0, VOCAB, (2, 13)), eod_token=None, mtp_depths=2) for _ in range(3)]
+    set_aux_loss_scale(1.0)
+    fusion.refresh()
+    for b in batches:
+        ref(b.tokens, labels=b.labels, mtp_targets=b.mtp_targets()).mean().backward()
+        fusion.stage()
+        loss = fused(b.tokens, labels=b.labels, mtp_targets=b.mtp_targets()).mean()
+        fusion.release()
+        loss.backward()
+        fusion.merge_held()
+    for (name, a), b in zip(fused.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * b.grad.abs().max().item(), msg=name)
