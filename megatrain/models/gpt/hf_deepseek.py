@@ -28,7 +28,8 @@ plus ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size`` ea
 (``mlp.experts.j.gate_proj`` ...) as transformers saves them; the fused in-memory layout imports too.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``) are not built by transformers; a folder
-holding their weights (``model.layers.N.*`` for N >= num_hidden_layers) is refused.
+holding their weights (``model.layers.N.*`` for N >= num_hidden_layers) is refused, and an export leaves
+a megatrain model's depths (``--mtp-num-layers``) out.
 """
 
 from __future__ import annotations
@@ -409,7 +410,8 @@ def deepseek_from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: Any) -> dic
     if mtp:
         raise UnsupportedModelError(
             f"the Hugging Face weights hold multi-token-prediction layers (e.g. {mtp[0]!r}; num_nextn_predict_layers): "
-            "megatrain has no MTP and transformers drops them; remove them from the folder to convert the rest")
+            "transformers drops them and megatrain does not convert them (it trains its own: --mtp-num-layers); "
+            "remove them from the folder to convert the rest")
     tensors = HFTensors(hf)
     take, has = tensors.take, tensors.has
 
