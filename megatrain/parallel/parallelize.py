@@ -134,7 +134,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConf
     # rank), so that the experts' gradients are reduced over the ranks holding the same experts.
     expert_fsdp = distributed and any(True for _ in moe_layers(model))
     fsdp = fsdp or expert_fsdp
-    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp)
+    # --mtp-use-repeated-layer runs one depth's linears several times in a forward: each run would save the
+    # staged buffer the first run's backward adds into, so the fusion is off then (as for a reused head below).
+    repeated_depth = getattr(config, "mtp_use_repeated_layer", False) and getattr(config, "mtp_num_layers", 0) > 1
+    fusion_applies = grad_accumulation_fusion_applies(cfg, dims, fsdp) and not repeated_depth
     fp8_fused = cfg.fp8_format is not None and fusion_applies  # fp8 on the fusion's protocol
     fp8_report = None
     if fp8_fused:

@@ -124,6 +124,7 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--yaml-cfg": "use --config run.yaml",
     "--retro-project-dir": "RETRO is not supported",
     "--vision-backbone-type": "vision models are not supported",
+    "--mtp-hsm": "hidden state mixing of the multi-token prediction depths' inputs is not supported",
     "--moe-use-upcycling": "upcycling a dense checkpoint into a MoE model is not supported",
     "--moe-router-topk-limited-devices": "deprecated in Megatron-LM: use --moe-router-num-groups (the expert-parallel "
                                          "size) and --moe-router-group-topk",

@@ -255,3 +255,52 @@ def test_fused_linears_give_the_plain_models_gradients():
         fusion.merge_held()
     for (name, a), b in zip(fused.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * b.grad.abs().max().item(), msg=name)
+
+
+def test_repeated_layer_runs_one_depths_modules_for_every_depth():
+    torch.manual_seed(4)
+    cfg = _config(mtp_num_layers=3, mtp_use_repeated_layer=True)
+    model = GPTModel(cfg).double().train()
+    assert list(model.mtp.layers) == ["0"] and cfg.mtp_built_layers == 1
+    batch = make_batch(torch.randint(0, VOCAB, (2, 11)), eod_token=None, mtp_depths=3)
+    set_aux_loss_scale(1.0)
+    (model(batch.tokens, labels=batch.labels, mtp_targets=batch.mtp_targets()).sum()).backward()
+    assert model.mtp.logged.shape == (3,)
+    # the same loss as three separate depths holding the one depth's weights
+    separate = GPTModel(_config(mtp_num_layers=3)).double().train()
+    state = model.state_dict()
+    for k in range(3):
+        for name, value in list(state.items()):
+            if name.startswith("mtp.layers.0."):
+                state[name.replace("mtp.layers.0.", f"mtp.layers.{k}.")] = value
+    separate.load_state_dict(state)
+    model.mtp.logged.zero_()
+    loss_a = model(batch.tokens, labels=batch.labels, mtp_targets=batch.mtp_targets())
+    loss_b = separate(batch.tokens, labels=batch.labels, mtp_targets=batch.mtp_targets())
+    assert torch.equal(loss_a, loss_b)
+    assert torch.equal(model.mtp.logged, separate.mtp.logged)
+
+
+def test_detached_heads_train_the_depths_alone():
+    torch.manual_seed(5)
+    model = GPTModel(_config(mtp_detach_heads=True)).double().train()
+    plain = GPTModel(_config()).double().train()
+    plain.load_state_dict(model.state_dict())
+    batch = make_batch(torch.randint(0, VOCAB, (2, 11)), eod_token=None, mtp_depths=2)
+    set_aux_loss_scale(1.0)
+    grads = {}
+    for name, m in (("detached", model), ("plain", plain)):
+        loss = m(batch.tokens, labels=batch.labels, mtp_targets=batch.mtp_targets())
+        (loss * batch.loss_mask.double()).sum().backward()
+        grads[name] = {n: p.grad.clone() for n, p in m.named_parameters()}
+    # the decoder, the embeddings and the output layer get the next-token loss's gradient only ...
+    main_only = GPTModel(_config(mtp_num_layers=0)).double().train()
+    main_only.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
+    (main_only(batch.tokens, labels=batch.labels) * batch.loss_mask.double()).sum().backward()
+    for n, p in main_only.named_parameters():
+        torch.testing.assert_close(grads["detached"][n], p.grad, rtol=1e-12, atol=1e-12, msg=n)
+    # ... and the depths the same gradient as without detaching
+    for n in grads["detached"]:
+        if n.startswith("mtp."):
+            torch.testing.assert_close(grads["detached"][n], grads["plain"][n], rtol=1e-9, atol=1e-12, msg=n)
+    assert not torch.equal(grads["plain"]["output_layer.weight"], grads["detached"]["output_layer.weight"])

@@ -120,6 +120,8 @@ class TransformerConfig:
     # is_moe_layer(i) for i >= num_layers is the last layer's. 0: none.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    mtp_use_repeated_layer: bool = False  # one depth's modules run mtp_num_layers times (Megatron's)
+    mtp_detach_heads: bool = False  # the depths' loss trains the depths alone (inputs and output weight detached)
     # Self-attention sees earlier positions only (decoders); False: every position of the sequence
     # (encoders), unless an explicit mask says otherwise. A property of the family, not a field.
     causal_attention: ClassVar[bool] = True
@@ -361,9 +363,14 @@ class TransformerConfig:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
+    def mtp_built_layers(self) -> int:
+        """Multi-token prediction's depth modules: one with --mtp-use-repeated-layer, else one per depth."""
+        return min(self.mtp_num_layers, 1) if self.mtp_use_repeated_layer else self.mtp_num_layers
+
+    @property
     def mtp_moe_layers(self) -> int:
-        """Multi-token prediction's MoE layers (each depth's layer is of the last layer's kind)."""
-        return self.mtp_num_layers if self.mtp_num_layers and self.is_moe_layer(self.num_layers - 1) else 0
+        """Multi-token prediction's MoE layers as built (each depth's layer is of the last layer's kind)."""
+        return self.mtp_built_layers if self.mtp_num_layers and self.is_moe_layer(self.num_layers - 1) else 0
 
     @property
     def moe_ffn(self) -> int:
@@ -549,6 +556,8 @@ def transformer_fields_from_args(args: argparse.Namespace, vocab_size: int) -> d
         init_method_std=args.init_method_std,
         mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,
         mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
+        mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)),
+        mtp_detach_heads=bool(getattr(args, "mtp_detach_heads", False)),
         **moe_fields_from_args(args),
         **mla_fields_from_args(args),
     )

@@ -133,4 +133,6 @@ TRANSFORMER_CONFIG_CHECKS: dict[str, ConfigCheck] = {
     # multi-token prediction: the depths are tensors of the checkpoint; their loss's weight is a training choice
     "mtp_num_layers": ConfigCheck("compare", "--mtp-num-layers"),
     "mtp_loss_scaling_factor": ConfigCheck("no", "--mtp-loss-scaling-factor"),
+    "mtp_use_repeated_layer": ConfigCheck("compare", "--mtp-use-repeated-layer"),  # one set of tensors or D
+    "mtp_detach_heads": ConfigCheck("no", "--mtp-detach-heads"),  # which gradients flow, not the model
 }

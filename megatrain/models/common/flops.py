@@ -48,7 +48,9 @@ def transformer_flops(cfg: TransformerConfig, batch_size: int, seq_length: int) 
     h, L, V = cfg.hidden_size, cfg.num_layers + D, cfg.vocab_size
     n, g, d, F = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
     E = 3 if cfg.swiglu else 2
-    moe_layers = cfg.num_moe_layers + cfg.mtp_moe_layers if getattr(cfg, "num_moe_experts", None) is not None else 0
+    moe_layers = 0
+    if getattr(cfg, "num_moe_experts", None) is not None:  # every depth runs a layer (a repeated one too)
+        moe_layers = cfg.num_moe_layers + (D if D and cfg.is_moe_layer(cfg.num_layers - 1) else 0)
     mlp_width = F * (L - moe_layers)  # summed over the layers
     if moe_layers:
         shared = cfg.moe_shared_expert_intermediate_size or 0

@@ -141,6 +141,11 @@ def add_mtp_flags(parser: argparse.ArgumentParser) -> None:
                         "lm loss stays the next token's (see docs/models/gpt.md)")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="the depths' losses, averaged over the depths, enter the gradient times this factor")
+    g.add_argument("--mtp-use-repeated-layer", action="store_true",
+                   help="one depth's modules (mtp.layers.0) run --mtp-num-layers times instead of one set per depth")
+    g.add_argument("--mtp-detach-heads", action="store_true",
+                   help="the depths' loss trains the depths alone: their hidden-state and embedding inputs and the "
+                        "output weight they use are detached from the model")
 
 
 def add_gpt_flags(parser: argparse.ArgumentParser) -> None:

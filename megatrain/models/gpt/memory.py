@@ -148,14 +148,14 @@ def _embedding_parameters(cfg: GPTConfig) -> int:
         emb += cfg.max_position_embeddings * h
     out = 0 if not cfg.untie_embeddings_and_output_weights else cfg.vocab_size * h
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
-    mtp = cfg.mtp_num_layers * (3 * norm + 2 * h * h)  # each depth's enorm, hnorm, final norm and eh_proj
+    mtp = cfg.mtp_built_layers * (3 * norm + 2 * h * h)  # each depth's enorm, hnorm, final norm and eh_proj
     return emb + out + norm + mtp  # final norm
 
 
 def _layer_counts(cfg: GPTConfig) -> tuple[int, int]:
     """(dense, MoE) layers, multi-token prediction's depths included (each of the last layer's kind)."""
     moe = cfg.num_moe_layers + cfg.mtp_moe_layers if cfg.num_moe_experts is not None else 0
-    return cfg.num_layers + cfg.mtp_num_layers - moe, moe
+    return cfg.num_layers + cfg.mtp_built_layers - moe, moe
 
 
 def parameter_counts(cfg: GPTConfig) -> tuple[int, int, int]:

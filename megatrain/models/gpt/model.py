@@ -35,7 +35,7 @@ from megatrain.models.common.norms import build_norm
 from megatrain.models.common.rope import rotary_tables
 from megatrain.models.common.transformer_layer import TransformerLayer
 from megatrain.models.gpt.config import GPTConfig
-from megatrain.models.gpt.mtp import MultiTokenPrediction
+from megatrain.models.gpt.mtp import DetachedOutput, MultiTokenPrediction
 
 __all__ = ["GPTModel", "TransformerLayer", "Embedding", "KVCache", "initial_value", "canonical_parameter_name"]
 
@@ -119,8 +119,9 @@ class GPTModel(nn.Module):
         assert self.final_layernorm is not None
         normed = self.final_layernorm(hidden)
         loss = self.loss_head.per_token_loss(self, normed, labels)
+        output = DetachedOutput(self) if self.mtp.detach_heads else self
         return self.mtp.attach_loss(loss, normed, mtp_targets, embed=self.embed,
-                                    per_token_loss=lambda h, y: self.loss_head.per_token_loss(self, h, y),
+                                    per_token_loss=lambda h, y: self.loss_head.per_token_loss(output, h, y),
                                     position_ids=position_ids, attention_mask=attention_mask, rotary=rotary)
 
     def extra_transformer_layers(self) -> list[nn.Module]:

@@ -21,6 +21,10 @@ with ``L_k = sum(mask_k * ce_k) / n_k`` per micro-batch, or, with ``--calculate-
 ``L_k = sum(mask_k * ce_k) * n_0 / n_k`` (the trainer divides every gradient by the global token count).
 Each depth's mean loss is logged as ``mtp_<k+1> loss`` (:class:`MtpMetrics`). Evaluation and
 generation run the decoder alone.
+
+``--mtp-use-repeated-layer``: one depth's modules (``mtp.layers.0``) run for every depth.
+``--mtp-detach-heads``: the depths' loss trains the depths alone: the decoder's output and the embeddings
+they take are detached, and their logits use a detached output weight (Megatron's ``mtp_detach_heads``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from megatrain.models.common.moe.aux_loss import attach_aux_loss, set_aux_loss_s
 from megatrain.models.common.norms import build_norm
 from megatrain.models.common.transformer_layer import TransformerLayer
 
-__all__ = ["MtpLayer", "MultiTokenPrediction", "MtpMetrics", "mtp_modules"]
+__all__ = ["MtpLayer", "MultiTokenPrediction", "MtpMetrics", "DetachedOutput", "mtp_modules"]
 
 
 class MtpLayer(nn.Module):
@@ -57,14 +61,34 @@ class MtpLayer(nn.Module):
         return self.final_layernorm(self.transformer_layer(mixed, position_ids, attention_mask, rotary=rotary))
 
 
+class DetachedOutput:
+    """A model's output layer with its weight (and bias) detached: what the depths' logits use under
+    ``--mtp-detach-heads`` (the loss-head protocol of :mod:`megatrain.models.common.heads`)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.output_weight().detach()
+
+    def output_bias(self) -> torch.Tensor | None:
+        bias = self.model.output_bias()
+        return None if bias is None else bias.detach()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.output_weight(), self.output_bias())
+
+
 class MultiTokenPrediction(nn.Module):
-    """The ``D`` depths (``layers``), their loss and the values they log."""
+    """The ``D`` depths (``layers``: one per depth, or one run for all with ``--mtp-use-repeated-layer``),
+    their loss and the values they log."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.depths = config.mtp_num_layers
         self.loss_factor = config.mtp_loss_scaling_factor
-        self.layers = nn.ModuleDict({str(k): MtpLayer(config, k) for k in range(self.depths)})
+        self.detach_heads = config.mtp_detach_heads
+        self.layers = nn.ModuleDict({str(k): MtpLayer(config, k) for k in range(config.mtp_built_layers)})
         self.calculate_per_token_loss = False  # set by MtpMetrics from --calculate-per-token-loss
         # each depth's mean loss summed over the iteration's micro-batches (on the device; MtpMetrics reads it)
         self.logged: torch.Tensor | None = None
@@ -77,11 +101,17 @@ class MultiTokenPrediction(nn.Module):
         """``main_loss`` [b, s] carrying the depths' loss into the backward. ``hidden``: the decoder's
         final-normed output; ``targets``: the batch's :func:`~megatrain.data.batch.mtp_fields`; ``embed(ids,
         position_ids)`` the model's embedding, ``per_token_loss(hidden, labels)`` its output layer and
-        cross entropy."""
+        cross entropy (with ``--mtp-detach-heads``, a :class:`DetachedOutput`'s)."""
         counts = targets["mtp_counts"].sum(dim=0)  # [D + 1] over the micro-batch
         total, means = main_loss.new_zeros(()), []
-        for k, layer in enumerate(self.layers.values()):
+        if self.detach_heads:
+            hidden = hidden.detach()
+        layers = list(self.layers.values())
+        for k in range(self.depths):
+            layer = layers[min(k, len(layers) - 1)]  # --mtp-use-repeated-layer: the one layer every time
             embedded = embed(targets["mtp_tokens"][..., k], position_ids)
+            if self.detach_heads:
+                embedded = embedded.detach()
             hidden = layer(hidden, embedded, position_ids, attention_mask, rotary)
             ce = per_token_loss(hidden, targets["mtp_labels"][..., k])
             loss_sum = (ce * targets["mtp_loss_mask"][..., k].to(ce.dtype)).sum()
