@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from megatrain.data.batch import to_device
+from megatrain.models.common.moe.aux_loss import set_aux_loss_scale
 from megatrain.models.common.objective import loss_means
 from megatrain.parallel.context_parallel import split_batch
 from megatrain.parallel.data_parallel import gradient_sync
@@ -248,10 +249,8 @@ class StepMixin:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         moe = getattr(self, "moe_metrics", None)
         mtp = getattr(self, "mtp_metrics", None)
-        if moe is not None:  # the balancing losses' gradients get the main loss's factor (constant in an iteration)
-            moe.set_loss_scale(self._micro_batch_weight(scale))
-        if mtp is not None:  # so do the multi-token prediction depths' (the same factor, set once more)
-            mtp.set_loss_scale(self._micro_batch_weight(scale))
+        if moe is not None or mtp is not None:  # the balancing losses' and the prediction depths' gradients get
+            set_aux_loss_scale(self._micro_batch_weight(scale))  # the main loss's factor (constant in an iteration)
         if self.pipeline is not None:  # all micro-batches through the pipeline schedule
             total = self.pipeline.train_step(self._micro_batches(self.train_iter), loss_scale=scale,
                                              autocast=self.precision.autocast(self.device))

@@ -146,10 +146,10 @@ class Trainer(StepMixin, EvaluationMixin):
         # delayed fp8 scaling's histories (None without): agreed once per step, saved in checkpoints
         self.fp8_scaling = Fp8ScalingState.of(self.parallelized, self.run.parallelize.fp8_recipe,
                                               self.dims.replicas, lambda: self.dims.replica_mesh().get_group())
-        # MoE models: balancing-loss scale, expert-bias updates and logged values (None: dense, nothing to do)
+        # MoE models: expert-bias updates and logged values (None: dense, nothing to do)
         self.moe_metrics = MoEMetrics.for_model(self.module, self.model_config, device=self.device,
                                                 per_token_loss=self.per_token_loss)
-        # multi-token prediction: the depths' loss scale and logged losses (None without depths)
+        # multi-token prediction: the depths' logged losses (None without depths)
         self.mtp_metrics = MtpMetrics.for_model(self.module, self.model_config, device=self.device,
                                                 per_token_loss=self.per_token_loss)
         self.optimizer = self._build_optimizer()
@@ -462,7 +462,6 @@ class Trainer(StepMixin, EvaluationMixin):
             if deferred_log:  # the previous iteration is settled, this one's forward and backward are queued
                 self._log_line(t_last, train_iters, estimate, {}, {})
                 t_last, deferred_log = time.time(), False
-                self._stop_on_nan_iterations()
             self.state.iteration += 1
             self.housekeeping.after_optimizer_step(self.state.iteration)
             self.state.consumed_train_samples += self.current_global_batch_size

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from megatrain.models.common.config import TransformerConfig
-from megatrain.models.common.moe.aux_loss import attach_aux_loss, set_aux_loss_scale
+from megatrain.models.common.moe.aux_loss import attach_aux_loss
 from megatrain.models.common.norms import build_norm
 from megatrain.models.common.transformer_layer import TransformerLayer
 
@@ -135,8 +135,9 @@ def mtp_modules(modules: nn.Module | Iterable[nn.Module]) -> list[MultiTokenPred
 
 
 class MtpMetrics:
-    """The trainer's multi-token prediction bookkeeping: the depths' loss scale before the backward, and
-    their logged losses (Megatron's ``mtp_<k> loss``: each micro-batch's mean, averaged over the
+    """The trainer's multi-token prediction bookkeeping (the depths' losses take the main loss's backward
+    factor through :func:`~megatrain.models.common.moe.aux_loss.set_aux_loss_scale`, set by the trainer): their
+    logged losses (Megatron's ``mtp_<k> loss``: each micro-batch's mean, averaged over the
     micro-batches, then the context-parallel parts summed and the data-parallel ranks averaged by the
     caller's ``reduce``)."""
 
@@ -156,9 +157,6 @@ class MtpMetrics:
         depths = getattr(config, "mtp_num_layers", 0) or 0
         return cls(modules, depths, **kwargs) if depths else None
 
-    def set_loss_scale(self, weight: float) -> None:
-        """Before the micro-batches' backward: the factor their losses are multiplied by."""
-        set_aux_loss_scale(weight)
 
     def after_backward(self, num_micro_batches: int) -> None:
         """After the iteration's backward: its mean losses added to the interval's (device work only)."""

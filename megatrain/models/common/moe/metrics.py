@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatrain.models.common.config import TransformerConfig
-from megatrain.models.common.moe.aux_loss import group_size, set_aux_loss_scale
+from megatrain.models.common.moe.aux_loss import group_size
 from megatrain.models.common.moe.router import (BALANCING_LOSS_NAMES, TopKRouter, moe_routers, reset_global_aux_loss,
                                                 update_expert_biases)
 
@@ -115,9 +115,6 @@ class MoEMetrics:
             return None
         return cls(modules, config, **kwargs)
 
-    def set_loss_scale(self, weight: float) -> None:
-        """Before the micro-batches' backward: the factor their losses are multiplied by."""
-        set_aux_loss_scale(weight)
 
     def after_backward(self, num_micro_batches: int) -> None:
         """After the iteration's last backward (before clipping and the optimizer step): expert-bias
